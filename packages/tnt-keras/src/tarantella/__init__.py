@@ -1,0 +1,36 @@
+"""Tarantella: data-parallel training of Keras 3 models, exactly as serial Keras.
+
+    import tarantella as tnt
+    model = tnt.Model(keras_model)
+    model.compile(...); model.fit(dataset_batched_with_the_global_batch_size)
+
+Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run.
+"""
+
+from __future__ import annotations
+
+from . import keras, models
+from ._inputs import InputError
+from ._model import Model, ParallelStrategy
+from ._runtime import get_master_rank, get_rank, get_size, is_master_rank, setup
+from ._settings import SettingError
+from ._sync import ReplicaMismatchError
+
+__version__ = "0.1.0"
+
+setup()
+
+__all__ = [
+    "InputError",
+    "Model",
+    "ParallelStrategy",
+    "ReplicaMismatchError",
+    "SettingError",
+    "__version__",
+    "get_master_rank",
+    "get_rank",
+    "get_size",
+    "is_master_rank",
+    "keras",
+    "models",
+]

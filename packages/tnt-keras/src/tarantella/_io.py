@@ -1,0 +1,89 @@
+"""Files: written by the master rank only and atomically; read once and shared.
+
+Writing goes to a temporary file in the target directory, then ``os.replace`` puts it in
+place, so a job killed mid-save never leaves a truncated file where the last good one was.
+Reading is done by the master, which broadcasts the bytes: ranks on nodes without a
+shared file system load the same file, and no rank reads a file another rank is writing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import tnt_comm
+
+from ._runtime import MASTER_RANK, get_rank, get_size
+
+# Keras decides the format from the file name, so temporary names keep the suffix.
+_SUFFIXES = (".weights.h5", ".keras", ".h5", ".json")
+
+
+def _suffix(path: Path) -> str:
+    name = path.name
+    return next((s for s in _SUFFIXES if name.endswith(s)), path.suffix)
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)`` and move the result to ``path`` in one rename."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{target.name}.", suffix=f".tmp{_suffix(target)}", dir=target.parent
+    )
+    os.close(fd)
+    os.unlink(tmp)  # Keras refuses to overwrite without asking; let it create the file
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def save_on_master(path, write: Callable[[str], None], all_devices: bool = False) -> None:
+    """Write on the master rank (or on each rank into its own file), then wait for it."""
+    if all_devices and get_size() > 1:
+        target = Path(path)
+        suffix = _suffix(target)
+        stem = target.name[: -len(suffix)] if suffix else target.name
+        write_atomically(target.with_name(f"{stem}.rank{get_rank()}{suffix}"), write)
+    elif get_rank() == MASTER_RANK:
+        write_atomically(path, write)
+    if get_size() > 1:
+        tnt_comm.barrier()
+
+
+@contextlib.contextmanager
+def master_file(path: str | os.PathLike) -> Iterator[str]:
+    """A local path holding the master rank's copy of ``path`` (all ranks call this)."""
+    if get_size() == 1:
+        yield os.fspath(path)
+        return
+    target = Path(path)
+    data = np.zeros(0, dtype=np.uint8)
+    error = None
+    if get_rank() == MASTER_RANK:
+        try:
+            data = np.frombuffer(target.read_bytes(), dtype=np.uint8)
+        except OSError as err:
+            error = f"{type(err).__name__}: {err}"
+    error = tnt_comm.broadcast_object(error, MASTER_RANK)
+    if error is not None:
+        raise FileNotFoundError(f"rank 0 could not read {target}: {error}")
+    length = int(tnt_comm.broadcast(np.array([data.size], dtype=np.int64), MASTER_RANK)[0])
+    if get_rank() != MASTER_RANK:
+        data = np.zeros(length, dtype=np.uint8)
+    data = tnt_comm.broadcast(data, MASTER_RANK)
+    if get_rank() == MASTER_RANK:
+        yield os.fspath(target)
+        return
+    with tempfile.TemporaryDirectory(prefix="tnt-load-") as tmp:
+        local = Path(tmp) / target.name
+        local.write_bytes(data.tobytes())
+        yield os.fspath(local)

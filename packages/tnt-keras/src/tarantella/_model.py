@@ -1,0 +1,387 @@
+"""``tnt.Model``: a Keras model that trains data-parallel on every rank of the job.
+
+The wrapper is itself a ``keras.Model`` so that Keras' own fit/evaluate/predict loops,
+callbacks and progress bars drive it unchanged; it owns no layers of its own. The
+wrapped model keeps everything a user saves or inspects — layers, weights, optimizer,
+compiled loss and metrics — so files written by ``tnt.Model.save`` are plain Keras files.
+What the wrapper changes is where data comes from (this rank's micro-batches), how a step
+ends (fused allreduce of gradients and metric states, see ``_steps``), who writes files
+(the master rank, atomically) and that all replicas start from rank 0's state.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+import tnt_comm
+
+from . import _io, _runtime, _sync
+from ._inputs import InputError, Sharding, rank_dataset
+from ._logging import logger
+from ._steps import DistributedSteps
+
+_MASTER_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.ProgbarLogger)
+_BATCH_NORM_MIN_LOCAL_BATCH = 16
+
+
+class ParallelStrategy(enum.Enum):
+    """How the model is parallelised. Only data parallelism exists today."""
+
+    DATA = "data"
+
+
+class Model(keras.Model):
+    """Wrap ``model`` so that compile/fit/evaluate/predict run on all ranks of the job.
+
+    Args:
+        model: a built or unbuilt Keras 3 model (Sequential, functional or subclassed).
+        parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the only one supported).
+    """
+
+    def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, **kwargs):
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                f"tnt.Model wraps a keras.Model, got {type(model).__name__}. "
+                "Build the Keras model first, then pass it: tnt.Model(keras_model)."
+            )
+        if isinstance(model, Model):
+            raise TypeError("This model is already a tnt.Model; wrap the Keras model only once.")
+        if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:
+            raise ValueError(f"Unsupported parallel_strategy {parallel_strategy!r}; use DATA.")
+        super().__init__(name=f"tnt_{model.name}", **kwargs)
+        self._tnt_settings = _runtime.setup()
+        self._model = model
+        self._tnt_steps = DistributedSteps(
+            model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
+        )
+        self._tnt_synced = False
+        self._tnt_seed: int | None = None
+        if model.built:
+            self.built = True
+        if model.compiled:  # e.g. loaded from a .keras file with its training config
+            self._compile_wrapper(model.run_eagerly, model.steps_per_execution)
+
+    # -- what the wrapped model is -------------------------------------------------
+    @property
+    def model(self) -> keras.Model:
+        """The wrapped Keras model (serial view: same weights on every rank)."""
+        return self._model
+
+    def call(self, inputs, training=None, mask=None):
+        return self._model(inputs, training=training)
+
+    @property
+    def layers(self):
+        return self._model.layers
+
+    @property
+    def metrics(self):
+        return self._model.metrics
+
+    @property
+    def metrics_names(self):
+        return self._model.metrics_names
+
+    def get_config(self) -> dict[str, Any]:
+        return self._model.get_config()
+
+    def to_json(self, **kwargs) -> str:
+        return self._model.to_json(**kwargs)
+
+    def summary(self, *args, **kwargs) -> None:
+        if _runtime.is_master_rank():
+            self._model.summary(*args, **kwargs)
+
+    def get_weights(self):
+        return self._model.get_weights()
+
+    def set_weights(self, weights) -> None:
+        """Set the weights on the master and broadcast them, so all replicas agree."""
+        self._model.set_weights(weights)
+        if _runtime.get_size() > 1:
+            _sync.broadcast_from_master(self._model.weights)
+
+    def __getattr__(self, name: str):
+        # Attributes defined by a subclassed model (e.g. `model.encoder`) stay reachable.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        inner = self.__dict__.get("_model")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    # -- compile ----------------------------------------------------------------------
+    def compile(self, optimizer="rmsprop", loss=None, *, jit_compile="auto",
+                run_eagerly=False, steps_per_execution=1, **kwargs) -> None:
+        """Compile the wrapped model; the wrapper's steps use its loss, metrics, optimizer.
+
+        ``jit_compile`` is honoured on one rank; on several ranks steps run without XLA
+        (the allreduce runs outside the graph compiler), with a warning if it was asked for.
+        """
+        self._model.compile(
+            optimizer=optimizer, loss=loss, run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution, jit_compile=jit_compile, **kwargs,
+        )
+        if _runtime.get_size() > 1 and jit_compile is True:
+            logger.warning("jit_compile=True is not used on several ranks; steps run without XLA.")
+        self._compile_wrapper(run_eagerly, steps_per_execution)
+
+    def _compile_wrapper(self, run_eagerly: bool, steps_per_execution: int) -> None:
+        """Let Keras' loops run on the wrapper, with the wrapped model's optimizer."""
+        jit = False if _runtime.get_size() > 1 else self._model.jit_compile
+        super().compile(
+            optimizer=self._model.optimizer, loss=None, run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution, jit_compile=jit,
+        )
+        self._tnt_steps.close()
+        self._tnt_steps = DistributedSteps(
+            self._model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
+        )
+        self._tnt_synced = False
+
+    @property
+    def optimizer(self):
+        return self._model.optimizer if self._model.compiled else None
+
+    @optimizer.setter
+    def optimizer(self, value) -> None:
+        # Keras' compile assigns it; the wrapped model owns the optimizer.
+        pass
+
+    def _assert_compiled(self, method: str) -> None:
+        if not self._model.compiled or not self.compiled:
+            raise RuntimeError(
+                f"tnt.Model.{method}() needs a compiled model: call model.compile(optimizer, "
+                "loss, metrics) first. A model loaded with compile=False, or whose file has no "
+                "training configuration, must be compiled after loading."
+            )
+
+    # -- steps (called by Keras' loops) --------------------------------------------------
+    def train_step(self, data):
+        return self._tnt_steps.train_step(data)
+
+    def test_step(self, data):
+        return self._tnt_steps.test_step(data)
+
+    def predict_step(self, data):
+        return self._tnt_steps.predict_step(data)
+
+    # -- preparing a run -------------------------------------------------------------------
+    def _common_seed(self) -> int:
+        if self._tnt_seed is None:
+            seed = int(np.random.SeedSequence().entropy % (2**31 - 1))
+            self._tnt_seed = int(tnt_comm.broadcast_object(seed, _runtime.MASTER_RANK))
+        return self._tnt_seed
+
+    def _sharding(self, distribute: bool, micro_batch_size: int | None) -> Sharding:
+        return Sharding(
+            rank=_runtime.get_rank(), size=_runtime.get_size(), distribute=distribute,
+            micro_batch_size=micro_batch_size, shuffle_seed=self._common_seed(),
+        )
+
+    def _build_from(self, dataset: tf.data.Dataset, with_metrics: bool) -> None:
+        """Create every variable (model, metrics, optimizer) before any step is traced.
+
+        The step functions read and reduce metric and optimizer state, so these must
+        exist on every rank before the first step, built from the element spec with a
+        one-sample batch (no data is consumed).
+        """
+        spec = dataset.element_spec
+
+        def zeros(s):
+            if not isinstance(s, tf.TensorSpec):
+                return s
+            shape = [1 if d is None else d for d in s.shape]
+            return tf.zeros(shape, s.dtype)
+
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tf.nest.map_structure(zeros, spec))
+        y_pred = self._model(x, training=False)
+        if not self.built:
+            self(x, training=False)
+        if with_metrics and self._model.compiled:
+            if y is not None:
+                self._model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+            self._model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            self._model.reset_metrics()
+            optimizer = self._model.optimizer
+            if optimizer is not None and not optimizer.built:
+                optimizer.build(self._model.trainable_variables)
+
+    def _sync_replicas(self) -> None:
+        if self._tnt_synced or _runtime.get_size() == 1:
+            self._tnt_synced = True
+            return
+        variables = list(self._model.variables)
+        _sync.verify_same_on_all_ranks(variables, "model")
+        _sync.broadcast_from_master(variables)
+        optimizer = self._model.optimizer
+        if optimizer is not None and optimizer.built:
+            _sync.verify_same_on_all_ranks(optimizer.variables, "optimizer state")
+            _sync.broadcast_from_master(optimizer.variables)
+        self._tnt_synced = True
+
+    def _warn_small_batch_norm(self, dataset: tf.data.Dataset) -> None:
+        has_bn = any(isinstance(layer, keras.layers.BatchNormalization)
+                     for layer in _all_layers(self._model))
+        if not has_bn:
+            return
+        global_batch = _global_batch_size(dataset)
+        if global_batch is None:
+            return
+        local = global_batch // _runtime.get_size()
+        if local < _BATCH_NORM_MIN_LOCAL_BATCH:
+            logger.warning(
+                "BatchNormalization uses the statistics of each rank's micro-batch, which "
+                "holds only %d samples here (global batch %d on %d ranks); below %d they are "
+                "noisy. Use a larger global batch or fewer ranks.",
+                local, global_batch, _runtime.get_size(), _BATCH_NORM_MIN_LOCAL_BATCH,
+            )
+
+    def _callbacks_for_this_rank(self, callbacks):
+        if callbacks is None or _runtime.is_master_rank():
+            return callbacks
+        keep = []
+        for cb in callbacks:
+            if isinstance(cb, _MASTER_ONLY_CALLBACKS):
+                continue
+            if isinstance(cb, keras.callbacks.TensorBoard) and not self._tnt_settings.tensorboard_on_all_devices:
+                continue
+            keep.append(cb)
+        return keep
+
+    def _verbose(self, verbose):
+        return verbose if _runtime.is_master_rank() else 0
+
+    # -- training loop entry points -----------------------------------------------------------
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
+            validation_batch_size=None, *, tnt_micro_batch_size=None,
+            tnt_validation_micro_batch_size=None, tnt_distribute_dataset=True,
+            tnt_distribute_validation_dataset=True, **kwargs):
+        """Keras' ``fit`` on every rank; ``x`` is split into per-rank micro-batches.
+
+        ``x`` is a ``tf.data.Dataset`` batched with the global batch size (recommended),
+        an unbatched one with ``tnt_micro_batch_size``, or arrays with ``batch_size``.
+        """
+        self._assert_compiled("fit")
+        if validation_split:
+            if isinstance(x, tf.data.Dataset):
+                raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
+            (x, y, sample_weight), validation_data = _split_arrays((x, y, sample_weight), validation_split)
+        train = rank_dataset(
+            x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit",
+            sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size),
+        )
+        val = None
+        if validation_data is not None:
+            vx, vy, vsw = (validation_data if isinstance(validation_data, tf.data.Dataset)
+                           else keras.utils.unpack_x_y_sample_weight(tuple(validation_data)))
+            val = rank_dataset(
+                vx, vy, vsw, batch_size=None if isinstance(vx, tf.data.Dataset) else (validation_batch_size or batch_size),
+                shuffle=False, method="fit(validation_data)",
+                sharding=self._sharding(tnt_distribute_validation_dataset, tnt_validation_micro_batch_size),
+            )
+        self._build_from(train, with_metrics=True)
+        self._sync_replicas()
+        self._warn_small_batch_norm(train)
+        return super().fit(
+            train, epochs=epochs, verbose=self._verbose(verbose),
+            callbacks=self._callbacks_for_this_rank(callbacks), validation_data=val, **kwargs,
+        )
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False, *, tnt_micro_batch_size=None,
+                 tnt_distribute_dataset=True, **kwargs):
+        """Keras' ``evaluate`` over the union of all ranks' micro-batches (global metrics)."""
+        if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already split
+            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                    return_dict=return_dict, **kwargs)
+        self._assert_compiled("evaluate")
+        data = rank_dataset(
+            x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate",
+            sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size),
+        )
+        self._build_from(data, with_metrics=True)
+        self._sync_replicas()
+        return super().evaluate(
+            data, verbose=self._verbose(verbose), steps=steps,
+            callbacks=self._callbacks_for_this_rank(callbacks), return_dict=return_dict, **kwargs,
+        )
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None, *,
+                tnt_micro_batch_size=None, tnt_distribute_dataset=True):
+        """Keras' ``predict``; every rank returns the full predictions in input order."""
+        data = rank_dataset(
+            x, batch_size=batch_size, shuffle=False, method="predict",
+            sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size),
+        )
+        if not tnt_distribute_dataset and _runtime.get_size() > 1:
+            raise InputError(
+                "tnt.Model.predict with tnt_distribute_dataset=False would gather every "
+                "rank's own predictions into one array; call self.model.predict(...) for "
+                "rank-local predictions instead."
+            )
+        self._build_from(data, with_metrics=False)
+        self._sync_replicas()
+        return super().predict(data, verbose=self._verbose(verbose), steps=steps,
+                               callbacks=self._callbacks_for_this_rank(callbacks))
+
+    # -- files ---------------------------------------------------------------------------------
+    def save(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
+        """Save the wrapped model (a plain Keras file) from the master rank, atomically."""
+        _io.save_on_master(
+            filepath, lambda tmp: self._model.save(tmp, overwrite=True, **kwargs),
+            all_devices=tnt_save_all_devices,
+        )
+
+    def save_weights(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
+        """Save the weights from the master rank, atomically (``.weights.h5``)."""
+        _io.save_on_master(
+            filepath, lambda tmp: self._model.save_weights(tmp, overwrite=True, **kwargs),
+            all_devices=tnt_save_all_devices,
+        )
+
+    def load_weights(self, filepath, *args, **kwargs) -> None:
+        """Load weights read by the master rank; all replicas end up identical."""
+        with _io.master_file(filepath) as local:
+            self._model.load_weights(local, *args, **kwargs)
+        self._tnt_synced = False
+        self._sync_replicas()
+
+
+def _global_batch_size(dataset: tf.data.Dataset) -> int | None:
+    """The largest micro-batch times the rank count: a bound good enough for a warning."""
+    shape = tf.nest.flatten(dataset.element_spec)[0].shape
+    if shape.rank and shape[0] is not None:
+        return int(shape[0]) * _runtime.get_size()
+    return None
+
+
+def _split_arrays(arrays, validation_split: float):
+    """Keras' rule: the last ``validation_split`` fraction of the samples validates."""
+    if not 0 < validation_split < 1:
+        raise InputError(f"validation_split must be in (0, 1), got {validation_split}.")
+    first = next(a for a in tf.nest.flatten(arrays) if a is not None)
+    n = int(first.shape[0])
+    cut = int(n * (1.0 - validation_split))
+
+    def take(a, sl):
+        return None if a is None else tf.nest.map_structure(lambda t: t[sl], a)
+
+    train = tuple(take(a, slice(0, cut)) for a in arrays)
+    val = tuple(take(a, slice(cut, n)) for a in arrays)
+    return train, val
+
+
+def _all_layers(layer) -> list:
+    """Every layer nested in ``layer`` (Keras' ``layers`` lists only the top level)."""
+    out = []
+    for sub in getattr(layer, "layers", []):
+        out.append(sub)
+        out.extend(_all_layers(sub))
+    return out

@@ -1,0 +1,86 @@
+"""Every ``TNT_*`` setting tnt-keras reads, parsed in one place.
+
+The launcher (``tarantella --fusion-threshold ...``) passes these as environment
+variables; a script started with plain ``python`` may set them too. A value that cannot
+be parsed is an error naming the variable and the accepted values, never a silent default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+#: Default fusion threshold in KiB: buckets of up to 8 MiB (see docs/keras.md).
+DEFAULT_FUSION_THRESHOLD_KB = 8192
+
+
+class SettingError(ValueError):
+    """A ``TNT_*`` environment variable holds a value that cannot be used."""
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SettingError(
+        f"{name}={raw!r} is not a boolean; use one of true/false, 1/0, yes/no, on/off."
+    )
+
+
+def _fusion_threshold_bytes() -> int:
+    name = "TNT_FUSION_THRESHOLD"
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_FUSION_THRESHOLD_KB * 1024
+    try:
+        kib = float(raw)
+    except ValueError:
+        raise SettingError(
+            f"{name}={raw!r} is not a number; give the fusion threshold in KB, "
+            f"e.g. {name}=8192 (0 = one allreduce per tensor)."
+        ) from None
+    if kib < 0 or kib != kib:  # negative or NaN
+        raise SettingError(
+            f"{name}={raw!r} is negative; give a threshold in KB >= 0 (0 = no fusion)."
+        )
+    return int(kib * 1024)
+
+
+def _log_level() -> str:
+    name = "TNT_LOG_LEVEL"
+    raw = os.environ.get(name, "WARNING")
+    level = raw.strip().upper()
+    if level not in _LOG_LEVELS:
+        raise SettingError(f"{name}={raw!r} is not a log level; use one of {', '.join(_LOG_LEVELS)}.")
+    return level
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed ``TNT_*`` settings of this process."""
+
+    fusion_threshold_bytes: int
+    log_level: str
+    log_on_all_devices: bool
+    output_on_all_devices: bool
+    tensorboard_on_all_devices: bool
+
+
+def load() -> Settings:
+    """Read and validate every ``TNT_*`` variable tnt-keras uses."""
+    return Settings(
+        fusion_threshold_bytes=_fusion_threshold_bytes(),
+        log_level=_log_level(),
+        log_on_all_devices=_flag("TNT_LOG_ON_ALL_DEVICES", False),
+        output_on_all_devices=_flag("TNT_OUTPUT_ON_ALL_DEVICES", False),
+        tensorboard_on_all_devices=_flag("TNT_TENSORBOARD_ON_ALL_DEVICES", False),
+    )

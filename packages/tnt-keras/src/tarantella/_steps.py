@@ -1,0 +1,192 @@
+"""The distributed train, test and predict steps of a wrapped Keras model.
+
+Data flow of one training step on rank r with micro-batch b_r of global batch B
+(see DESIGN.md, "Data flow of one training step"):
+
+1. Metric states are read (``s0``) and reset, so that the step's updates leave exactly
+   this rank's contribution ``c_r`` in them.
+2. Forward pass and Keras' own loss (mean over the micro-batch, plus regularisation).
+3. The loss tracker and compiled metrics are updated, giving ``c_r``.
+4. Backprop; each gradient ``g_r`` is submitted, scaled by ``b_r``, as soon as it exists.
+5. One fused SUM-allreduce returns ``B = sum b_r``, ``sum c_r`` and ``sum b_r g_r``.
+6. Metric states become ``s0 + sum c_r`` (exact global metrics); the optimizer applies
+   ``sum b_r g_r / B``, the gradient of the global mean loss — identical on all ranks.
+
+Scaling by ``b_r / B`` rather than ``1 / N`` keeps the serial result when ``B % N != 0``
+and for a last batch smaller than ``N`` (a rank with an empty micro-batch contributes
+zeros but still takes part). With one rank the steps are Keras' own.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from ._reducer import GraphReducer, Slot
+
+
+def _local_batch_size(x) -> tf.Tensor:
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+def metric_variables(model: keras.Model) -> list[keras.Variable]:
+    """All state variables of the model's metrics, each once, in a rank-independent order."""
+    seen: set[int] = set()
+    out = []
+    for metric in model.metrics:
+        for var in metric.variables:
+            if id(var) not in seen:
+                seen.add(id(var))
+                out.append(var)
+    return out
+
+
+def _slot(name: str, var) -> Slot:
+    return Slot(name, tuple(int(d) for d in var.shape), tf.as_dtype(var.dtype))
+
+
+class DistributedSteps:
+    """Builds the step functions for ``model`` on ``size`` ranks.
+
+    The reducers are created on first use, after the model, its metrics and its
+    optimizer are built, because their slots are those variables.
+    """
+
+    def __init__(self, model: keras.Model, size: int, threshold_bytes: int) -> None:
+        self._model = model
+        self._size = size
+        self._threshold = threshold_bytes
+        self._train_reducer: GraphReducer | None = None
+        self._test_reducer: GraphReducer | None = None
+
+    # -- reducers -----------------------------------------------------------------
+    def _metric_slots(self) -> list[Slot]:
+        return [_slot(f"metric:{v.path}", v) for v in metric_variables(self._model)]
+
+    def _trainable_in_backprop_order(self) -> list:
+        # Backprop produces the last layer's gradients first; submitting (and bucketing)
+        # in that order lets the first buckets start while earlier layers still compute.
+        return list(reversed(self._model.trainable_variables))
+
+    def train_reducer(self) -> GraphReducer:
+        if self._train_reducer is None:
+            slots = [Slot("batch_size", (1,), tf.float32), *self._metric_slots()]
+            slots += [_slot(f"grad:{v.path}", v) for v in self._trainable_in_backprop_order()]
+            self._train_reducer = GraphReducer(slots, self._threshold)
+        return self._train_reducer
+
+    def test_reducer(self) -> GraphReducer:
+        if self._test_reducer is None:
+            self._test_reducer = GraphReducer(self._metric_slots(), self._threshold)
+        return self._test_reducer
+
+    def close(self) -> None:
+        for reducer in (self._train_reducer, self._test_reducer):
+            if reducer is not None:
+                reducer.close()
+        self._train_reducer = self._test_reducer = None
+
+    # -- metric bookkeeping ---------------------------------------------------------
+    def _begin_metric_contribution(self) -> tuple[list, list]:
+        mvars = metric_variables(self._model)
+        before = [tf.identity(v.value) for v in mvars]
+        for metric in self._model.metrics:
+            metric.reset_state()
+        initial = [tf.identity(v.value) for v in mvars]
+        return before, initial
+
+    def _metric_contribution(self, initial: list) -> list:
+        return [v.value - i for v, i in zip(metric_variables(self._model), initial)]
+
+    def _apply_global_metrics(self, before: list, summed: list) -> None:
+        for var, b, s in zip(metric_variables(self._model), before, summed):
+            var.assign(b + tf.cast(s, var.dtype))
+
+    def _forward_loss(self, x, y, sample_weight, training: bool):
+        model = self._model
+        y_pred = model(x, training=training)
+        loss = model.compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+        )
+        return y_pred, loss
+
+    def _update_metrics(self, x, y, y_pred, sample_weight, loss, local_n) -> None:
+        model = self._model
+        # The loss tracker is a weighted Mean: weight b_r makes its reduced state the
+        # global mean over B samples, exactly as serial Keras computes it.
+        model._loss_tracker.update_state(loss, sample_weight=local_n)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    # -- steps -----------------------------------------------------------------------
+    def train_step(self, data) -> dict:
+        model = self._model
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        local_n = _local_batch_size(x)
+        distributed = self._size > 1
+        if distributed:
+            before, initial = self._begin_metric_contribution()
+        with tf.GradientTape() as tape:
+            y_pred, loss = self._forward_loss(x, y, sample_weight, training=True)
+            scaled_loss = model.optimizer.scale_loss(loss)
+        self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
+        variables = model.trainable_variables
+        if not variables:
+            raise ValueError("The model has no trainable weights: nothing to train.")
+        grads = tape.gradient(scaled_loss, variables)
+        grads = [
+            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+            for g, v in zip(grads, variables)
+        ]
+        if distributed:
+            reducer = self.train_reducer()
+            b = tf.cast(local_n, tf.float32)
+            tokens = [reducer.submit(0, tf.reshape(b, [1]))]
+            contribution = self._metric_contribution(initial)
+            offset = 1
+            tokens += [reducer.submit(offset + i, c) for i, c in enumerate(contribution)]
+            offset += len(contribution)
+            for i, g in enumerate(reversed(grads)):
+                tokens.append(reducer.submit(offset + i, g * tf.cast(b, g.dtype)))
+            reduced = reducer.wait(tokens)
+            global_n = reduced[0][0]
+            self._apply_global_metrics(before, reduced[1:offset])
+            summed = list(reversed(reduced[offset:]))
+            grads = [s / tf.cast(global_n, s.dtype) for s in summed]
+        model.optimizer.apply_gradients(zip(grads, variables))
+        return model.get_metrics_result()
+
+    def test_step(self, data) -> dict:
+        model = self._model
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        local_n = _local_batch_size(x)
+        if self._size == 1:
+            y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
+            self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
+            return model.get_metrics_result()
+        before, initial = self._begin_metric_contribution()
+        y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
+        self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
+        reducer = self.test_reducer()
+        contribution = self._metric_contribution(initial)
+        tokens = [reducer.submit(i, c) for i, c in enumerate(contribution)]
+        self._apply_global_metrics(before, reducer.wait(tokens) if tokens else [])
+        return model.get_metrics_result()
+
+    def predict_step(self, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self._model(x, training=False)
+        if self._size == 1:
+            return y_pred
+        return tf.nest.map_structure(_allgather, y_pred)
+
+
+def _allgather(tensor: tf.Tensor) -> tf.Tensor:
+    """Concatenate every rank's micro-batch outputs in rank order (= global batch order)."""
+    import tnt_comm
+
+    out = tf.numpy_function(
+        lambda a: tnt_comm.allgather(a), [tensor], tensor.dtype, stateful=True, name="tnt_allgather"
+    )
+    out.set_shape([None, *tensor.shape[1:]])
+    return out
