@@ -1,0 +1,359 @@
+"""distribute(): one rank's micro-batches of a pipeline batched with the global batch size.
+
+Two ways to get them, with identical results:
+- after the batch: every rank runs the whole pipeline and keeps its slice of each global
+  batch (always possible, exact by construction);
+- early: every rank keeps its samples right after the last shuffle/repeat/take, before
+  the expensive 1:1 maps, and batches them with its micro-batch size, so it preprocesses
+  about 1/size of the samples. Chosen automatically where it is provably identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import tensorflow as tf
+
+from tnt_data import _plan
+from tnt_data._inspect import find_batches, inspect_graph
+from tnt_data._slicing import StepSizes, check_batched_spec, slicer
+from tnt_data._tfgraph import Node, parse, rebuild
+from tnt_data.errors import DistributionError
+
+Split = Literal["auto", "early", "after_batch"]
+
+#: Seed of the first unseeded shuffle when distribute() gets no shuffle_seed.
+DEFAULT_SHUFFLE_SEED = 5524052
+#: TensorFlow's seed pair for ``shuffle(seed=s)`` without a global seed is (87654321, s);
+#: tnt_data uses the same pair, so an unseeded shuffle behaves as ``shuffle(seed=s)``.
+GRAPH_SEED = 87654321
+
+# Between the global batch and the end: transformations that act on whole batches only by
+# position and count, so they act the same on the micro-batch stream.
+_POST_EARLY = frozenset(
+    {"prefetch", "cache", "repeat", "take", "skip", "options", "assert_cardinality", "shuffle"}
+)
+# Between the split point and the batch: 1:1, order-keeping transformations.
+_SEGMENT = frozenset({"map", "prefetch", "cache", "options"})
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How distribute() splits a pipeline: ``mode`` is "early" or "after_batch"."""
+
+    mode: str
+    reason: str
+
+
+@dataclass
+class _Early:
+    batch: Node
+    segment: list[Node]  # from the batch's input down to the lowest 1:1 map
+    split_input: Node  # what the lowest segment transformation reads
+    post: list[Node]  # between the end of the pipeline and the batch (top first)
+    length: int  # samples reaching the batch: >= 0, or tf.data.INFINITE_CARDINALITY
+
+
+def _post_batch_path(root: Node, batch: Node) -> list[Node] | None:
+    path, node = [], root
+    while node is not batch:
+        if len(node.inputs) != 1:
+            return None
+        path.append(node)
+        node = node.inputs[0]
+    return path
+
+
+def _early_plan(root: Node, size: int, allow_post_maps: bool) -> tuple[_Early | None, str]:
+    batches = find_batches(root)
+    if len(batches) != 1:
+        return None, "no single batch transformation (zip/concatenate of batches)"
+    (batch,) = batches
+    if batch.kind != "batch":
+        return None, "padded_batch pads to the longest sample of the global batch"
+    post = _post_batch_path(root, batch)
+    if post is None:
+        return None, "the batch feeds a zip or concatenate"
+    allowed = _POST_EARLY | ({"map"} if allow_post_maps else set())
+    for node in post:
+        if node.kind not in allowed:
+            return None, (
+                f"{node.label} after the batch sees whole global batches "
+                + ("(a map may mix samples; split='early' asserts it does not)"
+                   if node.kind == "map" else "")
+            ).strip()
+    if batch.params["batch_size"] < size:
+        return None, "the global batch is smaller than the number of ranks"
+    segment, node = [], batch.inputs[0]
+    while node.kind in _SEGMENT and len(node.inputs) == 1:
+        segment.append(node)
+        node = node.inputs[0]
+    if not any(n.kind == "map" for n in segment):
+        return None, "no 1:1 map between the last shuffle/repeat/filter and the batch"
+    length = int(node.dataset.cardinality().numpy())
+    if length == tf.data.UNKNOWN_CARDINALITY:
+        return None, f"the number of samples after {node.label} is unknown"
+    for spec in tf.nest.flatten(batch.inputs[0].dataset.element_spec):
+        if not isinstance(spec, tf.TensorSpec):
+            return None, f"a {type(spec).__name__} component (only dense tensors split early)"
+    maps = sum(n.kind == "map" for n in segment)
+    return _Early(batch, segment, node, post, length), (
+        f"{maps} map(s) run on each rank's samples only"
+    )
+
+
+def split_strategy(dataset: tf.data.Dataset, *, size: int, split: Split = "auto") -> Strategy:
+    """Say how distribute() would split ``dataset`` across ``size`` ranks, and why."""
+    _plan.check_rank_size(0, size)
+    return _strategy(parse(dataset), size, split)[0]
+
+
+def _strategy(root: Node, size: int, split: Split) -> tuple[Strategy, _Early | None]:
+    if split not in ("auto", "early", "after_batch"):
+        raise DistributionError(
+            f"split must be 'auto', 'early' or 'after_batch', got {split!r}."
+        )
+    if split == "after_batch" or size == 1:
+        return Strategy("after_batch", f"split={split!r}" if size > 1 else "one rank"), None
+    early, reason = _early_plan(root, size, allow_post_maps=split == "early")
+    if early is None:
+        if split == "early":
+            raise DistributionError(
+                f"split='early' is not possible for this pipeline: {reason}. Use "
+                f"split='auto' (splits after the batch here, with the same result)."
+            )
+        return Strategy("after_batch", reason), None
+    return Strategy("early", reason), early
+
+
+def _unseeded_shuffles(root: Node) -> list[Node]:
+    """Shuffles without any seed, in a fixed order (sources first)."""
+    out: list[Node] = []
+    seen: set[int] = set()
+
+    def visit(node: Node) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        for i in node.inputs:
+            visit(i)
+        if node.kind == "shuffle" and node.params["seed"] == 0 and node.params["seed2"] == 0:
+            out.append(node)
+
+    visit(root)
+    return out
+
+
+def _all_nodes(root: Node) -> list[Node]:
+    out, stack, seen = [], [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) not in seen:
+            seen.add(id(node))
+            out.append(node)
+            stack.extend(node.inputs)
+    return out
+
+
+class _Builder:
+    """Rebuilds the transformations that must change, and everything above them."""
+
+    def __init__(
+        self,
+        overrides: dict[Node, dict[str, Any]],
+        special: dict[Node, Callable[[], tf.data.Dataset]],
+    ) -> None:
+        self.overrides, self.special = overrides, special
+        self._changed: dict[int, bool] = {}
+        self._built: dict[int, tf.data.Dataset] = {}
+
+    def changed(self, node: Node) -> bool:
+        if id(node) not in self._changed:
+            self._changed[id(node)] = (
+                node in self.overrides
+                or node in self.special
+                or any(self.changed(i) for i in node.inputs)
+            )
+        return self._changed[id(node)]
+
+    def build(self, node: Node) -> tf.data.Dataset:
+        if not self.changed(node):
+            return node.dataset
+        if id(node) not in self._built:
+            if node in self.special:
+                self._built[id(node)] = self.special[node]()
+            else:
+                inputs = [self.build(i) for i in node.inputs]
+                self._built[id(node)] = rebuild(node, inputs, **self.overrides.get(node, {}))
+        return self._built[id(node)]
+
+
+def _dense_empty(spec: Any) -> Any:
+    """An empty micro-batch (0 samples) of per-sample ``spec``: unknown dims become 0."""
+    return tf.nest.map_structure(
+        lambda s: tf.zeros([0] + [d if d is not None else 0 for d in s.shape.as_list()], s.dtype),
+        spec,
+    )
+
+
+def _early_batches(
+    early: _Early, builder: _Builder, rank: int, size: int, with_sizes: bool
+) -> tf.data.Dataset:
+    """The rank's batch stream: keep its sample positions, run the maps, batch by b_r."""
+    p = early.batch.params
+    gbs, drop = int(p["batch_size"]), bool(p["drop_remainder"])
+    infinite = early.length == tf.data.INFINITE_CARDINALITY
+    full, rest = (0, 0) if infinite else divmod(early.length, gbs)
+    if drop:
+        rest = 0
+    part, last = _plan.micro_batch_slice(gbs, rank, size), _plan.micro_batch_slice(rest, rank, size)
+    n_full = tf.constant(-1 if infinite else full * gbs, tf.int64)
+
+    def keep(i: tf.Tensor, _: Any) -> tf.Tensor:
+        j = i % gbs
+        in_full = tf.logical_and(j >= part.start, j < part.stop)
+        jj = i - n_full
+        in_last = tf.logical_and(jj >= last.start, jj < last.stop)
+        return tf.logical_or(tf.logical_and(n_full < 0, in_full),
+                             tf.where(i < n_full, in_full, in_last))
+
+    stream = builder.build(early.split_input)
+    if drop and not infinite:
+        stream = stream.take(full * gbs)
+    stream = stream.enumerate().filter(keep).map(lambda i, x: x)
+    for node in reversed(early.segment):
+        stream = rebuild(node, [stream])
+    local = rebuild(early.batch, [stream], batch_size=part.stop - part.start)
+    if rest and last.stop == last.start:
+        spec = early.batch.inputs[0].dataset.element_spec
+        local = local.concatenate(tf.data.Dataset.from_tensors(_dense_empty(spec)))
+    steps = tf.data.INFINITE_CARDINALITY if infinite else full + (1 if rest else 0)
+    local = local.apply(tf.data.experimental.assert_cardinality(steps))
+    if with_sizes:
+        if infinite:
+            sizes = tf.data.Dataset.from_tensors(
+                StepSizes(tf.constant(part.stop - part.start, tf.int64), tf.constant(gbs, tf.int64))
+            ).repeat()
+        else:
+            totals = [gbs] * full + ([rest] if rest else [])
+            locals_ = [_plan.micro_batch_size(t, rank, size) for t in totals]
+            sizes = tf.data.Dataset.from_tensor_slices(
+                StepSizes(tf.constant(locals_, tf.int64), tf.constant(totals, tf.int64))
+            )
+        local = tf.data.Dataset.zip((local, sizes))
+    return local
+
+
+def _carry_sizes(node: Node) -> dict[str, Any]:
+    """Overrides for a map after the batch when elements are (micro-batch, StepSizes)."""
+    func = node.params["func"]
+
+    def carried(element: Any, sizes: StepSizes) -> Any:
+        out = func(*element) if type(element) is tuple else func(element)
+        return out, sizes
+
+    return {"func": carried}
+
+
+def distribute(
+    dataset: tf.data.Dataset,
+    *,
+    rank: int,
+    size: int,
+    micro_batch_size: int | None = None,
+    shuffle_seed: int | None = None,
+    drop_remainder: bool = False,
+    split: Split = "auto",
+    with_sizes: bool = False,
+) -> tf.data.Dataset:
+    """The micro-batches rank ``rank`` of ``size`` processes, one per serial batch.
+
+    ``dataset`` is batched with the global batch size B, or unbatched with
+    ``micro_batch_size=m`` (then batched here with B = m*size and ``drop_remainder``).
+    Global batch k of size B_k is split in contiguous slices in rank order; rank r gets
+    ``B_k // size + (1 if r < B_k % size else 0)`` samples (possibly 0). Every rank yields
+    as many elements as the serial dataset has batches. Unseeded shuffles get the common
+    seed ``shuffle_seed`` (+1 for each further unseeded shuffle; default
+    DEFAULT_SHUFFLE_SEED). With ``with_sizes=True`` elements are ``(micro_batch,
+    StepSizes(local, total))``.
+    """
+    _plan.check_rank_size(rank, size)
+    root = parse(dataset)
+    info = inspect_graph(root)
+    if not info.batched:
+        if micro_batch_size is None:
+            raise DistributionError(
+                "the dataset is not batched, so tnt_data cannot tell the global batch size. "
+                "Batch it with the global batch size (dataset.batch(B)), or pass "
+                "micro_batch_size=m to batch it here with B = m * size."
+            )
+        _check_micro(micro_batch_size)
+        dataset = dataset.batch(micro_batch_size * size, drop_remainder=drop_remainder)
+        root = parse(dataset)
+        info = inspect_graph(root)
+    elif micro_batch_size is not None:
+        _check_micro(micro_batch_size)
+        if info.global_batch_size != micro_batch_size * size:
+            raise DistributionError(
+                f"the dataset is already batched with batch size {info.global_batch_size} "
+                f"({info.batch_transformation}), but micro_batch_size={micro_batch_size} "
+                f"with size={size} means a global batch of {micro_batch_size * size}. Pass "
+                f"the dataset unbatched, batch it with {micro_batch_size * size}, or drop "
+                f"micro_batch_size."
+            )
+    if drop_remainder and info.batched and micro_batch_size is None:
+        raise DistributionError(
+            "drop_remainder applies only when distribute() batches an unbatched dataset; "
+            "this one is batched already: pass drop_remainder to your batch() instead."
+        )
+    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)):
+        raise DistributionError(f"shuffle_seed must be an int or None, got {shuffle_seed!r}.")
+
+    overrides: dict[Node, dict[str, Any]] = {}
+    base = DEFAULT_SHUFFLE_SEED if shuffle_seed is None else shuffle_seed
+    for i, node in enumerate(_unseeded_shuffles(root)):
+        overrides[node] = {"seed": GRAPH_SEED, "seed2": (base + i) % 2**63}
+    for node in _all_nodes(root):
+        # Rebuilt: non-deterministic transformations (ranks must see one order), and every
+        # shuffle, so that its reshuffle state starts fresh in the returned dataset instead
+        # of being shared with (and advanced by) other iterations of the user's dataset.
+        if node.params.get("deterministic") is False or node.kind == "shuffle":
+            overrides.setdefault(node, {})
+
+    strategy, early = _strategy(root, size, split)
+    special: dict[Node, Callable[[], tf.data.Dataset]] = {}
+    builder = _Builder(overrides, special)
+    if early is not None:
+        special[early.batch] = lambda: _early_batches(early, builder, rank, size, with_sizes)
+        if with_sizes:
+            for node in early.post:
+                if node.kind == "map":
+                    overrides[node] = _carry_sizes(node)
+        result = builder.build(root)
+    else:
+        result = builder.build(root)
+        if size > 1 or with_sizes:
+            check_batched_spec(result.element_spec)
+            result = result.map(slicer(result.element_spec, rank, size, with_sizes))
+    if dataset.options().deterministic is False:
+        opts = tf.data.Options()
+        opts.deterministic = True
+        result = result.with_options(opts)
+    _check_cardinality(dataset, result, strategy)
+    return result
+
+
+def _check_micro(m: Any) -> None:
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise DistributionError(f"micro_batch_size must be an int >= 1, got {m!r}.")
+
+
+def _check_cardinality(serial: tf.data.Dataset, local: tf.data.Dataset, strategy: Strategy) -> None:
+    want = int(serial.cardinality().numpy())
+    got = int(local.cardinality().numpy())
+    if want != tf.data.UNKNOWN_CARDINALITY and got != want:
+        raise AssertionError(  # own bug, never a user error
+            f"tnt_data: distributed cardinality {got} != serial {want} ({strategy})"
+        )
