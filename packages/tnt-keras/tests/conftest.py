@@ -1,0 +1,48 @@
+"""Launch real multi-rank jobs for the tnt-keras tests.
+
+Each job script under ``jobs/`` runs many checks in one launch (importing TensorFlow
+costs seconds per process) and has rank 0 write its measurements as JSON; the tests
+read that file and assert. Jobs go through the ``tarantella`` launcher, as a user's do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOBS = Path(__file__).parent / "jobs"
+JOB_TIMEOUT_S = 600
+
+
+def _launcher() -> str:
+    found = shutil.which("tarantella", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        raise RuntimeError("the `tarantella` launcher is not installed (pip install packages/tnt-cli)")
+    return found
+
+
+def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIMEOUT_S) -> dict:
+    """Run ``jobs/<job>`` on ``ranks`` processes; return the JSON rank 0 wrote to ``out``."""
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "TF_DETERMINISTIC_OPS": "1",
+        "PYTHONUNBUFFERED": "1",
+        # One compute thread per rank: ranks share 2 cores on the CI machine.
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [_launcher(), "-n", str(ranks), "--python-interpreter", sys.executable, "--",
+           str(JOBS / job), "--out", str(out), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(
+            f"job {job} on {ranks} ranks exited {proc.returncode}\n--- stdout ---\n"
+            f"{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(out.read_text())

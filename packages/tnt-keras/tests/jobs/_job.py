@@ -1,0 +1,50 @@
+"""Shared set-up for job scripts: determinism, threads, the --out argument."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.experimental.enable_op_determinism()
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.config.threading.set_inter_op_parallelism_threads(2)
+
+import tarantella as tnt  # noqa: E402
+
+
+def out_path() -> Path:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    return parser.parse_args().out
+
+
+def write(out: Path, results: dict) -> None:
+    """Rank 0 writes the results (after every rank got here)."""
+    if tnt.is_master_rank():
+        out.write_text(json.dumps(results, indent=1, default=float))
+
+
+def max_abs_diff(a, b) -> float:
+    a_leaves, b_leaves = tf.nest.flatten(a), tf.nest.flatten(b)
+    assert len(a_leaves) == len(b_leaves), (len(a_leaves), len(b_leaves))
+    worst = 0.0
+    for x, y in zip(a_leaves, b_leaves):
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        assert x.shape == y.shape, (x.shape, y.shape)
+        if x.size:
+            worst = max(worst, float(np.max(np.abs(x - y))))
+    return worst
+
+
+def history_diff(h1: dict, h2: dict) -> float:
+    assert sorted(h1) == sorted(h2), (sorted(h1), sorted(h2))
+    for key in h1:
+        assert len(h1[key]) == len(h2[key]), (key, len(h1[key]), len(h2[key]))
+    return max_abs_diff([h1[k] for k in sorted(h1)], [h2[k] for k in sorted(h2)])

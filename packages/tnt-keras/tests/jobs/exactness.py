@@ -1,0 +1,168 @@
+"""Serial-equivalence job: every case trains a model with plain Keras (serial reference,
+computed here on each rank) and with tnt.Model on all ranks, from the same initial weights
+on the same global batches, and records the largest differences.
+
+Cases cover the optimizers, a dense net and a LeNet-like CNN, B divisible and not divisible
+by the number of ranks, a last batch larger and smaller than the number of ranks (ranks
+with an empty micro-batch), multi-input models (tuple and dict), sample weights and a
+regularisation loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import _job
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tarantella as tnt
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.005),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: keras.optimizers.Adamax(0.01),
+}
+
+
+def dense_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((10,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+def cnn_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((12, 12, 1)),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
+def two_input_model(seed: int, as_dict: bool) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    a = keras.Input((6,), name="a")
+    b = keras.Input((4,), name="b")
+    h = keras.layers.Concatenate()([
+        keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01))(a),
+        keras.layers.Dense(8, activation="relu")(b),
+    ])
+    out = keras.layers.Dense(3, activation="softmax")(h)
+    return keras.Model({"a": a, "b": b} if as_dict else [a, b], out)
+
+
+def data(kind: str, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n).astype("int32")
+    if kind == "dense":
+        x = rng.normal(size=(n, 10)).astype("float32") + y[:, None] * 0.3
+    elif kind == "cnn":
+        x = rng.normal(size=(n, 12, 12, 1)).astype("float32") + y[:, None, None, None] * 0.3
+    else:
+        a = rng.normal(size=(n, 6)).astype("float32") + y[:, None] * 0.3
+        b = rng.normal(size=(n, 4)).astype("float32")
+        x = {"a": a, "b": b} if kind == "dict" else (a, b)
+    w = rng.uniform(0.5, 1.5, size=n).astype("float32")
+    return x, y, w
+
+
+# name: (model kind, optimizer, global batch B, samples n, epochs, sample weights, shuffle seed,
+#        tolerance on losses/metrics, tolerance on weights)
+CASES = {
+    "dense_sgd_B12_last5": ("dense", "sgd", 12, 12 * 4 + 5, 4, False, None, 1e-5, 2e-5),
+    "dense_momentum_B11_last1": ("dense", "sgd_momentum", 11, 11 * 4 + 1, 4, False, None, 1e-5, 2e-5),
+    "dense_nesterov_B10_last2": ("dense", "sgd_nesterov", 10, 10 * 5 + 2, 4, False, 7, 1e-5, 2e-5),
+    "dense_adam_B12_last1": ("dense", "adam", 12, 12 * 5 + 1, 4, False, None, 1e-5, 2e-5),
+    "dense_rmsprop_B11_last5": ("dense", "rmsprop", 11, 11 * 4 + 5, 4, False, 3, 1e-5, 2e-5),
+    "dense_adagrad_B13_last2": ("dense", "adagrad", 13, 13 * 4 + 2, 4, False, None, 1e-5, 2e-5),
+    "dense_adadelta_B12_exact": ("dense", "adadelta", 12, 60, 4, False, None, 1e-5, 2e-5),
+    "dense_adamax_B11_last1": ("dense", "adamax", 11, 11 * 4 + 1, 4, False, None, 1e-5, 2e-5),
+    "cnn_momentum_B10_last3": ("cnn", "sgd_momentum", 10, 10 * 4 + 3, 3, False, None, 1e-4, 1e-3),
+    "cnn_adam_B11_last1": ("cnn", "adam", 11, 11 * 4 + 1, 3, False, None, 1e-4, 1e-3),
+    "tuple_inputs_weights_l2_adam": ("tuple", "adam", 10, 10 * 4 + 1, 3, True, None, 1e-5, 2e-5),
+    "dict_inputs_weights_l2_rmsprop": ("dict", "rmsprop", 12, 12 * 3 + 5, 3, True, 5, 1e-5, 2e-5),
+}
+
+
+def build(kind: str, seed: int) -> keras.Model:
+    if kind == "dense":
+        return dense_model(seed)
+    if kind == "cnn":
+        return cnn_model(seed)
+    return two_input_model(seed, as_dict=(kind == "dict"))
+
+
+def batched(x, y, w, batch: int, shuffle_seed):
+    element = (x, y, w) if w is not None else (x, y)
+    ds = tf.data.Dataset.from_tensor_slices(element)
+    if shuffle_seed is not None:
+        ds = ds.shuffle(64, seed=shuffle_seed)
+    return ds.batch(batch)
+
+
+def run_case(name, kind, opt, batch, n, epochs, weighted, shuffle_seed) -> dict:
+    x, y, w = data(kind, n, seed=11)
+    vx, vy, vw = data(kind, 29, seed=12)
+    w = w if weighted else None
+    initial = build(kind, seed=3).get_weights()
+    compile_args = dict(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    serial = build(kind, seed=3)
+    serial.set_weights(initial)
+    serial.compile(optimizer=OPTIMIZERS[opt](), **compile_args)
+    train = batched(x, y, w, batch, shuffle_seed)
+    val = batched(vx, vy, None, 7, None)
+    h_serial = serial.fit(train, epochs=epochs, validation_data=val, verbose=0).history
+    e_serial = serial.evaluate(val, verbose=0)
+    p_serial = serial.predict(batched(vx, vy, None, 7, None).map(lambda a, b: a), verbose=0)
+
+    model = tnt.Model(build(kind, seed=100 + tnt.get_rank()))  # rank-dependent init: rank 0's must win
+    model.set_weights(initial)
+    model.compile(optimizer=OPTIMIZERS[opt](), **compile_args)
+    h_tnt = model.fit(batched(x, y, w, batch, shuffle_seed), epochs=epochs,
+                      validation_data=batched(vx, vy, None, 7, None), verbose=0).history
+    e_tnt = model.evaluate(batched(vx, vy, None, 7, None), verbose=0)
+    p_tnt = model.predict(batched(vx, vy, None, 7, None).map(lambda a, b: a), verbose=0)
+
+    weights = model.get_weights()
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in weights)).hexdigest()
+    import tnt_comm
+
+    digests = tnt_comm.allgather_object(digest)
+    return {
+        "history_diff": _job.history_diff(h_serial, h_tnt),
+        "weight_diff": _job.max_abs_diff(serial.get_weights(), weights),
+        "evaluate_diff": _job.max_abs_diff(e_serial, e_tnt),
+        "predict_diff": _job.max_abs_diff(p_serial, p_tnt),
+        "predict_rows": [int(np.shape(p_serial)[0]), int(np.shape(p_tnt)[0])],
+        "steps": int(len(h_serial["loss"]) * -(-n // batch)),
+        "ranks_identical": len(set(digests)) == 1,
+        "history_keys": sorted(h_tnt),
+    }
+
+
+def main() -> None:
+    out = _job.out_path()
+    results = {}
+    for name, (kind, opt, batch, n, epochs, weighted, shuffle_seed, tol_l, tol_w) in CASES.items():
+        results[name] = run_case(name, kind, opt, batch, n, epochs, weighted, shuffle_seed)
+        results[name].update(tol_loss=tol_l, tol_weights=tol_w)
+    _job.write(out, {"ranks": tnt.get_size(), "cases": results})
+
+
+if __name__ == "__main__":
+    main()

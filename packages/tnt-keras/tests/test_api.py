@@ -1,0 +1,53 @@
+"""tnt.Model's API on 2 ranks (and 1): sync, inputs, callbacks, save/load, errors.
+
+One launched job per rank count runs every check (see jobs/api.py); each check is
+asserted here by name so a failure says which behaviour broke and shows its numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import launch
+
+CHECKS = [
+    "rank_api",
+    "initial_weights_broadcast_from_rank0",
+    "numpy_inputs_equal_serial",
+    "validation_split_equal_serial",
+    "predict_full_on_every_rank",
+    "early_stopping_serial_epoch",
+    "reduce_lr_on_plateau_serial_rates",
+    "learning_rate_scheduler_serial_rates",
+    "csv_logger_equal_serial",
+    "checkpoint_only_master_writes",
+    "progress_and_summary_only_on_master",
+    "callback_master_only",
+    "save_load_model_roundtrip",
+    "save_load_weights_roundtrip",
+    "config_json_clone",
+    "no_temporary_files_left",
+    "uncompiled_fit_error",
+    "error_batch_size_with_dataset",
+    "error_generator_input",
+    "error_unbatched_without_micro_batch",
+    "error_fit_before_compile",
+    "unbatched_with_micro_batch_size_trains",
+]
+
+
+@pytest.fixture(scope="module", params=[2, 1], ids=lambda n: f"{n}ranks")
+def checks(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("api") / "api.json"
+    result = launch(request.param, "api.py", out)
+    assert result["ranks"] == request.param
+    return result["checks"]
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_check(checks, name):
+    assert name in checks, f"check {name} did not run; ran: {sorted(checks)}"
+    assert checks[name]["ok"], f"{name}: {checks[name]['detail']}"
+
+
+def test_no_unlisted_checks(checks):
+    assert sorted(checks) == sorted(CHECKS)
