@@ -1,0 +1,187 @@
+// pybind11 face of the core (module tnt_comm._core). Thin: the Python layer validates
+// arrays and owns the user-facing messages; here arrays become pointers, every wait
+// runs with the GIL released, and C++ exceptions become tnt_comm exceptions.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives.h"
+#include "errors.h"
+#include "fused.h"
+#include "plan.h"
+#include "runtime.h"
+
+namespace py = pybind11;
+
+namespace tnt {
+namespace {
+
+ArrayDesc describe(const py::array& a) {
+  ArrayDesc d;
+  d.dtype = py::str(a.dtype().attr("name"));
+  d.itemsize = a.itemsize();
+  d.shape.assign(a.shape(), a.shape() + a.ndim());
+  return d;
+}
+
+py::capsule owner(std::shared_ptr<FusionBuffer> buf) {
+  auto* holder = new std::shared_ptr<FusionBuffer>(std::move(buf));
+  return py::capsule(holder, [](void* p) { delete static_cast<std::shared_ptr<FusionBuffer>*>(p); });
+}
+
+std::vector<TensorSpec> to_specs(const std::vector<std::tuple<std::string, std::int64_t, std::string>>& raw) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(raw.size());
+  for (const auto& [name, count, dtype] : raw) specs.push_back({name, count, parse_dtype(dtype)});
+  return specs;
+}
+
+void raise_as(const char* cls, const CommError& e) {
+  py::object type = py::module_::import("tnt_comm._errors").attr(cls);
+  py::object inst = type(py::str(e.what()), e.code());
+  PyErr_SetObject(type.ptr(), inst.ptr());
+}
+
+class PyFused {
+ public:
+  PyFused(const std::vector<std::tuple<std::string, std::int64_t, std::string>>& specs,
+          std::int64_t threshold, int op, std::vector<py::object> dtypes)
+  {
+    for (auto& d : dtypes) dtypes_.push_back(py::dtype::from_args(d));
+    auto parsed = to_specs(specs);
+    Engine& engine = runtime_engine();
+    py::gil_scoped_release release;
+    impl_ = std::make_unique<FusedAllreduce>(engine, std::move(parsed), threshold,
+                                             static_cast<ReduceOp>(op));
+  }
+
+  Plan plan() const { return impl_->plan(); }
+
+  void submit(std::int64_t index, const py::array& a, const std::string& dtype) {
+    const DType dt = parse_dtype(dtype);
+    const void* data = a.data();
+    const std::int64_t count = a.size();
+    py::gil_scoped_release release;
+    impl_->submit(index, data, count, dt);
+  }
+
+  py::list wait() {
+    std::vector<FusedResult> results;
+    {
+      py::gil_scoped_release release;
+      results = impl_->wait();
+    }
+    py::list out;
+    // One capsule per bucket buffer; each tensor is a 1-D view into it.
+    std::shared_ptr<FusionBuffer> last;
+    py::capsule cap;
+    for (std::size_t i = 0; i < results.size(); ++i) {
+      auto& r = results[i];
+      if (r.buffer != last) {
+        last = r.buffer;
+        cap = owner(r.buffer);
+      }
+      const py::dtype& dt = dtypes_[i];
+      py::array arr(dt, {r.count}, {dt.itemsize()}, r.buffer->data() + r.offset_bytes, cap);
+      out.append(std::move(arr));
+    }
+    return out;
+  }
+
+  void close() { impl_->close(); }
+
+ private:
+  std::vector<py::dtype> dtypes_;
+  std::unique_ptr<FusedAllreduce> impl_;
+};
+
+}  // namespace
+}  // namespace tnt
+
+PYBIND11_MODULE(_core, m) {
+  using namespace tnt;
+  m.doc() = "tnt_comm's C++ core (use the tnt_comm package, not this module)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StallError& e) {
+      raise_as("StallError", e);
+    } catch (const CommError& e) {
+      raise_as("CommError", e);
+    } catch (const TypeError_& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    }
+  });
+
+  m.def("init", [] {
+    py::gil_scoped_release release;
+    runtime_init();
+  });
+  m.def("finalize", [] {
+    py::gil_scoped_release release;
+    runtime_finalize();
+  });
+  m.def("is_initialized", &runtime_is_initialized);
+  m.def("rank", [] { return runtime_engine().world().rank; });
+  m.def("size", [] { return runtime_engine().world().size; });
+  m.def("local_rank", [] { return runtime_engine().world().local_rank; });
+  m.def("local_size", [] { return runtime_engine().world().local_size; });
+  m.def("library_version", [] { return runtime_engine().world().library; });
+  m.def("timeout", [] { return runtime_engine().config().timeout_s; });
+  m.def("abort", [](int code) {
+    py::gil_scoped_release release;
+    runtime_abort(code);
+  });
+
+  m.def("barrier", [] {
+    Engine& e = runtime_engine();
+    py::gil_scoped_release release;
+    barrier(e);
+  });
+  m.def("allreduce", [](const py::array& in, py::array& out, int op) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(in);
+    const void* src = in.data();
+    void* dst = out.mutable_data();
+    py::gil_scoped_release release;
+    allreduce(e, src, dst, d, static_cast<ReduceOp>(op));
+  });
+  m.def("broadcast", [](py::array& buf, int root) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(buf);
+    void* p = buf.mutable_data();
+    py::gil_scoped_release release;
+    broadcast(e, p, d, root);
+  });
+  m.def("allgather", [](const py::array& in) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(in);
+    const void* src = in.data();
+    Gathered g;
+    {
+      py::gil_scoped_release release;
+      g = allgather(e, src, d);
+    }
+    const py::dtype dt = in.dtype();
+    std::vector<py::ssize_t> shape(g.shape.begin(), g.shape.end());
+    void* data = g.data->data();
+    return py::array(dt, shape, data, owner(std::move(g.data)));
+  });
+
+  m.def("plan_buckets",
+        [](const std::vector<std::tuple<std::string, std::int64_t, std::string>>& specs,
+           std::int64_t threshold) { return plan_buckets(to_specs(specs), threshold); });
+
+  py::class_<PyFused>(m, "FusedAllreduce")
+      .def(py::init<const std::vector<std::tuple<std::string, std::int64_t, std::string>>&,
+                    std::int64_t, int, std::vector<py::object>>())
+      .def_property_readonly("plan", &PyFused::plan)
+      .def("submit", &PyFused::submit)
+      .def("wait", &PyFused::wait)
+      .def("close", &PyFused::close);
+}

@@ -1,0 +1,58 @@
+// Bucket memory: where each tensor lives inside its bucket's contiguous buffer, and the
+// buffer itself. Layout is computed once per engine; buffers are reused across rounds.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "plan.h"
+
+namespace tnt {
+
+struct TensorSlot {
+  std::int64_t bucket = 0;
+  std::int64_t offset = 0;  // elements from the start of the bucket
+  std::int64_t count = 0;
+};
+
+struct BucketLayout {
+  DType dtype = DType::kFloat32;
+  std::int64_t count = 0;  // total elements
+  std::vector<std::int64_t> tensors;
+
+  std::int64_t nbytes() const { return count * static_cast<std::int64_t>(dtype_size(dtype)); }
+};
+
+struct FusionLayout {
+  std::vector<BucketLayout> buckets;
+  std::vector<TensorSlot> slots;  // indexed by tensor
+};
+
+// Packs each bucket's tensors back to back in plan order (no padding: a bucket holds
+// one dtype, so every tensor stays aligned to its element size).
+FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan);
+
+// One bucket's bytes, heap-allocated and 64-byte aligned. Shared so that arrays handed
+// to Python can keep it alive after the engine moved on to a fresh buffer.
+class FusionBuffer {
+ public:
+  explicit FusionBuffer(std::size_t nbytes);
+  std::byte* data() { return data_.get(); }
+  std::size_t size() const { return size_; }
+
+ private:
+  struct Free {
+    void operator()(std::byte* p) const;
+  };
+  std::unique_ptr<std::byte, Free> data_;
+  std::size_t size_;
+};
+
+// Returns `current` if nobody else holds it (results of the last round were dropped),
+// else a fresh buffer of the same size: results handed out are never overwritten.
+std::shared_ptr<FusionBuffer> reuse_or_allocate(const std::shared_ptr<FusionBuffer>& current,
+                                                std::size_t nbytes);
+
+}  // namespace tnt

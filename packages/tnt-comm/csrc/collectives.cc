@@ -1,0 +1,212 @@
+#include "collectives.h"
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "arith.h"
+#include "errors.h"
+
+namespace tnt {
+namespace {
+
+// Exchanged by every rank before each plain collective.
+struct Meta {
+  char dtype[24];
+  std::int32_t op;  // ReduceOp, root, or -1
+  std::int32_t ndim;
+  std::int64_t itemsize;
+  std::int64_t shape[kMaxDims];
+};
+
+Meta to_meta(const ArrayDesc& d, std::int32_t op) {
+  if (d.shape.size() > static_cast<std::size_t>(kMaxDims)) {
+    throw std::invalid_argument("arrays with more than " + std::to_string(kMaxDims) +
+                                " dimensions are not supported; reshape it first");
+  }
+  if (d.dtype.size() >= sizeof(Meta::dtype)) {
+    throw std::invalid_argument("dtype name too long: " + d.dtype);
+  }
+  Meta m{};
+  std::memcpy(m.dtype, d.dtype.data(), d.dtype.size());
+  m.op = op;
+  m.ndim = static_cast<std::int32_t>(d.shape.size());
+  m.itemsize = d.itemsize;
+  for (std::size_t i = 0; i < d.shape.size(); ++i) m.shape[i] = d.shape[i];
+  return m;
+}
+
+ArrayDesc from_meta(const Meta& m) {
+  ArrayDesc d;
+  d.dtype = std::string(m.dtype, strnlen(m.dtype, sizeof m.dtype));
+  d.itemsize = m.itemsize;
+  d.shape.assign(m.shape, m.shape + m.ndim);
+  return d;
+}
+
+// Gathers every rank's Meta; `check` then runs on the gathered table (same on all ranks).
+struct MetaExchange {
+  Meta mine{};
+  std::vector<Meta> all;
+};
+
+StepTask::Step exchange_step(const std::shared_ptr<MetaExchange>& x) {
+  return [x](Transport& t) {
+    x->all.resize(static_cast<std::size_t>(t.size()));
+    return t.iallgather(&x->mine, sizeof(Meta), x->all.data());
+  };
+}
+
+std::string table(const std::vector<Meta>& all, bool with_op, const char* op_label) {
+  std::ostringstream s;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    s << (r ? "; " : "") << "rank " << r << ": " << from_meta(all[r]).str();
+    if (with_op) s << " " << op_label << "=" << op_name(static_cast<ReduceOp>(all[r].op));
+  }
+  return s.str();
+}
+
+void run_blocking(Engine& engine, std::shared_ptr<StepTask> task) {
+  auto done = task->future();
+  engine.enqueue(std::move(task));
+  done.get();  // rethrows the task's error
+}
+
+}  // namespace
+
+std::int64_t ArrayDesc::count() const {
+  std::int64_t n = 1;
+  for (const auto s : shape) n *= s;
+  return n;
+}
+
+std::string ArrayDesc::str() const {
+  std::ostringstream s;
+  s << dtype << " (";
+  for (std::size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << (shape.size() == 1 ? ",)" : ")");
+  return s.str();
+}
+
+void allreduce(Engine& engine, const void* in, void* out, const ArrayDesc& desc, ReduceOp op) {
+  const DType dtype = parse_dtype(desc.dtype);
+  if (op == ReduceOp::kAvg && !dtype_is_float(dtype)) divide_inplace(nullptr, 0, dtype, 1);  // throws
+  auto x = std::make_shared<MetaExchange>();
+  x->mine = to_meta(desc, static_cast<std::int32_t>(op));
+  const std::int64_t count = desc.count();
+  const int size = engine.world().size;
+  std::vector<StepTask::Step> steps;
+  steps.push_back(exchange_step(x));
+  steps.push_back([x](Transport&) -> std::unique_ptr<Request> {
+    for (const Meta& m : x->all) {
+      if (std::memcmp(&m, &x->all.front(), sizeof(Meta)) != 0) {
+        throw std::invalid_argument(
+            "allreduce: the arrays or ops differ across ranks (" + table(x->all, true, "op") +
+            "). Every rank must pass an array of the same shape and dtype, with the same op.");
+      }
+    }
+    return nullptr;
+  });
+  steps.push_back([=](Transport& t) { return t.iallreduce(in, out, count, dtype, op); });
+  if (op == ReduceOp::kAvg) {
+    steps.push_back([=](Transport&) -> std::unique_ptr<Request> {
+      divide_inplace(out, count, dtype, size);
+      return nullptr;
+    });
+  }
+  run_blocking(engine, std::make_shared<StepTask>(
+                           "allreduce(" + desc.str() + ", " + op_name(op) + ")", std::move(steps)));
+}
+
+void broadcast(Engine& engine, void* buf, const ArrayDesc& desc, int root) {
+  auto x = std::make_shared<MetaExchange>();
+  x->mine = to_meta(desc, root);
+  const std::int64_t nbytes = desc.nbytes();
+  std::vector<StepTask::Step> steps;
+  steps.push_back(exchange_step(x));
+  // Checked after the exchange, on the gathered table: every rank reaches the same verdict.
+  steps.push_back([x, root](Transport& t) -> std::unique_ptr<Request> {
+    for (const Meta& m : x->all) {
+      if (m.op != root) {
+        std::string roots;
+        for (std::size_t r = 0; r < x->all.size(); ++r) {
+          roots += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + ": root=" +
+                   std::to_string(x->all[r].op);
+        }
+        throw std::invalid_argument("broadcast: ranks disagree on the root (" + roots +
+                                    "). Pass the same root on every rank.");
+      }
+    }
+    if (root < 0 || root >= t.size()) {
+      throw std::invalid_argument("broadcast: root=" + std::to_string(root) +
+                                  " is not a rank (ranks are 0.." + std::to_string(t.size() - 1) + ")");
+    }
+    const Meta& r = x->all.at(static_cast<std::size_t>(root));
+    for (const Meta& m : x->all) {
+      if (std::memcmp(&m, &r, sizeof(Meta)) != 0) {
+        throw std::invalid_argument(
+            "broadcast(root=" + std::to_string(root) + "): shape/dtype differ across ranks (" +
+            table(x->all, false, "") +
+            "). Every rank must pass an array of the root's shape and dtype, e.g. "
+            "np.empty(shape, dtype) on the non-root ranks.");
+      }
+    }
+    return nullptr;
+  });
+  steps.push_back([=](Transport& t) { return t.ibcast(buf, nbytes, root); });
+  run_blocking(engine, std::make_shared<StepTask>(
+                           "broadcast(" + desc.str() + ", root=" + std::to_string(root) + ")",
+                           std::move(steps)));
+}
+
+Gathered allgather(Engine& engine, const void* in, const ArrayDesc& desc) {
+  if (desc.shape.empty()) {
+    throw std::invalid_argument(
+        "allgather needs an array with at least one dimension (it concatenates along axis 0); "
+        "use array.reshape(1)");
+  }
+  auto x = std::make_shared<MetaExchange>();
+  x->mine = to_meta(desc, -1);
+  auto out = std::make_shared<Gathered>();
+  auto counts = std::make_shared<std::vector<std::int64_t>>();
+  std::vector<StepTask::Step> steps;
+  steps.push_back(exchange_step(x));
+  steps.push_back([x, out, counts](Transport& t) -> std::unique_ptr<Request> {
+    const ArrayDesc first = from_meta(x->all.front());
+    std::int64_t rows = 0;
+    for (const Meta& m : x->all) {
+      const ArrayDesc d = from_meta(m);
+      const bool same = d.dtype == first.dtype && d.itemsize == first.itemsize &&
+                        d.shape.size() == first.shape.size() &&
+                        std::equal(d.shape.begin() + 1, d.shape.end(), first.shape.begin() + 1);
+      if (!same) {
+        throw std::invalid_argument(
+            "allgather: dtype or trailing dimensions differ across ranks (" +
+            table(x->all, false, "") +
+            "). Only the length of axis 0 may differ; everything else must agree.");
+      }
+      counts->push_back(d.nbytes());
+      rows += d.shape.front();
+    }
+    out->shape = first.shape;
+    out->shape.front() = rows;
+    std::int64_t total = 0;
+    for (const auto c : *counts) total += c;
+    out->data = std::make_shared<FusionBuffer>(static_cast<std::size_t>(total));
+    (void)t;
+    return nullptr;
+  });
+  steps.push_back([in, out, counts](Transport& t) {
+    return t.iallgatherv(in, out->data->data(), *counts);
+  });
+  run_blocking(engine, std::make_shared<StepTask>("allgather(" + desc.str() + ")", std::move(steps)));
+  return std::move(*out);
+}
+
+void barrier(Engine& engine) {
+  std::vector<StepTask::Step> steps;
+  steps.push_back([](Transport& t) { return t.ibarrier(); });
+  run_blocking(engine, std::make_shared<StepTask>("barrier()", std::move(steps)));
+}
+
+}  // namespace tnt

@@ -1,0 +1,42 @@
+// Every tunable of tnt_comm: one TNT_* environment variable each, declared here and
+// parsed in one place (config.cc). Defaults are chosen for correctness first.
+#pragma once
+
+#include <chrono>
+#include <string>
+
+namespace tnt {
+
+// Seconds a collective may wait before it fails with StallError. Generous: a slow
+// but healthy job (first step, checkpoint on rank 0) must not trip it.
+inline constexpr const char* kTimeoutEnv = "TNT_COMM_TIMEOUT";
+inline constexpr double kDefaultTimeoutSeconds = 600.0;
+
+// Polling of an in-flight collective (see Note [Polling] in engine.cc): spin on
+// MPI_Test this long, then sleep, doubling from kPollMinSleepUs up to this cap.
+inline constexpr const char* kPollSpinEnv = "TNT_COMM_POLL_SPIN_US";
+inline constexpr double kDefaultPollSpinUs = 200.0;
+inline constexpr const char* kPollMaxSleepEnv = "TNT_COMM_POLL_MAX_SLEEP_US";
+inline constexpr double kDefaultPollMaxSleepUs = 200.0;
+inline constexpr double kPollMinSleepUs = 10.0;
+
+// How often an idle communication thread wakes to answer stall queries of other ranks.
+inline constexpr std::chrono::milliseconds kIdleServiceInterval{50};
+// How long a stalled rank waits for the other ranks' answers before reporting.
+inline constexpr std::chrono::milliseconds kStallQueryWait{2000};
+
+struct Config {
+  double timeout_s = kDefaultTimeoutSeconds;
+  double poll_spin_us = kDefaultPollSpinUs;
+  double poll_max_sleep_us = kDefaultPollMaxSleepUs;
+};
+
+// Reads all TNT_COMM_* variables. Throws std::invalid_argument naming the variable,
+// the bad value and an example of a good one.
+Config load_config();
+
+// The one parser of a number from the environment: `fallback` when unset or empty;
+// must be > 0 (or >= 0 with allow_zero), else std::invalid_argument naming `name`.
+double env_number(const char* name, double fallback, const char* example, bool allow_zero = false);
+
+}  // namespace tnt

@@ -1,0 +1,317 @@
+#include "fused.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include "arith.h"
+#include "config.h"
+#include "errors.h"
+#include "task.h"
+
+namespace tnt {
+
+struct FusedAllreduce::State {
+  struct BucketState {
+    std::shared_ptr<FusionBuffer> buffer;
+    std::int64_t pending = 0;  // tensors still to be submitted this round
+    bool launched = false;
+    bool done = false;
+    std::exception_ptr error;
+  };
+
+  Engine* engine = nullptr;
+  std::vector<TensorSpec> specs;
+  Plan plan;
+  FusionLayout layout;
+  ReduceOp op = ReduceOp::kSum;
+
+  std::mutex launch_mu;  // serialises cursor advance + enqueue: plan order is kept
+  std::mutex mu;         // guards everything below
+  std::condition_variable cv;
+  std::vector<BucketState> buckets;
+  std::vector<char> submitted;
+  std::size_t next_bucket = 0;
+  std::size_t done_count = 0;
+  bool closed = false;
+  std::string broken;
+
+  std::string tensor_name(std::int64_t i) const {
+    return "tensor " + std::to_string(i) + " ('" + specs[static_cast<std::size_t>(i)].name + "')";
+  }
+
+  void arm_round() {
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      auto& bs = buckets[b];
+      bs.pending = static_cast<std::int64_t>(layout.buckets[b].tensors.size());
+      bs.launched = bs.done = false;
+      bs.error = nullptr;
+    }
+    std::fill(submitted.begin(), submitted.end(), 0);
+    next_bucket = 0;
+    done_count = 0;
+  }
+};
+
+namespace {
+
+class BucketTask final : public Task {
+ public:
+  BucketTask(std::shared_ptr<FusedAllreduce::State> s, std::size_t b,
+             std::shared_ptr<FusionBuffer> buf)
+      : s_(std::move(s)), b_(b), buf_(std::move(buf)) {}
+
+  std::string describe() const override {
+    const BucketLayout& bl = s_->layout.buckets[b_];
+    std::ostringstream m;
+    m << "FusedAllreduce bucket " << b_ << " of " << s_->layout.buckets.size() << " ("
+      << dtype_name(bl.dtype) << ", " << bl.count << " elements, " << op_name(s_->op)
+      << "; tensors:";
+    std::size_t shown = 0;
+    for (const auto t : bl.tensors) {
+      if (shown++ == 8) {
+        m << " ... " << bl.tensors.size() - 8 << " more";
+        break;
+      }
+      m << " " << t << " '" << s_->specs[static_cast<std::size_t>(t)].name << "'";
+    }
+    m << ")";
+    return m.str();
+  }
+
+  std::unique_ptr<Request> next(Transport& t) override {
+    if (issued_) return nullptr;
+    issued_ = true;
+    const BucketLayout& bl = s_->layout.buckets[b_];
+    return t.iallreduce(buf_->data(), buf_->data(), bl.count, bl.dtype, s_->op);
+  }
+
+  void finish(std::exception_ptr error) noexcept override {
+    std::lock_guard<std::mutex> lock(s_->mu);
+    auto& bs = s_->buckets[b_];
+    bs.done = true;
+    bs.error = error;
+    ++s_->done_count;
+    s_->cv.notify_all();
+  }
+
+ private:
+  std::shared_ptr<FusedAllreduce::State> s_;
+  std::size_t b_;
+  std::shared_ptr<FusionBuffer> buf_;
+  bool issued_ = false;
+};
+
+std::uint64_t fnv1a(std::uint64_t h, std::int64_t v) {
+  for (int i = 0; i < 8; ++i) {
+    h ^= static_cast<std::uint64_t>(v >> (8 * i)) & 0xffu;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// All ranks must agree on counts, dtypes, threshold and op (names may differ).
+void verify_same_everywhere(Engine& engine, const std::vector<TensorSpec>& specs,
+                            std::int64_t threshold, ReduceOp op) {
+  struct Sig {
+    std::uint64_t hash;
+    std::int64_t n;
+    std::int64_t elements;
+  };
+  auto mine = std::make_shared<Sig>();
+  auto all = std::make_shared<std::vector<Sig>>();
+  std::uint64_t h = 14695981039346656037ull;
+  h = fnv1a(h, threshold);
+  h = fnv1a(h, static_cast<std::int64_t>(op));
+  std::int64_t elements = 0;
+  for (const auto& s : specs) {
+    h = fnv1a(fnv1a(h, s.count), static_cast<std::int64_t>(s.dtype));
+    elements += s.count;
+  }
+  *mine = {h, static_cast<std::int64_t>(specs.size()), elements};
+  std::vector<StepTask::Step> steps;
+  steps.push_back([mine, all](Transport& t) {
+    all->resize(static_cast<std::size_t>(t.size()));
+    return t.iallgather(mine.get(), sizeof(Sig), all->data());
+  });
+  steps.push_back([all](Transport&) -> std::unique_ptr<Request> {
+    std::ostringstream differ;
+    bool bad = false;
+    for (std::size_t r = 0; r < all->size(); ++r) {
+      if ((*all)[r].hash != all->front().hash) bad = true;
+      differ << (r ? "; " : "") << "rank " << r << ": " << (*all)[r].n << " tensors, "
+             << (*all)[r].elements << " elements";
+    }
+    if (bad) {
+      throw std::invalid_argument(
+          "FusedAllreduce: the tensor specs, threshold_bytes or op differ across ranks (" +
+          differ.str() +
+          "). Every rank must build it from the same ordered list of (count, dtype), e.g. the "
+          "model's trainable weights in the same order.");
+    }
+    return nullptr;
+  });
+  auto task = std::make_shared<StepTask>("FusedAllreduce construction (spec check)", std::move(steps));
+  auto done = task->future();
+  engine.enqueue(task);
+  done.get();
+}
+
+}  // namespace
+
+FusedAllreduce::FusedAllreduce(Engine& engine, std::vector<TensorSpec> specs,
+                               std::int64_t threshold_bytes, ReduceOp op)
+    : state_(std::make_shared<State>()) {
+  State& s = *state_;
+  s.engine = &engine;
+  s.plan = plan_buckets(specs, threshold_bytes);
+  s.layout = make_layout(specs, s.plan);
+  s.specs = std::move(specs);
+  s.op = op;
+  if (op == ReduceOp::kAvg) {
+    for (const auto& b : s.layout.buckets) {
+      if (!dtype_is_float(b.dtype)) divide_inplace(nullptr, 0, b.dtype, 1);  // throws: AVG on ints
+    }
+  }
+  s.buckets.resize(s.plan.size());
+  s.submitted.assign(s.specs.size(), 0);
+  s.arm_round();
+  verify_same_everywhere(engine, s.specs, threshold_bytes, op);
+}
+
+FusedAllreduce::~FusedAllreduce() { close(); }
+
+const Plan& FusedAllreduce::plan() const { return state_->plan; }
+const std::vector<TensorSpec>& FusedAllreduce::specs() const { return state_->specs; }
+
+void FusedAllreduce::submit(std::int64_t index, const void* data, std::int64_t count, DType dtype) {
+  State& s = *state_;
+  if (index < 0 || index >= static_cast<std::int64_t>(s.specs.size())) {
+    throw std::out_of_range("FusedAllreduce.submit: index " + std::to_string(index) +
+                            " is out of range for " + std::to_string(s.specs.size()) + " tensors");
+  }
+  const TensorSpec& spec = s.specs[static_cast<std::size_t>(index)];
+  if (count != spec.count || dtype != spec.dtype) {
+    throw std::invalid_argument("FusedAllreduce.submit: " + s.tensor_name(index) + " expects " +
+                                std::to_string(spec.count) + " " + dtype_name(spec.dtype) +
+                                " values, got " + std::to_string(count) + " " + dtype_name(dtype));
+  }
+  const TensorSlot& slot = s.layout.slots[static_cast<std::size_t>(index)];
+  const auto b = static_cast<std::size_t>(slot.bucket);
+  std::shared_ptr<FusionBuffer> buf;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.closed) throw CommError("FusedAllreduce.submit: the engine was closed");
+    if (!s.broken.empty()) throw CommError("FusedAllreduce is unusable: " + s.broken);
+    if (s.submitted[static_cast<std::size_t>(index)]) {
+      throw std::invalid_argument(
+          "FusedAllreduce.submit: " + s.tensor_name(index) +
+          " was already submitted in this round; submit each tensor once between wait() calls");
+    }
+    s.submitted[static_cast<std::size_t>(index)] = 1;
+    auto& bs = s.buckets[b];
+    const auto members = static_cast<std::int64_t>(s.layout.buckets[b].tensors.size());
+    if (bs.pending == members) {  // first tensor of this bucket in this round
+      bs.buffer = reuse_or_allocate(bs.buffer, static_cast<std::size_t>(s.layout.buckets[b].nbytes()));
+    }
+    buf = bs.buffer;
+  }
+  const std::size_t esize = dtype_size(spec.dtype);
+  if (count > 0) {
+    std::memcpy(buf->data() + slot.offset * static_cast<std::int64_t>(esize), data,
+                static_cast<std::size_t>(count) * esize);
+  }
+  // Launch every bucket that is complete and next in plan order.
+  std::lock_guard<std::mutex> launch(s.launch_mu);
+  std::vector<std::shared_ptr<Task>> ready;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    --s.buckets[b].pending;
+    while (s.next_bucket < s.buckets.size() && s.buckets[s.next_bucket].pending == 0) {
+      auto& nb = s.buckets[s.next_bucket];
+      nb.launched = true;
+      ready.push_back(std::make_shared<BucketTask>(state_, s.next_bucket, nb.buffer));
+      ++s.next_bucket;
+    }
+  }
+  for (auto& t : ready) s.engine->enqueue(std::move(t));
+}
+
+std::vector<FusedResult> FusedAllreduce::wait() {
+  State& s = *state_;
+  const double timeout_s = s.engine->config().timeout_s;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s));
+  std::unique_lock<std::mutex> lock(s.mu);
+  while (s.done_count < s.buckets.size() && !s.closed && s.broken.empty()) {
+    if (s.cv.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
+                                                     std::chrono::milliseconds(100))) ==
+        std::cv_status::no_timeout) {
+      continue;
+    }
+    if (s.engine->broken().size() && s.next_bucket < s.buckets.size()) {
+      s.broken = s.engine->broken();
+      break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::vector<std::string> missing;
+      for (std::size_t i = 0; i < s.specs.size(); ++i) {
+        if (!s.submitted[i]) missing.push_back("'" + s.specs[i].name + "'");
+      }
+      std::ostringstream m;
+      m << "FusedAllreduce.wait: not complete after " << timeout_s << " s on rank "
+        << s.engine->world().rank << ": ";
+      if (!missing.empty()) {
+        m << missing.size() << " tensors were never submitted on this rank (";
+        for (std::size_t i = 0; i < missing.size() && i < 10; ++i) m << (i ? ", " : "") << missing[i];
+        m << (missing.size() > 10 ? ", ...)" : ")")
+          << ". Submit every tensor once per round before wait() returns.";
+      } else {
+        m << (s.buckets.size() - s.done_count) << " buckets still in flight.";
+      }
+      m << " If the job is only slow, raise " << kTimeoutEnv << "=<seconds>.";
+      s.broken = m.str();
+      throw StallError(s.broken);
+    }
+  }
+  if (s.closed) throw CommError("FusedAllreduce.wait: the engine was closed");
+  if (!s.broken.empty()) throw CommError("FusedAllreduce is unusable: " + s.broken);
+  for (const auto& bs : s.buckets) {
+    if (bs.error) {
+      const auto err = bs.error;
+      s.arm_round();
+      std::rethrow_exception(err);
+    }
+  }
+  std::vector<FusedResult> out;
+  out.reserve(s.specs.size());
+  for (std::size_t t = 0; t < s.specs.size(); ++t) {
+    const TensorSlot& slot = s.layout.slots[t];
+    const std::size_t esize = dtype_size(s.specs[t].dtype);
+    out.push_back({s.buckets[static_cast<std::size_t>(slot.bucket)].buffer,
+                   slot.offset * static_cast<std::int64_t>(esize), slot.count});
+  }
+  std::vector<std::pair<std::shared_ptr<FusionBuffer>, const BucketLayout*>> to_scale;
+  if (s.op == ReduceOp::kAvg) {
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      to_scale.emplace_back(s.buckets[b].buffer, &s.layout.buckets[b]);
+    }
+  }
+  s.arm_round();
+  lock.unlock();
+  for (auto& [buf, bl] : to_scale) divide_inplace(buf->data(), bl->count, bl->dtype, s.engine->world().size);
+  return out;
+}
+
+void FusedAllreduce::close() {
+  if (!state_) return;
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->closed = true;
+  state_->cv.notify_all();
+}
+
+}  // namespace tnt

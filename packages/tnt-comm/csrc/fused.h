@@ -1,0 +1,52 @@
+// The fused allreduce engine: tensors are copied into per-bucket buffers as they are
+// submitted (from any thread); a bucket is launched when its last tensor arrived and
+// every earlier bucket was launched (the next-bucket cursor), so all ranks issue the
+// same collectives in the same order whatever the submission order. Reductions run on
+// the communication thread while callers keep submitting: communication overlaps
+// computation. wait() returns every reduced tensor and re-arms the engine.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "buffer.h"
+#include "engine.h"
+#include "plan.h"
+
+namespace tnt {
+
+struct FusedResult {
+  std::shared_ptr<FusionBuffer> buffer;  // keeps the memory alive while Python holds it
+  std::int64_t offset_bytes = 0;
+  std::int64_t count = 0;
+};
+
+class FusedAllreduce {
+ public:
+  // Collective: every rank must construct it with the same specs, threshold and op (it
+  // checks, and raises on every rank if they differ). Blocking: release the GIL.
+  FusedAllreduce(Engine& engine, std::vector<TensorSpec> specs, std::int64_t threshold_bytes,
+                 ReduceOp op);
+  ~FusedAllreduce();
+  FusedAllreduce(const FusedAllreduce&) = delete;
+  FusedAllreduce& operator=(const FusedAllreduce&) = delete;
+
+  const Plan& plan() const;
+  const std::vector<TensorSpec>& specs() const;
+
+  // Copies `data` (count elements of dtype) into the tensor's bucket slot; launches the
+  // buckets that became ready. Errors name the tensor. Call with the GIL released.
+  void submit(std::int64_t index, const void* data, std::int64_t count, DType dtype);
+  // Blocks until every bucket is reduced; results in spec order. Call with the GIL released.
+  std::vector<FusedResult> wait();
+  // Further calls fail; a pending wait() fails with CommError. In-flight buckets finish.
+  void close();
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace tnt

@@ -1,0 +1,142 @@
+"""The fused allreduce engine: buckets of tensors reduced while the caller still submits."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from . import _runtime
+from ._collectives import Op
+from ._dtypes import as_dtype, check_reducible
+
+_core = _runtime._core
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the fused engine: a name (for messages), element count and dtype."""
+
+    name: str
+    count: int
+    dtype: Any  # anything np.dtype() accepts; stored as np.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        check_reducible(self.dtype, f"TensorSpec {self.name!r}")
+        if isinstance(self.count, bool) or int(self.count) != self.count or self.count < 0:
+            raise ValueError(f"TensorSpec {self.name!r}: count must be an int >= 0, got {self.count!r}")
+        object.__setattr__(self, "count", int(self.count))
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def _raw(specs: Sequence[TensorSpec]) -> list[tuple[str, int, str]]:
+    out = []
+    for i, s in enumerate(specs):
+        if not isinstance(s, TensorSpec):
+            raise TypeError(f"specs[{i}] is a {type(s).__name__}, expected tnt_comm.TensorSpec")
+        out.append((s.name, s.count, s.dtype.name))
+    return out
+
+
+def plan_buckets(specs: Sequence[TensorSpec], threshold_bytes: int) -> list[list[int]]:
+    """Which tensors share a bucket: lists of spec indices, in launch order.
+
+    Rule: walk the specs in order keeping one open bucket per dtype; a tensor joins the
+    open bucket of its dtype unless the bucket would then exceed ``threshold_bytes``, in
+    which case that bucket closes and the tensor starts a new one. So a tensor larger
+    than the threshold gets its own bucket, dtypes never mix, and ``threshold_bytes=0``
+    means one tensor per bucket. Buckets are ordered by their first tensor index. A pure
+    function: every rank computes the same plan without communicating.
+    """
+    return [list(b) for b in _core.plan_buckets(_raw(specs), int(threshold_bytes))]
+
+
+class FusedAllreduce:
+    """Allreduce of a fixed, ordered list of tensors, fused into buckets.
+
+    Construction is collective (every rank passes the same specs, threshold and op;
+    checked). Each round: ``submit`` every tensor once (any thread, any order; returns
+    at once), then ``wait`` returns all reduced tensors. Buckets are reduced in plan
+    order as soon as they are complete, overlapping the remaining submissions.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec], threshold_bytes: int, op: Op = Op.SUM) -> None:
+        self._specs = tuple(specs)
+        raw = _raw(self._specs)
+        op = Op(op)
+        if op is Op.AVG:
+            for s in self._specs:
+                if s.dtype.kind in "iu":
+                    raise ValueError(
+                        f"FusedAllreduce: Op.AVG is not defined for integer tensor {s.name!r} "
+                        f"({s.dtype.name}); use Op.SUM"
+                    )
+        _runtime.ensure()
+        self._core = _core.FusedAllreduce(raw, int(threshold_bytes), int(op), [s.dtype for s in self._specs])
+        self._plan = [list(b) for b in self._core.plan]
+        self._op = op
+
+    @property
+    def plan(self) -> list[list[int]]:
+        return [list(b) for b in self._plan]
+
+    @property
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return self._specs
+
+    def submit(self, index: int, array: np.ndarray) -> None:
+        """Copy ``array`` into its bucket; launches the buckets that became complete."""
+        try:
+            spec = self._specs[index]
+        except (IndexError, TypeError):
+            raise IndexError(
+                f"FusedAllreduce.submit: index {index!r} is not a tensor index "
+                f"(0..{len(self._specs) - 1})"
+            ) from None
+        if not isinstance(array, np.ndarray):
+            raise TypeError(
+                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) must be a numpy.ndarray, "
+                f"got {type(array).__name__}; convert it with np.asarray(...)"
+            )
+        if array.dtype != spec.dtype:
+            raise TypeError(
+                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) is {spec.dtype.name} in the "
+                f"specs but the array is {array.dtype.name}; convert with array.astype(...)"
+            )
+        if array.size != spec.count:
+            raise ValueError(
+                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) has {spec.count} elements "
+                f"in the specs but the array has {array.size} (shape {array.shape})"
+            )
+        if not array.flags.c_contiguous:
+            raise ValueError(
+                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) is not C-contiguous; "
+                "pass np.ascontiguousarray(array)"
+            )
+        self._core.submit(index, array, spec.dtype.name)
+
+    def wait(self) -> list[np.ndarray]:
+        """All reduced tensors in spec order (1-D, ``count`` elements each); re-arms."""
+        return self._core.wait()
+
+    def close(self) -> None:
+        """Refuse further use; a pending wait() fails. In-flight buckets still finish."""
+        self._core.close()
+
+    def __enter__(self) -> FusedAllreduce:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
