@@ -35,17 +35,13 @@ PROG = "tarantella"
 
 EPILOG = """Examples:
 
-  tarantella -n 4 -- train.py --epochs 3      4 processes on this machine
-
+\b
+  tarantella -n 4 -- train.py --epochs 3          4 processes on this machine
   tarantella --hostfile hosts --n-per-node 2 -- train.py
-
   tarantella -n 2 -x OMP_NUM_THREADS=1 --output-on-all-devices -- train.py
-
-  tarantella --python-interpreter "" -n 2 -- ./a.out        run a binary directly
-
-  tarantella --dry-run -n 8 -- train.py       print the command, start nothing
-
-  tarantella --cleanup -- train.py            stop leftovers of train.py
+  tarantella -n 2 --python-interpreter "" -- ./a.out   run a binary directly
+  tarantella --dry-run -n 8 -- train.py           print the command, start nothing
+  tarantella --cleanup -- train.py                stop leftovers of train.py
 
 Everything after `--` is the program and its arguments, untouched (a program flag
 like `-n` is never read by the launcher)."""
@@ -84,6 +80,8 @@ def _version_callback(value: bool) -> None:
 
 app = typer.Typer(
     add_completion=False,
+    rich_markup_mode=None,  # plain help: option texts hold brackets like '[rank]'
+    pretty_exceptions_enable=False,
     no_args_is_help=False,
     help="Start PROGRAM on N processes (MPI ranks) on one or many hosts.",
 )
@@ -96,6 +94,7 @@ app = typer.Typer(
         "help_option_names": ["-h", "--help"],
     },
     epilog=EPILOG,
+    options_metavar="[OPTIONS] -- PROGRAM [ARGS...]",
 )
 def launch(
     ctx: typer.Context,
@@ -178,7 +177,12 @@ def launch(
                      help="Print the version and exit."),
     ] = None,
 ) -> None:
-    """Start PROGRAM on N processes:  tarantella [OPTIONS] -- PROGRAM [ARGS...]"""
+    """Start PROGRAM on N processes (MPI ranks), on this host or on the hosts of a hostfile.
+
+    PROGRAM runs under the Python interpreter (see --python-interpreter) through the
+    MPI in use (mpirun/mpiexec of Open MPI, MPICH or Intel MPI), or srun inside a
+    Slurm allocation. Exit code: 0 when every rank succeeded, else non-zero.
+    """
     level = log_level.value if log_level else None
     try:
         code = _launch(

@@ -16,7 +16,8 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: Prefixes of the caller's variables that every rank receives unchanged.
 PASS_THROUGH_PREFIXES = ("TNT_", "TF_")
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: The launcher's own settings: read by the launcher, not sent to the ranks.
+LAUNCHER_ONLY = frozenset({"TNT_MPIRUN"})
 
 
 def parse_export(item: str) -> tuple[str, str]:
@@ -73,7 +74,11 @@ class Settings:
 
 def pass_through(caller_env: Mapping[str, str]) -> dict[str, str]:
     """The caller's `TNT_*` and `TF_*` variables, in the caller's order."""
-    return {k: v for k, v in caller_env.items() if k.startswith(PASS_THROUGH_PREFIXES)}
+    return {
+        k: v
+        for k, v in caller_env.items()
+        if k.startswith(PASS_THROUGH_PREFIXES) and k not in LAUNCHER_ONLY
+    }
 
 
 def rank_environment(

