@@ -64,8 +64,9 @@ def find_program_processes(program: str, proc_dir: Path = Path("/proc")) -> list
     return sorted(found)
 
 
-def stop(pids: Sequence[int], force: bool, grace_s: float = GRACE_S) -> list[int]:
+def stop(pids: Sequence[int], force: bool, grace_s: float | None = None) -> list[int]:
     """SIGTERM (SIGKILL with force) the pids; return those still alive after `grace_s`."""
+    grace_s = GRACE_S if grace_s is None else grace_s
     sig = signal.SIGKILL if force else signal.SIGTERM
     for pid in pids:
         try:

@@ -108,6 +108,19 @@ def _keep_tail(src: IO[bytes], tail: collections.deque[bytes]) -> None:
         tail.append(line[:_MAX_LINE])
 
 
+def _finish(threads: list[threading.Thread], pipes: list[IO[bytes]]) -> None:
+    """Let readers drain the pipes, then close them.
+
+    A grandchild that keeps the pipe open must not keep the rank alive: after 2 s the
+    readers are abandoned (daemon threads) and the pipes left to process exit.
+    """
+    for thread in threads:
+        thread.join(timeout=2.0)
+    if not any(thread.is_alive() for thread in threads):
+        for pipe in pipes:
+            pipe.close()
+
+
 def _start(command: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
     return subprocess.Popen(list(command), preexec_fn=_die_with_parent, **kwargs)  # type: ignore[call-overload]
 
@@ -122,7 +135,7 @@ def run_hidden(command: Sequence[str], rank: int, err: IO[bytes]) -> int:
     reader = threading.Thread(target=_keep_tail, args=(proc.stderr, tail), daemon=True)
     reader.start()
     returncode = proc.wait()
-    reader.join(timeout=2.0)  # a grandchild may hold the pipe open; do not wait for it
+    _finish([reader], [proc.stderr])
     if returncode != 0 and forwarder.received is None:
         prefix = f"[{rank}] ".encode()
         err.write(prefix + f"tarantella: rank {rank} {_describe(returncode)}; "
@@ -146,8 +159,7 @@ def run_prefixed(command: Sequence[str], rank: int, out: IO[bytes], err: IO[byte
     for copier in copiers:
         copier.start()
     returncode = proc.wait()
-    for copier in copiers:
-        copier.join(timeout=2.0)
+    _finish(copiers, [proc.stdout, proc.stderr])
     return _exit_code(returncode)
 
 

@@ -1,0 +1,90 @@
+"""The launcher's own process handling: exit codes, signals, leftovers (no MPI needed)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+from cli_helpers import is_running, wait_for
+
+from tnt_cli import supervise
+from tnt_cli.supervise import kill_session, run, session_members
+
+
+def test_exit_code_and_environment_reach_the_starter(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    outcome = run(["sh", "-c", f'printf %s "$FOO" > {out}; exit 3'], {"FOO": "b=c d"})
+    assert (outcome.code, outcome.interrupted_by) == (3, None)
+    assert out.read_text() == "b=c d"
+
+
+def test_starter_killed_by_signal_gives_128_plus_signal() -> None:
+    assert run(["sh", "-c", "kill -KILL $$"], {}).code == 128 + signal.SIGKILL
+
+
+def test_leftovers_of_a_finished_starter_are_killed(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    outcome = run(["sh", "-c", f"sleep 300 & echo $! > {pidfile}; exit 0"], {})
+    assert outcome.code == 0
+    assert not is_running(int(pidfile.read_text()))
+
+
+def _interrupt_when(path: Path, sig: int) -> threading.Thread:
+    def go() -> None:
+        wait_for(path.exists, 30, f"{path} to appear")
+        os.kill(os.getpid(), sig)
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_stop_signal_escalates_to_kill_when_ignored(tmp_path: Path, monkeypatch) -> None:
+    """A starter and child that ignore SIGTERM are killed once the grace period ends."""
+    monkeypatch.setattr(supervise, "STOP_GRACE_S", 0.5)
+    pidfile = tmp_path / "pid"
+    # Ignored signals stay ignored across fork and exec, so the child sleep ignores them too.
+    script = f"trap '' TERM INT HUP; sleep 300 & echo $! > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; wait"
+    thread = _interrupt_when(pidfile, signal.SIGINT)
+    outcome = run(["sh", "-c", script], {})
+    thread.join(timeout=5)
+    assert (outcome.code, outcome.interrupted_by) == (130, signal.SIGINT)
+    assert not is_running(int(pidfile.read_text()))
+
+
+def test_handlers_are_restored_after_run() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    run(["true"], {})
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_session_members_and_kill_session(tmp_path: Path) -> None:
+    import subprocess
+
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"], start_new_session=True)
+    try:
+        wait_for(lambda: len(session_members(proc.pid)) == 3, 10, "the shell and two sleeps")
+        members = kill_session(proc.pid, grace_s=1.0)
+        assert proc.pid in members and len(members) == 3
+        proc.wait(timeout=5)
+        wait_for(lambda: not session_members(proc.pid), 5, "the session to be empty")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_session_members_of_unknown_session_is_empty() -> None:
+    assert session_members(2**22 + 12345) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_other_stop_signals(tmp_path: Path, sig: int) -> None:
+    ready = tmp_path / "ready"
+    thread = _interrupt_when(ready, sig)
+    outcome = run(["sh", "-c", f"touch {ready}; sleep 300"], {})
+    thread.join(timeout=5)
+    assert outcome == supervise.Outcome(128 + sig, sig)
