@@ -202,3 +202,32 @@ def test_oversubscription_works_with_a_note(script) -> None:
     ranks = sorted(int(line.split()[2]) for line in done.stdout.splitlines()
                    if "out-from-rank" in line)
     assert ranks == list(range(n))
+
+
+def test_hostfile_run(script, tmp_path: Path) -> None:
+    """A hostfile naming this machine goes through the --host path of mpirun."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    prog = script("report.py", REPORT)
+    done = launch(["--hostfile", str(hosts), "--output-on-all-devices", "--", str(prog)])
+    assert done.returncode == 0, done.stderr
+    ranks = sorted(line.split()[2] for line in done.stdout.splitlines() if "out-from-rank" in line)
+    assert ranks == ["0", "1"]
+
+
+def test_cleanup_on_the_hosts_of_a_hostfile(script, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    prog = script("stray.py", f"import time\nopen({str(ready)!r}, 'w').close()\ntime.sleep(300)\n")
+    stray = subprocess.Popen([sys.executable, str(prog)])
+    try:
+        wait_for(ready.exists, 30, "the stray program to start")
+        hosts = tmp_path / "hosts"
+        hosts.write_text("localhost\n")
+        done = launch(["--cleanup", "--hostfile", str(hosts), "--", str(prog)])
+        assert done.returncode == 0, done.stderr
+        assert f"stopping {stray.pid}" in done.stdout
+        assert stray.wait(timeout=10) != 0
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+            stray.wait()
