@@ -75,6 +75,11 @@ std::string Engine::broken() const {
   return broken_;
 }
 
+void Engine::mark_broken(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (broken_.empty()) broken_ = why;
+}
+
 void Engine::fail(Task& task, const std::string& why) noexcept {
   task.finish(std::make_exception_ptr(CommError(why)));
 }

@@ -47,6 +47,9 @@ class Engine {
   const Config& config() const { return config_; }
   // Non-empty once a stall made the engine unusable (the stall message).
   std::string broken() const;
+  // Makes every later task fail at once with `why` (the collective sequence of the
+  // ranks can no longer match, e.g. after a stall detected outside the engine).
+  void mark_broken(const std::string& why);
 
  private:
   void loop();

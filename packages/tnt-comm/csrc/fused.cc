@@ -243,7 +243,7 @@ void FusedAllreduce::submit(std::int64_t index, const void* data, std::int64_t c
 std::vector<FusedResult> FusedAllreduce::wait() {
   State& s = *state_;
   const double timeout_s = s.engine->config().timeout_s;
-  const auto deadline = std::chrono::steady_clock::now() +
+  auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeout_s));
   std::unique_lock<std::mutex> lock(s.mu);
@@ -262,6 +262,12 @@ std::vector<FusedResult> FusedAllreduce::wait() {
       for (std::size_t i = 0; i < s.specs.size(); ++i) {
         if (!s.submitted[i]) missing.push_back("'" + s.specs[i].name + "'");
       }
+      // Everything submitted: the buckets in flight are under the engine's own timeout,
+      // which will end them with a StallError naming the bucket. Keep waiting for it.
+      if (missing.empty()) {
+        deadline = std::chrono::steady_clock::time_point::max();
+        continue;
+      }
       std::ostringstream m;
       m << "FusedAllreduce.wait: not complete after " << timeout_s << " s on rank "
         << s.engine->world().rank << ": ";
@@ -270,11 +276,11 @@ std::vector<FusedResult> FusedAllreduce::wait() {
         for (std::size_t i = 0; i < missing.size() && i < 10; ++i) m << (i ? ", " : "") << missing[i];
         m << (missing.size() > 10 ? ", ...)" : ")")
           << ". Submit every tensor once per round before wait() returns.";
-      } else {
-        m << (s.buckets.size() - s.done_count) << " buckets still in flight.";
       }
       m << " If the job is only slow, raise " << kTimeoutEnv << "=<seconds>.";
       s.broken = m.str();
+      // The ranks now disagree on the collective sequence: nothing may run any more.
+      s.engine->mark_broken(s.broken);
       throw StallError(s.broken);
     }
   }

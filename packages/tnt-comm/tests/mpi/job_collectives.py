@@ -1,0 +1,264 @@
+"""Every collective and the fused engine on however many ranks mpirun gave us.
+
+Expected values are built independently with numpy from the known per-rank inputs.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import ml_dtypes
+import numpy as np
+from _harness import check, run_all, watchdog
+
+import tnt_comm as t
+
+watchdog()
+R, N = t.rank(), t.size()
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int32, np.int64]
+RANK_SUM = N * (N + 1) // 2  # sum over ranks of (r + 1)
+
+
+def contribution(n: int, dtype: object, r: int) -> np.ndarray:
+    """Rank r's data: (i % 13) * (r + 1), exact in every dtype for these sizes."""
+    return ((np.arange(n) % 13) * (r + 1)).astype(dtype)
+
+
+def expect_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    if got.dtype.kind in "fV":  # floats incl. bfloat16: compare as float64, NaN == NaN
+        ok = np.array_equal(got.astype(np.float64), want.astype(np.float64), equal_nan=True)
+    else:
+        ok = np.array_equal(got, want)
+    assert ok, f"{what}: values differ, first got {got.ravel()[:5]} want {want.ravel()[:5]}"
+
+
+def expect_raises(exc: type[BaseException], fragment: str, fn, *args, **kw) -> None:
+    try:
+        fn(*args, **kw)
+    except exc as e:
+        assert fragment in str(e), f"message {str(e)!r} lacks {fragment!r}"
+        return
+    raise AssertionError(f"{fn.__name__} did not raise {exc.__name__} ({fragment})")
+
+
+@check
+def world() -> None:
+    assert 0 <= R < N
+    assert t.local_size() == N  # one host
+    assert t.local_rank() == R
+    ranks = t.allgather(np.array([R], np.int64))
+    expect_equal(ranks, np.arange(N, dtype=np.int64), "ranks")
+
+
+@check
+def allreduce_sum_every_dtype_and_size() -> None:
+    for dtype in DTYPES:
+        itemsize = np.dtype(dtype).itemsize
+        large = (16 * 2**20) // itemsize + 7  # > 16 MB, odd
+        for n in (0, 1, 7, 1001, large):
+            x = contribution(n, dtype, R)
+            want = ((np.arange(n) % 13) * RANK_SUM).astype(dtype)
+            expect_equal(t.allreduce(x), want, f"sum {np.dtype(dtype).name}[{n}]")
+            expect_equal(x, contribution(n, dtype, R), "input untouched")
+
+
+@check
+def allreduce_shapes_min_max_avg() -> None:
+    x = contribution(24, np.float32, R).reshape(2, 3, 4)
+    s = t.allreduce(x, t.Op.SUM)
+    assert s.shape == (2, 3, 4)
+    base = (np.arange(24) % 13).reshape(2, 3, 4)
+    expect_equal(t.allreduce(x, t.Op.MIN), base.astype(np.float32), "min")
+    expect_equal(t.allreduce(x, t.Op.MAX), (base * N).astype(np.float32), "max")
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        avg = t.allreduce(contribution(30, dtype, R), t.Op.AVG)
+        want = (np.arange(30) % 13) * RANK_SUM / N
+        assert np.allclose(avg.astype(np.float64), want, rtol=1e-2), (dtype, avg)
+    for dtype in (np.int32, np.int64, np.float16, ml_dtypes.bfloat16):
+        expect_equal(t.allreduce(contribution(9, dtype, R), t.Op.MAX),
+                     ((np.arange(9) % 13) * N).astype(dtype), f"max {np.dtype(dtype).name}")
+    scalar = t.allreduce(np.array(R + 1.0))
+    assert scalar.shape == () and float(scalar) == RANK_SUM
+
+
+@check
+def nan_and_inf_from_one_rank_propagate() -> None:
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        x = np.ones(5, dtype)
+        if R == N - 1:
+            x[1], x[2], x[3] = np.nan, np.inf, -np.inf
+        y = t.allreduce(x).astype(np.float64)
+        assert np.isnan(y[1]) and y[2] == np.inf and y[3] == -np.inf, (dtype, y)
+        assert y[0] == N and y[4] == N
+
+
+@check
+def broadcast_from_first_and_last_rank() -> None:
+    for root in sorted({0, N - 1}):
+        for dtype in (*DTYPES, np.uint8, np.bool_, np.complex64):
+            x = (np.arange(12).reshape(3, 4) + 100 * R).astype(dtype)
+            want = (np.arange(12).reshape(3, 4) + 100 * root).astype(dtype)
+            expect_equal(t.broadcast(x, root=root), want, f"bcast root {root} {np.dtype(dtype)}")
+        expect_equal(t.broadcast(np.zeros(0, np.float32), root), np.zeros(0, np.float32), "empty")
+        big = np.full(5_000_000, R, np.float32)
+        expect_equal(t.broadcast(big, root), np.full(5_000_000, root, np.float32), "bcast 20MB")
+
+
+@check
+def allgather_uneven_lengths() -> None:
+    rows = t.allgather(np.full((R, 3), R, np.float64))  # rank 0 contributes nothing
+    want = np.concatenate([np.full((r, 3), r, np.float64) for r in range(N)])
+    expect_equal(rows, want, "allgather uneven 2-D")
+    flat = t.allgather(np.arange(R + 1, dtype=np.int32))
+    expect_equal(flat, np.concatenate([np.arange(r + 1, dtype=np.int32) for r in range(N)]), "1-D")
+    none = t.allgather(np.zeros((0, 2), np.float32))
+    assert none.shape == (0, 2)
+
+
+@check
+def objects() -> None:
+    got = t.broadcast_object({"from": R, "list": list(range(R))}, root=N - 1)
+    assert got == {"from": N - 1, "list": list(range(N - 1))}
+    assert t.allgather_object(("r", R, "x" * R)) == [("r", r, "x" * r) for r in range(N)]
+
+
+@check
+def cross_rank_mismatch_is_a_clear_error_everywhere() -> None:
+    if N == 1:
+        return
+    # Every rank raises the same ValueError; afterwards the communicator still works.
+    n = 4 if R == 0 else 3
+    expect_raises(ValueError, "differ across ranks", t.broadcast, np.zeros(n, np.float32), 0)
+    dt = np.float32 if R == 0 else np.float64
+    expect_raises(ValueError, "differ across ranks", t.allreduce, np.zeros(4, dt))
+    expect_raises(ValueError, "differ across ranks", t.allreduce, np.zeros(4, np.float32),
+                  t.Op.SUM if R else t.Op.MAX)
+    expect_raises(ValueError, "trailing dimensions", t.allgather, np.zeros((1, 2 + R), np.float32))
+    expect_raises(ValueError, "disagree on the root", t.broadcast, np.zeros(2), R)
+    expect_equal(t.allreduce(np.ones(3)), np.full(3, float(N)), "usable after errors")
+
+
+def _specs(count: int, seed: int = 7) -> list[t.TensorSpec]:
+    rng = np.random.default_rng(seed)  # same on every rank
+    kinds = ["float32", "float64", "float16", "int64", "bfloat16"]
+    return [t.TensorSpec(f"g{i}", int(rng.integers(0, 300)), kinds[int(rng.integers(0, 5))])
+            for i in range(count)]
+
+
+def _value(spec: t.TensorSpec, i: int, r: int, it: int = 0) -> np.ndarray:
+    return (((np.arange(spec.count) + i + it) % 11) * (r + 1)).astype(spec.dtype)
+
+
+def _want(spec: t.TensorSpec, i: int, it: int = 0) -> np.ndarray:
+    return (((np.arange(spec.count) + i + it) % 11) * RANK_SUM).astype(spec.dtype)
+
+
+@check
+def fused_any_submission_order() -> None:
+    specs = _specs(150)
+    for threshold in (0, 1000, 1 << 20):
+        with t.FusedAllreduce(specs, threshold) as f:
+            assert f.plan == t.plan_buckets(specs, threshold)
+            order = np.random.default_rng(100 + R).permutation(len(specs))  # differs per rank
+            for i in order:
+                f.submit(int(i), _value(specs[i], int(i), R))
+            out = f.wait()
+            assert len(out) == len(specs)
+            for i, (s, y) in enumerate(zip(specs, out)):
+                expect_equal(y, _want(s, i), f"fused {threshold} {s.name}")
+
+
+@check
+def fused_from_several_threads() -> None:
+    specs = _specs(200, seed=3)
+    with t.FusedAllreduce(specs, 4096) as f:
+        order = np.random.default_rng(200 + R).permutation(len(specs))
+        errors: list[BaseException] = []
+
+        def worker(part: np.ndarray) -> None:
+            try:
+                for i in part:
+                    f.submit(int(i), _value(specs[i], int(i), R))
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(p,)) for p in np.array_split(order, 4)]
+        for th in threads:
+            th.start()
+        out = f.wait()  # may start before the threads are done
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        for i, (s, y) in enumerate(zip(specs, out)):
+            expect_equal(y, _want(s, i), f"threaded {s.name}")
+
+
+@check
+def fused_one_engine_100_rounds() -> None:
+    specs = [t.TensorSpec(f"w{i}", c, "float32") for i, c in enumerate([94, 17, 2, 81, 0, 1000])]
+    kept = None
+    with t.FusedAllreduce(specs, 448, op=t.Op.SUM) as f:
+        for it in range(100):
+            for i in (reversed(range(len(specs))) if (R + it) % 2 else range(len(specs))):
+                f.submit(i, _value(specs[i], i, R, it))
+            out = f.wait()
+            for i, (s, y) in enumerate(zip(specs, out)):
+                expect_equal(y, _want(s, i, it), f"round {it} {s.name}")
+            if it == 10:
+                kept = out  # results held by the caller are never overwritten later
+        for i, (s, y) in enumerate(zip(specs, kept)):
+            expect_equal(y, _want(s, i, 10), f"kept round 10 {s.name}")
+
+
+@check
+def fused_avg_and_large() -> None:
+    specs = [t.TensorSpec("big", 5_000_000, np.float32), t.TensorSpec("small", 3, np.float64)]
+    with t.FusedAllreduce(specs, 1 << 22, op=t.Op.AVG) as f:
+        f.submit(1, np.full(3, R, np.float64))
+        f.submit(0, np.full(5_000_000, R + 1, np.float32))
+        big, small = f.wait()
+    assert np.all(big == np.float32(RANK_SUM / N)), big[:3]
+    assert np.allclose(small, (N - 1) / 2)
+
+
+@check
+def fused_bad_submissions_name_the_tensor() -> None:
+    specs = [t.TensorSpec("kernel", 4, "float32"), t.TensorSpec("bias", 2, "float32")]
+    with t.FusedAllreduce(specs, 1024) as f:
+        expect_raises(ValueError, "'kernel'", f.submit, 0, np.zeros(5, np.float32))
+        expect_raises(TypeError, "'bias'", f.submit, 1, np.zeros(2, np.float64))
+        expect_raises(ValueError, "ascontiguousarray", f.submit, 0, np.zeros(8, np.float32)[::2])
+        expect_raises(IndexError, "not a tensor index", f.submit, 2, np.zeros(2, np.float32))
+        f.submit(0, np.ones(4, np.float32))
+        expect_raises(ValueError, "tensor 0 ('kernel') was already submitted", f.submit, 0,
+                      np.ones(4, np.float32))
+        f.submit(1, np.ones(2, np.float32))
+        k, _b = f.wait()
+        expect_equal(k, np.full(4, N, np.float32), "after errors")
+    expect_raises(t.CommError, "closed", f.submit, 0, np.ones(4, np.float32))
+
+
+@check
+def bad_input_errors() -> None:
+    expect_raises(ValueError, "np.ascontiguousarray", t.allreduce, np.zeros((4, 4))[:, 1])
+    expect_raises(TypeError, "supported: float16", t.allreduce, np.zeros(3, np.uint8))
+    expect_raises(TypeError, "np.asarray", t.allreduce, [1.0, 2.0])
+    expect_raises(ValueError, "Op.AVG is not defined for integer", t.allreduce,
+                  np.zeros(3, np.int32), t.Op.AVG)
+    expect_raises(TypeError, "broadcast_object", t.broadcast, np.array([object()]))
+    expect_raises(ValueError, "native byte order", t.allreduce, np.zeros(3, ">f4"))
+    expect_raises(ValueError, "at least one dimension", t.allgather, np.array(1.0))
+    expect_raises(ValueError, "count must be", t.TensorSpec, "x", -1, "float32")
+    expect_raises(TypeError, "cannot be reduced", t.TensorSpec, "x", 3, "uint8")
+    expect_raises(ValueError, "integer tensor 'i'", t.FusedAllreduce,
+                  [t.TensorSpec("i", 3, "int32")], 0, t.Op.AVG)
+
+
+run_all(R)
+t.barrier()

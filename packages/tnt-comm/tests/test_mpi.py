@@ -1,0 +1,57 @@
+"""Multi-process tests: real mpirun launches on 1-4 ranks (few launches, many checks each)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import explain
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_collectives_and_fused_engine(run_job, ranks: int) -> None:
+    proc = run_job("job_collectives.py", ranks)
+    assert proc.returncode == 0, explain(proc)
+    ok = re.findall(r"rank (\d+): CHECKS OK (\d+)", proc.stdout)
+    assert sorted(int(r) for r, _ in ok) == list(range(ranks)), explain(proc)
+    assert all(int(n) >= 14 for _, n in ok), explain(proc)
+
+
+def test_stall_of_a_skipped_allreduce_raises_quickly(run_job) -> None:
+    t0 = time.perf_counter()
+    proc = run_job("job_stall.py", 2, env={"MODE": "plain", "TNT_COMM_TIMEOUT": "1.5"}, timeout=60)
+    elapsed = time.perf_counter() - t0
+    out = proc.stdout
+    assert "rank 0: STALL after" in out, explain(proc)
+    line = next(x for x in out.splitlines() if x.startswith("rank 0: STALL"))
+    assert "allreduce(float32 (10,), SUM)" in line
+    assert "Missing ranks (never arrived): 1" in line
+    assert "TNT_COMM_TIMEOUT" in line
+    assert "NO ERROR" not in out
+    assert "rank 0: THEN tnt_comm is unusable after an earlier stall" in out, explain(proc)
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+
+
+def test_stall_in_fused_engine_names_bucket_and_tensor(run_job) -> None:
+    proc = run_job("job_stall.py", 2, env={"MODE": "fused", "TNT_COMM_TIMEOUT": "1.5"}, timeout=60)
+    out = proc.stdout
+    line0 = next((x for x in out.splitlines() if x.startswith("rank 0: STALL")), "")
+    assert "FusedAllreduce bucket 1 of 2" in line0 and "'late'" in line0, explain(proc)
+    assert "Missing ranks (never arrived): 1" in line0, explain(proc)
+    line1 = next((x for x in out.splitlines() if x.startswith("rank 1: STALL")), "")
+    assert "never submitted on this rank ('late')" in line1, explain(proc)
+    assert "TNT_COMM_TIMEOUT" in line1
+
+
+def test_uncaught_exception_aborts_the_job(run_job) -> None:
+    t0 = time.perf_counter()
+    proc = run_job("job_uncaught.py", 2, env={"TNT_COMM_TIMEOUT": "100"}, timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0, explain(proc)
+    assert "boom from the last rank" in proc.stderr, explain(proc)
+    assert "aborting all ranks" in proc.stderr, explain(proc)
+    assert "UNREACHABLE" not in proc.stdout
+    assert elapsed < 40, f"took {elapsed:.1f}s: the abort did not end the waiting rank"
