@@ -100,8 +100,10 @@ def test_each_flavour_from_its_version_text(fake_mpirun, prog, kind, expected_he
     assert argv[0] == mpirun
     assert argv[1:1 + len(expected_head)] == expected_head
     assert env == {"A": "x y"}
-    if os.cpu_count() == 2 or len(os.sched_getaffinity(0)) < 3:
-        assert "oversubscribing" in stderr
+    assert ("3 processes on" in stderr and "oversubscribing" in stderr) == (
+        len(os.sched_getaffinity(0)) < 3
+    )
+    assert ("--oversubscribe" in argv) == (kind == "openmpi4" and len(os.sched_getaffinity(0)) < 3)
 
 
 def test_hostfile(fake_mpirun, prog, tmp_path: Path) -> None:

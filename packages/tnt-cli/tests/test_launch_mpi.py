@@ -24,9 +24,12 @@ LAUNCHER = [sys.executable, "-m", "tnt_cli"]
 DEADLINE_S = 60
 
 
-def launch(args: list[str], **kwargs) -> subprocess.CompletedProcess[str]:
+def launch(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the launcher; the ranks must get CUDA_VISIBLE_DEVICES only from --no-gpu."""
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.run([*LAUNCHER, *args], capture_output=True, text=True,
-                          timeout=DEADLINE_S, check=False, **kwargs)
+                          timeout=DEADLINE_S, check=False, env=env)
 
 
 # Every rank reports who it is; rank 0 and 1 print distinct lines on both streams.
@@ -88,6 +91,8 @@ def test_two_ranks_only_master_output(script) -> None:
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("out-from-rank")]
     assert len(lines) == 1 and lines[0].startswith("out-from-rank 0 ")
+    values = json.loads(lines[0].split(" ", 2)[2].rsplit(" [", 1)[0])
+    assert values["CUDA_VISIBLE_DEVICES"] is None and values["TNT_LOG_LEVEL"] is None
     assert lines[0].endswith("['-n', '9']")  # the program's own -n reached it untouched
     assert "err-from-rank 0" in done.stderr
     assert "err-from-rank 1" not in done.stderr and "rank 1" not in done.stdout

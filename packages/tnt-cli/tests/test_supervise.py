@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,21 @@ def test_leftovers_of_a_finished_starter_are_killed(tmp_path: Path) -> None:
     assert not is_running(int(pidfile.read_text()))
 
 
-def _interrupt_when(path: Path, sig: int) -> threading.Thread:
+def _interrupt_when(ready: Path, sig: int) -> threading.Thread:
+    """Send `sig` to this process once `ready` holds the starter's pid.
+
+    Watchdog: if the run has not ended 20 s later, kill the starter's session so a
+    broken stop path fails the test instead of hanging it.
+    """
+
     def go() -> None:
-        wait_for(path.exists, 30, f"{path} to appear")
+        wait_for(lambda: ready.exists() and ready.read_text().strip() != "", 30, f"{ready}")
+        starter = int(ready.read_text().split()[0])
         os.kill(os.getpid(), sig)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and session_members(starter):
+            time.sleep(0.1)
+        kill_session(starter, grace_s=0.0)
 
     thread = threading.Thread(target=go, daemon=True)
     thread.start()
@@ -45,14 +57,18 @@ def _interrupt_when(path: Path, sig: int) -> threading.Thread:
 def test_stop_signal_escalates_to_kill_when_ignored(tmp_path: Path, monkeypatch) -> None:
     """A starter and child that ignore SIGTERM are killed once the grace period ends."""
     monkeypatch.setattr(supervise, "STOP_GRACE_S", 0.5)
-    pidfile = tmp_path / "pid"
+    ready = tmp_path / "ready"
     # Ignored signals stay ignored across fork and exec, so the child sleep ignores them too.
-    script = f"trap '' TERM INT HUP; sleep 300 & echo $! > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; wait"
-    thread = _interrupt_when(pidfile, signal.SIGINT)
+    script = (f"trap '' TERM INT HUP; sleep 300 & echo $$ $! > {ready}.tmp; "
+              f"mv {ready}.tmp {ready}; wait")
+    thread = _interrupt_when(ready, signal.SIGINT)
+    started = time.monotonic()
     outcome = run(["sh", "-c", script], {})
-    thread.join(timeout=5)
+    elapsed = time.monotonic() - started
+    thread.join(timeout=30)
     assert (outcome.code, outcome.interrupted_by) == (130, signal.SIGINT)
-    assert not is_running(int(pidfile.read_text()))
+    assert elapsed < 15, "the watchdog, not the launcher, ended the run"
+    assert not is_running(int(ready.read_text().split()[1]))
 
 
 def test_handlers_are_restored_after_run() -> None:
@@ -85,6 +101,9 @@ def test_session_members_of_unknown_session_is_empty() -> None:
 def test_other_stop_signals(tmp_path: Path, sig: int) -> None:
     ready = tmp_path / "ready"
     thread = _interrupt_when(ready, sig)
-    outcome = run(["sh", "-c", f"touch {ready}; sleep 300"], {})
-    thread.join(timeout=5)
+    started = time.monotonic()
+    outcome = run(["sh", "-c", f"echo $$ > {ready}.tmp; mv {ready}.tmp {ready}; sleep 300"], {})
+    elapsed = time.monotonic() - started
+    thread.join(timeout=30)
     assert outcome == supervise.Outcome(128 + sig, sig)
+    assert elapsed < 15, "the watchdog, not the launcher, ended the run"
