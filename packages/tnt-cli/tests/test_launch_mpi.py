@@ -11,12 +11,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from cli_helpers import is_running, wait_for
-
-from tnt_cli.supervise import session_members
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("clean_env")]
 
@@ -79,10 +78,10 @@ def recorded(out: Path) -> dict[int, tuple[int, int, int]]:
 
 
 def assert_nothing_left(records: dict[int, tuple[int, int, int]]) -> None:
-    for rank, (pid, parent, sid) in records.items():
+    """Neither a rank's program nor its parent (wrapper or mpirun) outlived the launcher."""
+    for rank, (pid, parent, _sid) in records.items():
         assert not is_running(pid), f"rank {rank} (pid {pid}) survived the launcher"
-        assert session_members(sid) == [], f"processes of the job's session {sid} survived"
-        del parent
+        assert not is_running(parent), f"rank {rank}'s parent (pid {parent}) survived"
 
 
 def test_two_ranks_only_master_output(script) -> None:
@@ -236,3 +235,81 @@ def test_cleanup_on_the_hosts_of_a_hostfile(script, tmp_path: Path) -> None:
         if stray.poll() is None:
             stray.kill()
             stray.wait()
+
+
+def _read_until(fd: int, buffer: bytearray, token: bytes, timeout: float) -> bool:
+    import select
+
+    deadline = time.monotonic() + timeout
+    while token not in buffer and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                buffer.extend(os.read(fd, 4096))
+            except OSError:
+                break
+    return token in buffer
+
+
+def test_terminal_stdin_reaches_master_and_ctrl_c_stops(script, tmp_path: Path) -> None:
+    """In a terminal: typed input reaches rank 0, and Ctrl+C (sent by the terminal to the
+    foreground process group) stops both ranks."""
+    import fcntl
+    import termios
+
+    prog = script("echo_line.py", """\
+        import os, sys, time
+        rank = os.environ["OMPI_COMM_WORLD_RANK"]
+        with open(os.path.join(sys.argv[1], f"pid-{rank}"), "w") as f:
+            f.write(f"{os.getpid()} {os.getppid()} {os.getsid(0)}")
+        if rank == "0":
+            print("ready", flush=True)
+            print("got", repr(sys.stdin.readline()), flush=True)
+        time.sleep(300)
+        """)
+    master, slave = os.openpty()
+
+    def own_terminal() -> None:  # new session whose controlling terminal is the pty
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    proc = subprocess.Popen([*LAUNCHER, "-n", "2", "--", str(prog), str(tmp_path)],
+                            stdin=slave, stdout=slave, stderr=slave, env=env,
+                            preexec_fn=own_terminal)
+    os.close(slave)
+    seen = bytearray()
+    try:
+        assert _read_until(master, seen, b"ready", 30), seen.decode(errors="replace")
+        wait_for(lambda: len(recorded(tmp_path)) == 2, 30, "both ranks to start")
+        os.write(master, b"hello\n")
+        assert _read_until(master, seen, b"got 'hello\\n'", 30), seen.decode(errors="replace")
+        os.write(master, b"\x03")  # Ctrl+C
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert proc.returncode == 130
+    assert_nothing_left(recorded(tmp_path))
+
+
+def test_ranks_stop_when_the_launcher_is_killed(script, tmp_path: Path) -> None:
+    """SIGKILL cannot be handled: the starter learns of it (parent-death signal) and
+    stops the ranks itself."""
+    prog = script("sleeping.py", SLEEPING)
+    proc = subprocess.Popen([*LAUNCHER, "-n", "2", "--", str(prog), str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: len(recorded(tmp_path)) == 2, 30, "both ranks to start")
+        records = recorded(tmp_path)
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: not any(is_running(pid) or is_running(parent)
+                                 for pid, parent, _ in records.values()),
+                 10, "the ranks to stop after the launcher was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -139,3 +139,10 @@ def test_wrapper_numa_runs_through_numactl(tmp_path: Path) -> None:
                     {"PMI_RANK": "0", "PATH": path})
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[0] numactl --cpunodebind=0 --membind=0", "[0] ran"]
+
+
+def test_wrapper_does_not_import_typer() -> None:
+    """Every rank starts the wrapper: it must stay light (no CLI framework import)."""
+    done = subprocess.run([PY, "-c", "import sys, tnt_cli.rank; print('typer' in sys.modules)"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "False"

@@ -1,12 +1,16 @@
 """Run the starter, forward Ctrl+C/SIGTERM to it, and leave no process behind.
 
-The starter runs in its own session, so the launcher can find every process it
-(indirectly) started on this host by session id and kill what is left, even when
-the starter itself had to be killed.
+The starter stays in the launcher's process group, so in a terminal it is in the
+foreground: it can forward stdin to rank 0, and Ctrl+C reaches it as usual. To find
+every process it (indirectly) started on this host, the launcher makes itself a
+*child subreaper* (Linux): a process whose parent dies is re-parented to the launcher
+instead of init, so all of them stay in the launcher's process tree, where they are
+found and killed when the starter ends or has to be stopped.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -16,20 +20,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: After forwarding a stop signal, how long the starter may take to stop its ranks
-#: before the launcher kills the whole session (the issue allows 10 s in total).
+#: before the launcher kills the whole tree (the issue allows 10 s in total).
 STOP_GRACE_S = 6.0
 #: Leftovers of a finished starter get SIGTERM, then SIGKILL after this.
 LEFTOVER_GRACE_S = 2.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
-def session_members(sid: int, proc_dir: Path = Path("/proc")) -> list[int]:
-    """Pids whose session id is `sid` (Linux /proc); empty elsewhere."""
-    members: list[int] = []
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def become_subreaper() -> bool:
+    """Orphaned descendants are re-parented to us, not init (Linux >= 3.4)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _parents(proc_dir: Path = Path("/proc")) -> dict[int, int]:
+    """pid -> parent pid of every live (non-zombie) process, from /proc."""
+    parents: dict[int, int] = {}
     try:
         entries = list(proc_dir.iterdir())
     except OSError:  # pragma: no cover - no /proc
-        return members
+        return parents
     for entry in entries:
         if not entry.name.isdigit():
             continue
@@ -39,22 +58,64 @@ def session_members(sid: int, proc_dir: Path = Path("/proc")) -> list[int]:
             continue
         # Fields after the command name (which may hold spaces) start after ')'.
         fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
-            members.append(int(entry.name))
-    return members
+        if len(fields) > 1 and fields[0] != "Z":
+            parents[int(entry.name)] = int(fields[1])
+    return parents
 
 
-def kill_session(sid: int, grace_s: float = LEFTOVER_GRACE_S) -> list[int]:
-    """SIGTERM every process of the session, SIGKILL survivors after `grace_s`."""
-    first = session_members(sid)
+def descendants(root: int, proc_dir: Path = Path("/proc")) -> list[int]:
+    """Live descendants of `root` (children first), excluding `root` itself."""
+    children: dict[int, list[int]] = {}
+    for pid, parent in _parents(proc_dir).items():
+        children.setdefault(parent, []).append(pid)
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        nxt = [child for pid in frontier for child in children.get(pid, [])]
+        found.extend(nxt)
+        frontier = nxt
+    return found
+
+
+def kill_tree(
+    root: int, grace_s: float = LEFTOVER_GRACE_S, spare: frozenset[int] = frozenset()
+) -> list[int]:
+    """SIGTERM every descendant of `root` not in `spare`, SIGKILL survivors after
+    `grace_s`, and reap those that became our children."""
+
+    def targets() -> list[int]:
+        return [pid for pid in descendants(root) if pid not in spare]
+
+    first = targets()
     for pid in first:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and session_members(sid):
+    while time.monotonic() < deadline and targets():
+        _reap(first)
         time.sleep(0.05)
-    for pid in session_members(sid):
+    for pid in targets():
         _signal(pid, signal.SIGKILL)
+    _reap(first, wait_s=1.0)
     return first
+
+
+def _reap(pids: Sequence[int], wait_s: float = 0.0) -> None:
+    """Collect exit statuses of those pids that became our children (no zombies left)."""
+    deadline = time.monotonic() + wait_s
+    pending = list(pids)
+    while pending:
+        still = []
+        for pid in pending:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue  # not our child (or already collected)
+            if done == 0:
+                still.append(pid)
+        pending = still
+        if not pending or time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -64,8 +125,13 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _starter_dies_with_us() -> None:
+    """In the starter before exec: SIGTERM if the launcher dies (even by SIGKILL)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class _Stopper:
-    """Forwards the first stop signal as SIGTERM; a second one kills the session."""
+    """Forwards the first stop signal as SIGTERM; a second one kills the tree."""
 
     def __init__(self, proc: subprocess.Popen[bytes]) -> None:
         self.proc = proc
@@ -96,8 +162,11 @@ class Outcome:
 
 def run(argv: Sequence[str], env: Mapping[str, str]) -> Outcome:
     """Start the starter with `env` added to our environment and wait for it."""
+    become_subreaper()
+    me = os.getpid()
+    already_running = frozenset(descendants(me))  # not ours to clean up (library use)
     full_env = {**os.environ, **env}
-    proc = subprocess.Popen(list(argv), env=full_env, start_new_session=True)
+    proc = subprocess.Popen(list(argv), env=full_env, preexec_fn=_starter_dies_with_us)
     stopper = _Stopper(proc)
     try:
         while True:
@@ -106,10 +175,14 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> Outcome:
                 break
             except subprocess.TimeoutExpired:
                 if stopper.deadline is not None and time.monotonic() >= stopper.deadline:
-                    kill_session(proc.pid, grace_s=0.0)
+                    for pid in [proc.pid, *descendants(proc.pid)]:
+                        _signal(pid, signal.SIGKILL)
     finally:
         stopper.restore()
-        kill_session(proc.pid)  # whatever the starter left behind on this host
+        if proc.poll() is None:  # only on an exception in the loop above
+            proc.kill()
+            proc.wait()
+        kill_tree(me, spare=already_running)  # whatever the starter left behind here
     if stopper.signum is not None:
         return Outcome(128 + stopper.signum, stopper.signum)
     return Outcome(128 - returncode if returncode < 0 else returncode)
