@@ -21,6 +21,12 @@ def test_plain_and_slots_lines_comments_and_blanks() -> None:
     assert parse_hostfile_text(text) == [Host("node1"), Host("node2", 4), Host("node3", 2)]
 
 
+def test_mpich_colon_form() -> None:
+    assert parse_hostfile_text("a:4\nb\n") == [Host("a", 4), Host("b")]
+    with pytest.raises(UsageError, match="slots must be a positive integer, got 0"):
+        parse_hostfile_text("a:0\n")
+
+
 def test_max_slots_is_accepted_and_ignored() -> None:
     assert parse_hostfile_text("a slots=2 max_slots=8\n") == [Host("a", 2)]
 
@@ -38,6 +44,7 @@ def test_duplicate_host_names_both_lines() -> None:
         ("a cores=4", "cannot read 'cores=4'"),
         ("a slots", "cannot read 'slots'"),
         ("a/b", "is not a host name"),
+        ("a:b", "is not a host name"),
     ],
 )
 def test_bad_lines_name_the_line(line: str, message: str) -> None:

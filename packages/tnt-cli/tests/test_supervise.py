@@ -13,6 +13,7 @@ import pytest
 from cli_helpers import is_running, wait_for
 
 from tnt_cli import supervise
+from tnt_cli.errors import EnvironmentProblem
 from tnt_cli.supervise import descendants, kill_tree, run
 
 
@@ -102,6 +103,11 @@ def test_other_stop_signals(tmp_path: Path, sig: int) -> None:
     thread.join(timeout=30)
     assert outcome == supervise.Outcome(128 + sig, sig)
     assert elapsed < 15, "the watchdog, not the launcher, ended the run"
+
+
+def test_starter_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(EnvironmentProblem, match=r"cannot start /nonexistent/mpirun: No such file"):
+        run(["/nonexistent/mpirun"], {})
 
 
 def test_handlers_are_restored_after_run() -> None:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from tnt_cli.errors import UsageError
 
-_HOST = re.compile(r"[A-Za-z0-9_.\-:\[\]]+\Z")
+_HOST = re.compile(r"[A-Za-z0-9_.\-]+\Z")
+_HOST_COLON_SLOTS = re.compile(r"([^:]+):(\d+)\Z")  # MPICH machinefile form 'host:K'
+
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,10 @@ class Host:
 
 
 def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
-    """Parse `host` and `host slots=K` lines; `#` starts a comment, blank lines are skipped."""
+    """Parse `host`, `host slots=K` (Open MPI) and `host:K` (MPICH) lines.
+
+    `#` starts a comment; blank lines are skipped.
+    """
     hosts: list[Host] = []
     seen: dict[str, int] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -30,9 +35,14 @@ def parse_hostfile_text(text: str, source: str = "hostfile") -> list[Host]:
             continue
         where = f"{source}:{lineno}"
         name, *rest = line.split()
+        colon_slots: int | None = None
+        if match := _HOST_COLON_SLOTS.match(name):
+            name, colon_slots = match.group(1), int(match.group(2))
+            if colon_slots < 1:
+                raise UsageError(f"{where}: slots must be a positive integer, got {colon_slots}")
         if not _HOST.match(name):
             raise UsageError(f"{where}: {name!r} is not a host name")
-        slots: int | None = None
+        slots: int | None = colon_slots
         for field in rest:
             key, sep, value = field.partition("=")
             if key not in ("slots", "max_slots", "max-slots") or not sep:

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tnt_cli.errors import EnvironmentProblem
+
 #: After forwarding a stop signal, how long the starter may take to stop its ranks
 #: before the launcher kills the whole tree (the issue allows 10 s in total).
 STOP_GRACE_S = 6.0
@@ -166,7 +168,10 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> Outcome:
     me = os.getpid()
     already_running = frozenset(descendants(me))  # not ours to clean up (library use)
     full_env = {**os.environ, **env}
-    proc = subprocess.Popen(list(argv), env=full_env, preexec_fn=_starter_dies_with_us)
+    try:
+        proc = subprocess.Popen(list(argv), env=full_env, preexec_fn=_starter_dies_with_us)
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot start {argv[0]}: {exc.strerror or exc}") from exc
     stopper = _Stopper(proc)
     try:
         while True:
