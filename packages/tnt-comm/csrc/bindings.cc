@@ -61,8 +61,19 @@ class PyFused {
 
   Plan plan() const { return impl_->plan(); }
 
-  void submit(std::int64_t index, const py::array& a, const std::string& dtype) {
-    const DType dt = parse_dtype(dtype);
+  // The Python layer checked the array against the spec; the size/dtype are re-checked
+  // in C++ (cheaply) so a direct caller cannot corrupt a bucket.
+  void submit(std::int64_t index, const py::array& a) {
+    const auto& specs = impl_->specs();
+    if (index < 0 || index >= static_cast<std::int64_t>(specs.size())) {
+      throw std::out_of_range("FusedAllreduce.submit: no tensor " + std::to_string(index));
+    }
+    const DType dt = specs[static_cast<std::size_t>(index)].dtype;
+    if (a.itemsize() != static_cast<py::ssize_t>(dtype_size(dt)) ||
+        !(a.flags() & py::array::c_style)) {
+      throw std::invalid_argument("FusedAllreduce.submit: array does not match tensor " +
+                                  std::to_string(index) + " (itemsize or layout)");
+    }
     const void* data = a.data();
     const std::int64_t count = a.size();
     py::gil_scoped_release release;

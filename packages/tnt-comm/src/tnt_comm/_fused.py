@@ -120,7 +120,7 @@ class FusedAllreduce:
                 f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) is not C-contiguous; "
                 "pass np.ascontiguousarray(array)"
             )
-        self._core.submit(index, array, spec.dtype.name)
+        self._core.submit(index, array)
 
     def wait(self) -> list[np.ndarray]:
         """All reduced tensors in spec order (1-D, ``count`` elements each); re-arms."""

@@ -1,0 +1,184 @@
+"""Allreduce benchmark: tnt_comm vs mpi4py on the same MPI (run under mpirun).
+
+    mpirun -n 2 python benchmarks/allreduce.py [--quick]
+
+1. Bus bandwidth (nccl-tests: busbw = bytes * 2(n-1)/n / time), 1 KB .. 256 MB:
+   tnt_comm.allreduce vs mpi4py Allreduce.
+2. ResNet-50 gradient set (214 float32 tensors, 25.6 M values; shapes stored in
+   benchmarks/data): FusedAllreduce vs one contiguous MPI_Allreduce of the same bytes
+   (the floor) vs one allreduce per tensor.
+3. 1000 tensors of 256 float32: fused vs one allreduce per tensor.
+
+Every time is the median over repetitions (after warm-up) of the slowest rank's time.
+Prints a table; rank 0 writes benchmarks/results/allreduce.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import mpi4py
+import numpy as np
+
+# tnt_comm initialises MPI (from its own thread, with its defaults); mpi4py only uses it.
+mpi4py.rc.initialize = False
+mpi4py.rc.finalize = False
+from mpi4py import MPI  # noqa: E402
+
+import tnt_comm as t  # noqa: E402
+
+t.init()
+
+HERE = Path(__file__).parent
+COMM = MPI.COMM_WORLD
+DEFAULT_THRESHOLD = 4 << 20  # bytes per fusion bucket (see the sweep in the JSON)
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    """Median over reps of the slowest rank's wall time for one call of fn."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        COMM.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        times.append(COMM.allreduce(dt, op=MPI.MAX))
+    return statistics.median(times)
+
+
+def reps_for(nbytes: int) -> int:
+    return 50 if nbytes <= 1 << 20 else 15 if nbytes <= 16 << 20 else 5
+
+
+def busbw(max_bytes: int, quick: bool) -> list[dict[str, float]]:
+    n = COMM.size
+    rows = []
+    nbytes = 1 << 10
+    while nbytes <= max_bytes:
+        x = np.ones(nbytes // 4, np.float32)
+        out = np.empty_like(x)
+        reps = max(3, reps_for(nbytes) // (3 if quick else 1))
+        t_tnt = timed(lambda x=x: t.allreduce(x), reps)
+        t_mpi = timed(lambda x=x, out=out: COMM.Allreduce(x, out), reps)
+        factor = 2 * (n - 1) / n if n > 1 else 1.0
+        rows.append({
+            "bytes": nbytes,
+            "tnt_s": t_tnt,
+            "mpi4py_s": t_mpi,
+            "tnt_GBps": nbytes * factor / t_tnt / 1e9,
+            "mpi4py_GBps": nbytes * factor / t_mpi / 1e9,
+        })
+        nbytes *= 4
+    return rows
+
+
+def fused_round(engine: t.FusedAllreduce, grads: list[np.ndarray]) -> list[np.ndarray]:
+    for i, g in enumerate(grads):
+        engine.submit(i, g)
+    return engine.wait()
+
+
+def gradient_set(shapes: list[list[int]], threshold: int, reps: int) -> dict[str, float]:
+    specs = [t.TensorSpec(f"g{i}", int(np.prod(s)), "float32") for i, s in enumerate(shapes)]
+    grads = [np.full(s.count, 0.5, np.float32) for s in specs]
+    total = sum(s.count for s in specs)
+    flat = np.full(total, 0.5, np.float32)
+    flat_out = np.empty_like(flat)
+    with t.FusedAllreduce(specs, threshold) as fused, t.FusedAllreduce(specs, 0) as per_tensor:
+        res = {
+            "tensors": len(specs),
+            "values": total,
+            "threshold_bytes": threshold,
+            "buckets": len(fused.plan),
+            "fused_s": timed(lambda: fused_round(fused, grads), reps),
+            "floor_s": timed(lambda: COMM.Allreduce(flat, flat_out), reps),
+            "per_tensor_engine_s": timed(lambda: fused_round(per_tensor, grads), reps),
+        }
+        check = fused_round(fused, grads)
+        assert all(np.all(c == 0.5 * COMM.size) for c in check), "wrong fused result"
+    outs = [np.empty_like(g) for g in grads]
+
+    def mpi4py_per_tensor() -> None:
+        for g, o in zip(grads, outs):
+            COMM.Allreduce(g, o)
+
+    # "One allreduce per tensor": the MPI library's own Allreduce, once per tensor.
+    res["per_tensor_s"] = timed(mpi4py_per_tensor, reps)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer repetitions, sizes up to 64 MB")
+    p.add_argument("--threshold", type=int, default=DEFAULT_THRESHOLD, help="fusion bytes")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "allreduce.json")
+    args = p.parse_args()
+
+    rank, n = t.rank(), t.size()
+    shapes = json.loads((HERE / "data" / "resnet50_trainable_shapes.json").read_text())["shapes"]
+    max_bytes = (64 if args.quick else 256) << 20
+    reps = 5 if args.quick else 10
+
+    bw = busbw(max_bytes, args.quick)
+    resnet = gradient_set(shapes, args.threshold, reps)
+    small = gradient_set([[256]] * 1000, args.threshold, reps * 3)
+    sweep = []
+    for thr in (1 << 20, 16 << 20, 64 << 20):
+        r = gradient_set(shapes, thr, max(3, reps // 2))
+        sweep.append({k: r[k] for k in ("threshold_bytes", "buckets", "fused_s", "floor_s")})
+
+    large = [r for r in bw if r["bytes"] >= 1 << 20]
+    worst_ratio = min(r["tnt_GBps"] / r["mpi4py_GBps"] for r in large) if large else float("nan")
+    result = {
+        "ranks": n,
+        "mpi": t._runtime._core.library_version(),
+        "poll": {k: os.environ.get(k, "default") for k in
+                 ("TNT_COMM_POLL_SPIN_US", "TNT_COMM_POLL_MAX_SLEEP_US")},
+        "busbw": [{k: r[k] for k in ("bytes", "tnt_GBps", "mpi4py_GBps", "tnt_s", "mpi4py_s")}
+                  for r in bw],
+        "resnet50_set": resnet,
+        "small_tensors": small,
+        "resnet50_threshold_sweep": sweep,
+        "targets": {
+            "resnet50_fused_over_floor": resnet["fused_s"] / resnet["floor_s"],
+            "resnet50_within_15pct": resnet["fused_s"] <= 1.15 * resnet["floor_s"],
+            "small_speedup_vs_per_tensor": small["per_tensor_s"] / small["fused_s"],
+            "small_at_least_10x": small["per_tensor_s"] >= 10 * small["fused_s"],
+            "small_speedup_vs_engine_per_tensor": small["per_tensor_engine_s"] / small["fused_s"],
+            "busbw_worst_ratio_ge_1MB": worst_ratio,
+            "busbw_at_least_95pct_ge_1MB": worst_ratio >= 0.95,
+        },
+    }
+    if rank == 0:
+        print(f"\nallreduce benchmark, {n} ranks, {result['mpi']}")
+        print(f"{'bytes':>11} {'tnt GB/s':>9} {'mpi4py GB/s':>11} {'ratio':>6}")
+        for r in bw:
+            print(f"{r['bytes']:>11} {r['tnt_GBps']:>9.3f} {r['mpi4py_GBps']:>11.3f} "
+                  f"{r['tnt_GBps'] / r['mpi4py_GBps']:>6.2f}")
+        for name, res in (("ResNet-50 set", resnet), ("1000 x 256 float32", small)):
+            print(f"\n{name}: {res['tensors']} tensors, {res['values']} values, "
+                  f"{res['buckets']} buckets at {res['threshold_bytes']} B")
+            print(f"  fused (tnt FusedAllreduce)              {res['fused_s'] * 1e3:9.2f} ms")
+            print(f"  floor (1 contiguous mpi4py Allreduce)   {res['floor_s'] * 1e3:9.2f} ms")
+            print(f"  per tensor (mpi4py Allreduce each)      {res['per_tensor_s'] * 1e3:9.2f} ms")
+            print(f"  per tensor (tnt engine, threshold 0)    {res['per_tensor_engine_s'] * 1e3:9.2f} ms")
+        print("\nResNet-50 set, other thresholds (fused / floor):")
+        for r in sweep:
+            print(f"  {r['threshold_bytes'] >> 20:4d} MiB, {r['buckets']:3d} buckets: "
+                  f"{r['fused_s'] * 1e3:8.2f} / {r['floor_s'] * 1e3:8.2f} ms")
+        print("\ntargets:", json.dumps(result["targets"], indent=1))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
