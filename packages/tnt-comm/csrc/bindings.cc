@@ -76,6 +76,14 @@ class PyFused {
     }
     const void* data = a.data();
     const std::int64_t count = a.size();
+    // Releasing the GIL costs more than copying a small tensor (and invites a thread
+    // switch per tensor); only copies of kReleaseGilBytes or more run without it. The
+    // submit never waits on communication either way.
+    constexpr std::int64_t kReleaseGilBytes = 64 * 1024;
+    if (count * static_cast<std::int64_t>(dtype_size(dt)) < kReleaseGilBytes) {
+      impl_->submit(index, data, count, dt);
+      return;
+    }
     py::gil_scoped_release release;
     impl_->submit(index, data, count, dt);
   }
