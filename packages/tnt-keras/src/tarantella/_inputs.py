@@ -103,4 +103,6 @@ def rank_dataset(
             shuffle_seed=sharding.shuffle_seed,
         )
     except tnt_data.DistributionError as err:
-        raise InputError(f"tnt.Model.{method}: {err}") from err
+        # tnt_data speaks of its own argument; the user passed tnt_micro_batch_size.
+        message = str(err).replace(" micro_batch_size=", " tnt_micro_batch_size=")
+        raise InputError(f"tnt.Model.{method}: {message}") from err

@@ -278,8 +278,10 @@ class Model(keras.Model):
         )
         val = None
         if validation_data is not None:
-            vx, vy, vsw = (validation_data if isinstance(validation_data, tf.data.Dataset)
-                           else keras.utils.unpack_x_y_sample_weight(tuple(validation_data)))
+            if isinstance(validation_data, tf.data.Dataset):
+                vx, vy, vsw = validation_data, None, None
+            else:
+                vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
             val = rank_dataset(
                 vx, vy, vsw, batch_size=None if isinstance(vx, tf.data.Dataset) else (validation_batch_size or batch_size),
                 shuffle=False, method="fit(validation_data)",
@@ -290,7 +292,8 @@ class Model(keras.Model):
         self._warn_small_batch_norm(train)
         return super().fit(
             train, epochs=epochs, verbose=self._verbose(verbose),
-            callbacks=self._callbacks_for_this_rank(callbacks), validation_data=val, **kwargs,
+            callbacks=self._callbacks_for_this_rank(callbacks), validation_data=val,
+            shuffle=False, **kwargs,
         )
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,

@@ -30,6 +30,32 @@ def _local_batch_size(x) -> tf.Tensor:
     return tf.shape(first)[0]
 
 
+def _nonempty(structure, local_n: tf.Tensor):
+    """``structure`` with each tensor replaced by one zero sample when the batch is empty.
+
+    A rank whose micro-batch of the last step is empty must still run the step (it
+    takes part in the allreduce), but some TensorFlow kernels mishandle empty batches
+    (oneDNN's Conv2D returns a wrongly shaped result for 0 samples). The padded sample's
+    gradient and metric contributions are masked to zero, so it changes nothing.
+    """
+
+    def pad(t):
+        if t is None:
+            return None
+        zero = tf.zeros([1, *t.shape[1:]], t.dtype) if t.shape[1:].is_fully_defined() else \
+            tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
+        out = tf.cond(local_n > 0, lambda: t, lambda: zero)
+        out.set_shape(t.shape)
+        return out
+
+    return tf.nest.map_structure(pad, structure)
+
+
+def _masked(value: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
+    """``value`` where ``keep`` holds, zeros otherwise (NaN-safe, unlike multiplying by 0)."""
+    return tf.where(keep, value, tf.zeros_like(value))
+
+
 def metric_variables(model: keras.Model) -> list[keras.Variable]:
     """All state variables of the model's metrics, each once, in a rank-independent order."""
     seen: set[int] = set()
@@ -125,6 +151,7 @@ class DistributedSteps:
         local_n = _local_batch_size(x)
         distributed = self._size > 1
         if distributed:
+            x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
             before, initial = self._begin_metric_contribution()
         with tf.GradientTape() as tape:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=True)
@@ -140,14 +167,15 @@ class DistributedSteps:
         ]
         if distributed:
             reducer = self.train_reducer()
+            has_data = local_n > 0
             b = tf.cast(local_n, tf.float32)
             tokens = [reducer.submit(0, tf.reshape(b, [1]))]
             contribution = self._metric_contribution(initial)
             offset = 1
-            tokens += [reducer.submit(offset + i, c) for i, c in enumerate(contribution)]
+            tokens += [reducer.submit(offset + i, _masked(c, has_data)) for i, c in enumerate(contribution)]
             offset += len(contribution)
             for i, g in enumerate(reversed(grads)):
-                tokens.append(reducer.submit(offset + i, g * tf.cast(b, g.dtype)))
+                tokens.append(reducer.submit(offset + i, _masked(g * tf.cast(b, g.dtype), has_data)))
             reduced = reducer.wait(tokens)
             global_n = reduced[0][0]
             self._apply_global_metrics(before, reduced[1:offset])
@@ -164,21 +192,24 @@ class DistributedSteps:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
             return model.get_metrics_result()
+        x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
         before, initial = self._begin_metric_contribution()
         y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
         self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
         reducer = self.test_reducer()
         contribution = self._metric_contribution(initial)
-        tokens = [reducer.submit(i, c) for i, c in enumerate(contribution)]
+        has_data = local_n > 0
+        tokens = [reducer.submit(i, _masked(c, has_data)) for i, c in enumerate(contribution)]
         self._apply_global_metrics(before, reducer.wait(tokens) if tokens else [])
         return model.get_metrics_result()
 
     def predict_step(self, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._model(x, training=False)
         if self._size == 1:
-            return y_pred
-        return tf.nest.map_structure(_allgather, y_pred)
+            return self._model(x, training=False)
+        local_n = _local_batch_size(x)
+        y_pred = self._model(_nonempty(x, local_n), training=False)
+        return tf.nest.map_structure(lambda t: _allgather(t[:local_n]), y_pred)
 
 
 def _allgather(tensor: tf.Tensor) -> tf.Tensor:

@@ -19,24 +19,28 @@ class ReplicaMismatchError(RuntimeError):
     """The model (or optimizer) differs between ranks."""
 
 
-def _signature(variables: Sequence) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(v.path, tuple(int(d) for d in v.shape), str(v.dtype)) for v in variables]
+def _signature(variables: Sequence) -> list[tuple[tuple[int, ...], str]]:
+    # Names are not compared: Keras numbers auto-named layers per process, so the same
+    # model may be `dense_4` on one rank and `dense_2` on another. Order, shape and
+    # dtype must agree; names only make the error readable.
+    return [(tuple(int(d) for d in v.shape), str(v.dtype)) for v in variables]
 
 
 def verify_same_on_all_ranks(variables: Sequence, what: str) -> None:
     """Raise :class:`ReplicaMismatchError` naming the first variable that differs."""
-    mine = _signature(variables)
+    mine = (_signature(variables), [v.path for v in variables])
     everyone = tnt_comm.allgather_object(mine)
-    reference = everyone[MASTER_RANK]
-    for rank, theirs in enumerate(everyone):
+    reference, ref_names = everyone[MASTER_RANK]
+    for rank, (theirs, names) in enumerate(everyone):
         if theirs == reference:
             continue
         if len(theirs) != len(reference):
             detail = f"rank {rank} has {len(theirs)} variables, rank 0 has {len(reference)}"
         else:
-            idx = next(i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b)
+            i = next(i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b)
             detail = (
-                f"variable #{idx} is {theirs[idx]} on rank {rank} but {reference[idx]} on rank 0"
+                f"variable #{i} is {names[i]} {theirs[i][0]} {theirs[i][1]} on rank {rank} "
+                f"but {ref_names[i]} {reference[i][0]} {reference[i][1]} on rank 0"
             )
         raise ReplicaMismatchError(
             f"The {what} differs between ranks: {detail}. Every rank must build the same "

@@ -109,7 +109,7 @@ def check_numpy_inputs() -> None:
 
 def check_predict_on_every_rank() -> None:
     _, model = serial_and_tnt()
-    pred = model.predict(ds(VX, VY, 6).map(lambda a, b: a), verbose=0)
+    pred = model.predict(ds(VX, VY, 6).map(lambda a, b: (a,)), verbose=0)
     digests = gathered(digest([pred]))
     check("predict_full_on_every_rank", pred.shape == (23, 3) and len(set(digests)) == 1,
           (pred.shape, digests))
@@ -118,6 +118,13 @@ def check_predict_on_every_rank() -> None:
 def _lr_log(model_lrs: list):
     return keras.callbacks.LambdaCallback(
         on_epoch_end=lambda epoch, logs: model_lrs.append(float(logs.get("learning_rate", np.nan))))
+
+
+def _close(a: str, b: str) -> bool:
+    try:
+        return abs(float(a) - float(b)) < 1e-5
+    except ValueError:
+        return a == b
 
 
 def check_callbacks(tmp: Path) -> None:
@@ -132,7 +139,7 @@ def check_callbacks(tmp: Path) -> None:
 
     # ReduceLROnPlateau and LearningRateScheduler: the serial learning rates.
     for name, make in {
-        "reduce_lr_on_plateau": lambda: keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.05),
+        "reduce_lr_on_plateau": lambda: keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=0.5),
         "learning_rate_scheduler": lambda: keras.callbacks.LearningRateScheduler(lambda e, lr: lr * 0.7),
     }.items():
         serial, model = serial_and_tnt()
@@ -153,7 +160,7 @@ def check_callbacks(tmp: Path) -> None:
         rs = list(csv.DictReader(serial_csv.open()))
         rt = list(csv.DictReader(tnt_csv.open()))
         same = len(rs) == len(rt) == 3 and all(
-            a.keys() == b.keys() and all(abs(float(a[k]) - float(b[k])) < 1e-5 for k in a) for a, b in zip(rs, rt))
+            a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a) for a, b in zip(rs, rt))
         check("csv_logger_equal_serial", same, dict(serial=rs, tnt=rt))
 
     # ModelCheckpoint: only the master writes; files complete, no temporary left behind.

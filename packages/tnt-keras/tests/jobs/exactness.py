@@ -16,8 +16,11 @@ import _job
 import keras
 import numpy as np
 import tensorflow as tf
+import tnt_comm
 
 import tarantella as tnt
+
+COMPILE_ARGS = dict(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
@@ -114,44 +117,52 @@ def batched(x, y, w, batch: int, shuffle_seed):
     return ds.batch(batch)
 
 
-def run_case(name, kind, opt, batch, n, epochs, weighted, shuffle_seed) -> dict:
-    x, y, w = data(kind, n, seed=11)
-    vx, vy, vw = data(kind, 29, seed=12)
-    w = w if weighted else None
-    initial = build(kind, seed=3).get_weights()
-    compile_args = dict(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-
+def run_serial(kind, opt, train, vx, vy, epochs, initial) -> dict:
+    """Plain Keras on one process: the reference (computed on the master rank only)."""
     serial = build(kind, seed=3)
     serial.set_weights(initial)
-    serial.compile(optimizer=OPTIMIZERS[opt](), **compile_args)
-    train = batched(x, y, w, batch, shuffle_seed)
-    val = batched(vx, vy, None, 7, None)
-    h_serial = serial.fit(train, epochs=epochs, validation_data=val, verbose=0).history
-    e_serial = serial.evaluate(val, verbose=0)
-    p_serial = serial.predict(batched(vx, vy, None, 7, None).map(lambda a, b: a), verbose=0)
+    serial.compile(optimizer=OPTIMIZERS[opt](), **COMPILE_ARGS)
+    history = serial.fit(train, epochs=epochs, validation_data=batched(vx, vy, None, 7, None), verbose=0).history
+    return {
+        "history": history,
+        "weights": serial.get_weights(),
+        "evaluate": serial.evaluate(batched(vx, vy, None, 7, None), verbose=0),
+        "predict": serial.predict(batched(vx, vy, None, 7, None).map(lambda a, b: (a,)), verbose=0),
+    }
+
+
+def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed) -> dict:
+    x, y, w = data(kind, n, seed=11)
+    vx, vy, _ = data(kind, 29, seed=12)
+    w = w if weighted else None
+    # Datasets first, under one global seed: a seeded shuffle's order depends on the
+    # global seed in force when the dataset is created.
+    keras.utils.set_random_seed(0)
+    train_serial = batched(x, y, w, batch, shuffle_seed)
+    train_tnt = batched(x, y, w, batch, shuffle_seed)
+    initial = build(kind, seed=3).get_weights()
+    ref = run_serial(kind, opt, train_serial, vx, vy, epochs, initial) if tnt.is_master_rank() else None
 
     model = tnt.Model(build(kind, seed=100 + tnt.get_rank()))  # rank-dependent init: rank 0's must win
     model.set_weights(initial)
-    model.compile(optimizer=OPTIMIZERS[opt](), **compile_args)
-    h_tnt = model.fit(batched(x, y, w, batch, shuffle_seed), epochs=epochs,
-                      validation_data=batched(vx, vy, None, 7, None), verbose=0).history
-    e_tnt = model.evaluate(batched(vx, vy, None, 7, None), verbose=0)
-    p_tnt = model.predict(batched(vx, vy, None, 7, None).map(lambda a, b: a), verbose=0)
-
+    model.compile(optimizer=OPTIMIZERS[opt](), **COMPILE_ARGS)
+    history = model.fit(train_tnt, epochs=epochs, validation_data=batched(vx, vy, None, 7, None), verbose=0).history
+    evaluated = model.evaluate(batched(vx, vy, None, 7, None), verbose=0)
+    predicted = model.predict(batched(vx, vy, None, 7, None).map(lambda a, b: (a,)), verbose=0)
     weights = model.get_weights()
-    digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in weights)).hexdigest()
-    import tnt_comm
-
-    digests = tnt_comm.allgather_object(digest)
+    digests = tnt_comm.allgather_object(
+        hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in weights)).hexdigest())
+    if ref is None:
+        return {}
     return {
-        "history_diff": _job.history_diff(h_serial, h_tnt),
-        "weight_diff": _job.max_abs_diff(serial.get_weights(), weights),
-        "evaluate_diff": _job.max_abs_diff(e_serial, e_tnt),
-        "predict_diff": _job.max_abs_diff(p_serial, p_tnt),
-        "predict_rows": [int(np.shape(p_serial)[0]), int(np.shape(p_tnt)[0])],
-        "steps": int(len(h_serial["loss"]) * -(-n // batch)),
+        "history_diff": _job.history_diff(ref["history"], history),
+        "weight_diff": _job.max_abs_diff(ref["weights"], weights),
+        "evaluate_diff": _job.max_abs_diff(ref["evaluate"], evaluated),
+        "predict_diff": _job.max_abs_diff(ref["predict"], predicted),
+        "predict_rows": [int(np.shape(ref["predict"])[0]), int(np.shape(predicted)[0])],
+        "steps": int(len(history["loss"]) * -(-n // batch)),
         "ranks_identical": len(set(digests)) == 1,
-        "history_keys": sorted(h_tnt),
+        "history_keys": sorted(history),
     }
 
 
@@ -159,7 +170,7 @@ def main() -> None:
     out = _job.out_path()
     results = {}
     for name, (kind, opt, batch, n, epochs, weighted, shuffle_seed, tol_l, tol_w) in CASES.items():
-        results[name] = run_case(name, kind, opt, batch, n, epochs, weighted, shuffle_seed)
+        results[name] = run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed)
         results[name].update(tol_loss=tol_l, tol_weights=tol_w)
     _job.write(out, {"ranks": tnt.get_size(), "cases": results})
 
