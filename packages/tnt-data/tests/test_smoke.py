@@ -21,7 +21,7 @@ def test_common_pipeline_splits_each_batch_in_rank_order() -> None:
     ranks = [_batches(tnt_data.distribute(make(), rank=r, size=3)) for r in range(3)]
     assert [len(r) for r in ranks] == [4, 4, 4]
     for k, batch in enumerate(serial):
-        assert sum((ranks[r][k] for r in range(3)), []) == batch
+        assert [x for r in range(3) for x in ranks[r][k]] == batch
     # 7 = 3 + 2 + 2, and the last batch of 2 leaves rank 2 an empty micro-batch.
     assert [len(ranks[r][0]) for r in range(3)] == [3, 2, 2]
     assert [len(ranks[r][3]) for r in range(3)] == [1, 1, 0]

@@ -3,9 +3,10 @@
 Two ways to get them, with identical results:
 - after the batch: every rank runs the whole pipeline and keeps its slice of each global
   batch (always possible, exact by construction);
-- early: every rank keeps its samples right after the last shuffle/repeat/take, before
-  the expensive 1:1 maps, and batches them with its micro-batch size, so it preprocesses
-  about 1/size of the samples. Chosen automatically where it is provably identical.
+- early: every rank keeps its samples right after the last shuffle/repeat/filter, before
+  the 1:1 maps that precede the batch, and batches them with its micro-batch size, so it
+  runs those maps on about 1/size of the samples (see _early.py). Chosen automatically
+  where it is provably identical.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any, Literal
 import tensorflow as tf
 
 from tnt_data import _plan
-from tnt_data._inspect import find_batches, inspect_graph
+from tnt_data._early import EarlyPlan, call, early_batches, plan_early
+from tnt_data._inspect import inspect_graph
 from tnt_data._slicing import StepSizes, check_batched_spec, slicer
 from tnt_data._tfgraph import Node, parse, rebuild
 from tnt_data.errors import DistributionError
@@ -30,14 +32,6 @@ DEFAULT_SHUFFLE_SEED = 5524052
 #: tnt_data uses the same pair, so an unseeded shuffle behaves as ``shuffle(seed=s)``.
 GRAPH_SEED = 87654321
 
-# Between the global batch and the end: transformations that act on whole batches only by
-# position and count, so they act the same on the micro-batch stream.
-_POST_EARLY = frozenset(
-    {"prefetch", "cache", "repeat", "take", "skip", "options", "assert_cardinality", "shuffle"}
-)
-# Between the split point and the batch: 1:1, order-keeping transformations.
-_SEGMENT = frozenset({"map", "prefetch", "cache", "options"})
-
 
 @dataclass(frozen=True)
 class Strategy:
@@ -47,77 +41,20 @@ class Strategy:
     reason: str
 
 
-@dataclass
-class _Early:
-    batch: Node
-    segment: list[Node]  # from the batch's input down to the lowest 1:1 map
-    split_input: Node  # what the lowest segment transformation reads
-    post: list[Node]  # between the end of the pipeline and the batch (top first)
-    length: int  # samples reaching the batch: >= 0, or tf.data.INFINITE_CARDINALITY
-
-
-def _post_batch_path(root: Node, batch: Node) -> list[Node] | None:
-    path, node = [], root
-    while node is not batch:
-        if len(node.inputs) != 1:
-            return None
-        path.append(node)
-        node = node.inputs[0]
-    return path
-
-
-def _early_plan(root: Node, size: int, allow_post_maps: bool) -> tuple[_Early | None, str]:
-    batches = find_batches(root)
-    if len(batches) != 1:
-        return None, "no single batch transformation (zip/concatenate of batches)"
-    (batch,) = batches
-    if batch.kind != "batch":
-        return None, "padded_batch pads to the longest sample of the global batch"
-    post = _post_batch_path(root, batch)
-    if post is None:
-        return None, "the batch feeds a zip or concatenate"
-    allowed = _POST_EARLY | ({"map"} if allow_post_maps else set())
-    for node in post:
-        if node.kind not in allowed:
-            return None, (
-                f"{node.label} after the batch sees whole global batches "
-                + ("(a map may mix samples; split='early' asserts it does not)"
-                   if node.kind == "map" else "")
-            ).strip()
-    if batch.params["batch_size"] < size:
-        return None, "the global batch is smaller than the number of ranks"
-    segment, node = [], batch.inputs[0]
-    while node.kind in _SEGMENT and len(node.inputs) == 1:
-        segment.append(node)
-        node = node.inputs[0]
-    if not any(n.kind == "map" for n in segment):
-        return None, "no 1:1 map between the last shuffle/repeat/filter and the batch"
-    length = int(node.dataset.cardinality().numpy())
-    if length == tf.data.UNKNOWN_CARDINALITY:
-        return None, f"the number of samples after {node.label} is unknown"
-    for spec in tf.nest.flatten(batch.inputs[0].dataset.element_spec):
-        if not isinstance(spec, tf.TensorSpec):
-            return None, f"a {type(spec).__name__} component (only dense tensors split early)"
-    maps = sum(n.kind == "map" for n in segment)
-    return _Early(batch, segment, node, post, length), (
-        f"{maps} map(s) run on each rank's samples only"
-    )
-
-
 def split_strategy(dataset: tf.data.Dataset, *, size: int, split: Split = "auto") -> Strategy:
     """Say how distribute() would split ``dataset`` across ``size`` ranks, and why."""
     _plan.check_rank_size(0, size)
     return _strategy(parse(dataset), size, split)[0]
 
 
-def _strategy(root: Node, size: int, split: Split) -> tuple[Strategy, _Early | None]:
+def _strategy(root: Node, size: int, split: Split) -> tuple[Strategy, EarlyPlan | None]:
     if split not in ("auto", "early", "after_batch"):
         raise DistributionError(
             f"split must be 'auto', 'early' or 'after_batch', got {split!r}."
         )
     if split == "after_batch" or size == 1:
         return Strategy("after_batch", f"split={split!r}" if size > 1 else "one rank"), None
-    early, reason = _early_plan(root, size, allow_post_maps=split == "early")
+    early, reason = plan_early(root, size, allow_post_maps=split == "early")
     if early is None:
         if split == "early":
             raise DistributionError(
@@ -190,69 +127,12 @@ class _Builder:
         return self._built[id(node)]
 
 
-def _dense_empty(spec: Any) -> Any:
-    """An empty micro-batch (0 samples) of per-sample ``spec``: unknown dims become 0."""
-    return tf.nest.map_structure(
-        lambda s: tf.zeros([0] + [d if d is not None else 0 for d in s.shape.as_list()], s.dtype),
-        spec,
-    )
-
-
-def _early_batches(
-    early: _Early, builder: _Builder, rank: int, size: int, with_sizes: bool
-) -> tf.data.Dataset:
-    """The rank's batch stream: keep its sample positions, run the maps, batch by b_r."""
-    p = early.batch.params
-    gbs, drop = int(p["batch_size"]), bool(p["drop_remainder"])
-    infinite = early.length == tf.data.INFINITE_CARDINALITY
-    full, rest = (0, 0) if infinite else divmod(early.length, gbs)
-    if drop:
-        rest = 0
-    part, last = _plan.micro_batch_slice(gbs, rank, size), _plan.micro_batch_slice(rest, rank, size)
-    n_full = tf.constant(-1 if infinite else full * gbs, tf.int64)
-
-    def keep(i: tf.Tensor, _: Any) -> tf.Tensor:
-        j = i % gbs
-        in_full = tf.logical_and(j >= part.start, j < part.stop)
-        jj = i - n_full
-        in_last = tf.logical_and(jj >= last.start, jj < last.stop)
-        return tf.logical_or(tf.logical_and(n_full < 0, in_full),
-                             tf.where(i < n_full, in_full, in_last))
-
-    stream = builder.build(early.split_input)
-    if drop and not infinite:
-        stream = stream.take(full * gbs)
-    stream = stream.enumerate().filter(keep).map(lambda i, x: x)
-    for node in reversed(early.segment):
-        stream = rebuild(node, [stream])
-    local = rebuild(early.batch, [stream], batch_size=part.stop - part.start)
-    if rest and last.stop == last.start:
-        spec = early.batch.inputs[0].dataset.element_spec
-        local = local.concatenate(tf.data.Dataset.from_tensors(_dense_empty(spec)))
-    steps = tf.data.INFINITE_CARDINALITY if infinite else full + (1 if rest else 0)
-    local = local.apply(tf.data.experimental.assert_cardinality(steps))
-    if with_sizes:
-        if infinite:
-            sizes = tf.data.Dataset.from_tensors(
-                StepSizes(tf.constant(part.stop - part.start, tf.int64), tf.constant(gbs, tf.int64))
-            ).repeat()
-        else:
-            totals = [gbs] * full + ([rest] if rest else [])
-            locals_ = [_plan.micro_batch_size(t, rank, size) for t in totals]
-            sizes = tf.data.Dataset.from_tensor_slices(
-                StepSizes(tf.constant(locals_, tf.int64), tf.constant(totals, tf.int64))
-            )
-        local = tf.data.Dataset.zip((local, sizes))
-    return local
-
-
 def _carry_sizes(node: Node) -> dict[str, Any]:
     """Overrides for a map after the batch when elements are (micro-batch, StepSizes)."""
     func = node.params["func"]
 
     def carried(element: Any, sizes: StepSizes) -> Any:
-        out = func(*element) if type(element) is tuple else func(element)
-        return out, sizes
+        return call(func, element), sizes
 
     return {"func": carried}
 
@@ -326,7 +206,9 @@ def distribute(
     special: dict[Node, Callable[[], tf.data.Dataset]] = {}
     builder = _Builder(overrides, special)
     if early is not None:
-        special[early.batch] = lambda: _early_batches(early, builder, rank, size, with_sizes)
+        special[early.batch] = lambda: early_batches(
+            early, builder.build(early.split_input), rank, size, with_sizes
+        )
         if with_sizes:
             for node in early.post:
                 if node.kind == "map":

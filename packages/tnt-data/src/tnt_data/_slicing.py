@@ -19,11 +19,12 @@ class StepSizes(NamedTuple):
     total: tf.Tensor
 
 
-def rank_range(n: tf.Tensor, rank: int, size: int) -> tuple[tf.Tensor, tf.Tensor]:
+def rank_range(n: tf.Tensor, rank: Any, size: Any) -> tuple[tf.Tensor, tf.Tensor]:
     """(start, length) of ``rank``'s slice of a batch of ``n``: the rule of _plan, in TF."""
     n = tf.cast(n, tf.int64)
+    rank, size = tf.cast(rank, tf.int64), tf.cast(size, tf.int64)
     base, extra = n // size, n % size
-    start = rank * base + tf.minimum(tf.constant(rank, tf.int64), extra)
+    start = rank * base + tf.minimum(rank, extra)
     length = base + tf.cast(rank < extra, tf.int64)
     return start, length
 
@@ -81,26 +82,32 @@ def _take(x: Any, start: tf.Tensor, length: tf.Tensor) -> Any:
     return x[start : start + length]
 
 
+@tf.function(autograph=False)
+def _cut(element: Any, rank: tf.Tensor, size: tf.Tensor, with_sizes: bool) -> Any:
+    # One trace per element structure, shared by every rank and every distribute() call:
+    # a map calling it is cheap to build (rank and size are arguments, not constants).
+    flat = tf.nest.flatten(element)
+    n = _rows(flat[0])
+    checks = []
+    if len(flat) > 1:
+        rows = tf.stack([_rows(x) for x in flat])
+        checks.append(tf.debugging.Assert(
+            tf.reduce_all(tf.equal(rows, n)),
+            ["tnt_data: components of one batch have different batch sizes:", rows],
+        ))
+    with tf.control_dependencies(checks):
+        start, length = rank_range(n, rank, size)
+    out = tf.nest.pack_sequence_as(element, [_take(x, start, length) for x in flat])
+    return (out, StepSizes(length, n)) if with_sizes else out
+
+
 def slicer(spec: Any, rank: int, size: int, with_sizes: bool):
     """A function for Dataset.map that keeps ``rank``'s share of each batch."""
 
-    def cut(element: Any) -> Any:
-        flat = tf.nest.flatten(element, expand_composites=False)
-        n = _rows(flat[0])
-        checks = [
-            tf.debugging.assert_equal(
-                _rows(x), n,
-                message="tnt_data: components of one batch have different batch sizes",
-            )
-            for x in flat[1:]
-        ]
-        with tf.control_dependencies(checks):
-            start, length = rank_range(n, rank, size)
-        out = tf.nest.pack_sequence_as(element, [_take(x, start, length) for x in flat])
-        return (out, StepSizes(length, n)) if with_sizes else out
-
+    @tf.autograph.experimental.do_not_convert  # plain TF ops: skip slow conversion
     def fn(*args: Any) -> Any:
         # map() unpacks a tuple element into positional arguments; pack it back.
-        return cut(args if type(spec) is tuple else args[0])
+        element = args if type(spec) is tuple else args[0]
+        return _cut(element, tf.constant(rank, tf.int64), tf.constant(size, tf.int64), with_sizes)
 
     return fn

@@ -116,17 +116,41 @@ def _func(wrapper: Any, ds: tf.data.Dataset) -> Callable:
     return fn
 
 
+def _traced(wrapper: Any, ds: tf.data.Dataset) -> Callable:
+    """A callable that runs the function ``wrapper`` already traced, on a structured element.
+
+    Rebuilding a map with it costs no re-trace (no autograph, no user Python run again,
+    captured variables and tables kept): the new map calls the same graph function.
+    Falls back to the user's Python function if TF keeps the trace differently.
+    """
+    try:
+        from tensorflow.python.data.util import structure
+
+        fn = wrapper.function
+        in_spec, out_spec = wrapper._input_structure, wrapper.output_structure
+    except (AttributeError, ImportError):
+        return _func(wrapper, ds)
+
+    @tf.autograph.experimental.do_not_convert
+    def run(*args: Any) -> Any:
+        element = args if type(in_spec) is tuple else args[0]
+        flat = fn(*structure.to_tensor_list(in_spec, element))
+        return structure.from_compatible_tensor_list(out_spec, flat)
+
+    return run
+
+
 def _params(kind: str, ds: tf.data.Dataset) -> dict[str, Any]:
     a = lambda name: _attr(ds, name)  # noqa: E731
     if kind == "map":
         npc = getattr(ds, "_num_parallel_calls", None)
         return {
-            "func": _func(a("_map_func"), ds),
+            "func": _traced(a("_map_func"), ds),
             "num_parallel_calls": None if npc is None else _value(npc),
             "deterministic": _deterministic(ds),
         }
     if kind == "filter":
-        return {"func": _func(a("_predicate"), ds)}
+        return {"func": _traced(a("_predicate"), ds)}
     if kind == "flat_map":
         return {"func": _func(a("_map_func"), ds)}
     if kind == "interleave":
