@@ -26,6 +26,7 @@ class Pipeline:
     epochs: int = 1
     strategy: str = "after_batch"  # what split="auto" must choose for N > 1
     shuffle_seed: int | None = None  # passed to distribute()
+    steps: Callable[[int, int, bool], int] | None = None  # serial batches, if not len/B
 
 
 def _first(e: object) -> np.ndarray:
@@ -127,6 +128,15 @@ PIPELINES = [
 ]
 
 
+def same_elements(a: object, b: object) -> bool:
+    """Exact equality of two nests of arrays (values, shapes and dtypes)."""
+    fa = [np.asarray(x) for x in tf.nest.flatten(a)]
+    fb = [np.asarray(x) for x in tf.nest.flatten(b)]
+    return len(fa) == len(fb) and all(
+        x.shape == y.shape and x.dtype == y.dtype and (x == y).all() for x, y in zip(fa, fb)
+    )
+
+
 def epochs_of(ds: tf.data.Dataset, epochs: int) -> list[list[object]]:
     """Elements of each pass over ``ds`` (each pass is a fresh iterator, as Keras does)."""
     return [list(ds.as_numpy_iterator()) for _ in range(epochs)]
@@ -157,6 +167,8 @@ def check_case(p: Pipeline, size: int, gbs: int, length: int, drop: bool,
         assert firsts[0] != firsts[1], f"{case}: the serial reference did not reshuffle"
     full, rest = divmod(length, gbs)
     expect_steps = full + (1 if rest and not drop else 0)
+    if p.steps is not None:
+        expect_steps = p.steps(length, gbs, drop)
     for e in range(p.epochs):
         assert len(serial[e]) == expect_steps, f"{case}: serial reference has {len(serial[e])} batches"
         for r in range(size):

@@ -7,9 +7,8 @@ loops over the 12 (B, size, drop) cases; the failure message names the case.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from pipelines import PIPELINES, Pipeline, check_case
+from pipelines import PIPELINES, Pipeline, check_case, same_elements
 
 import tnt_data
 
@@ -21,14 +20,6 @@ def _cases(n: int):
         for length in (6 * gbs, 6 * gbs + 2, 6 * gbs + 5):
             for drop in (False, True):
                 yield gbs, length, drop
-
-
-def _same(a: list, b: list) -> bool:
-    import tensorflow as tf
-
-    fa = [np.asarray(x) for x in tf.nest.flatten(a)]
-    fb = [np.asarray(x) for x in tf.nest.flatten(b)]
-    return len(fa) == len(fb) and all(x.shape == y.shape and (x == y).all() for x, y in zip(fa, fb))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -44,7 +35,7 @@ def test_ranks_together_process_the_serial_batches(p: Pipeline, n: int) -> None:
             # the early split must give exactly what splitting after the batch gives
             after = check_case(p, n, gbs, length, drop, split="after_batch")
             for r in range(n):
-                assert _same(ranks[r], after[r]), (
+                assert same_elements(ranks[r], after[r]), (
                     f"[{p.name}, N={n}, B={gbs}, L={length}, drop={drop}] rank {r}: early "
                     f"split and split after the batch differ"
                 )

@@ -94,6 +94,23 @@ def _all_nodes(root: Node) -> list[Node]:
     return out
 
 
+def _rebuildable(root: Node) -> set[Node]:
+    """Nodes with no transformation tnt_data cannot rebuild between them and the end."""
+    parents: dict[int, list[Node]] = {}
+    for node in _all_nodes(root):
+        for i in node.inputs:
+            parents.setdefault(id(i), []).append(node)
+    memo: dict[int, bool] = {}
+
+    def ok(node: Node) -> bool:
+        if id(node) not in memo:
+            memo[id(node)] = False  # (no cycles in a pipeline; guards recursion)
+            memo[id(node)] = node.kind != "opaque" and all(ok(p) for p in parents.get(id(node), []))
+        return memo[id(node)]
+
+    return {n for n in _all_nodes(root) if ok(n)}
+
+
 class _Builder:
     """Rebuilds the transformations that must change, and everything above them."""
 
@@ -195,11 +212,15 @@ def distribute(
     base = DEFAULT_SHUFFLE_SEED if shuffle_seed is None else shuffle_seed
     for i, node in enumerate(_unseeded_shuffles(root)):
         overrides[node] = {"seed": GRAPH_SEED, "seed2": (base + i) % 2**63}
+    rebuildable = _rebuildable(root)
     for node in _all_nodes(root):
         # Rebuilt: non-deterministic transformations (ranks must see one order), and every
-        # shuffle, so that its reshuffle state starts fresh in the returned dataset instead
-        # of being shared with (and advanced by) other iterations of the user's dataset.
-        if node.params.get("deterministic") is False or node.kind == "shuffle":
+        # seeded shuffle that can be, so that its reshuffle state starts fresh in the
+        # returned dataset instead of being shared with (and advanced by) other iterations
+        # of the user's dataset.
+        if node.params.get("deterministic") is False or (
+            node.kind == "shuffle" and node in rebuildable
+        ):
             overrides.setdefault(node, {})
 
     strategy, early = _strategy(root, size, split)

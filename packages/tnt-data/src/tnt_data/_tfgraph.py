@@ -105,7 +105,14 @@ def _value(t: Any) -> Any:
 
 
 def _deterministic(ds: tf.data.Dataset) -> bool | None:
-    flag = getattr(ds, "_deterministic", "default")
+    """The ``deterministic`` argument of a parallel transformation (None: from options).
+
+    TF does not keep it for parallel interleave (only in the kernel's attributes): that
+    counts as False, so the interleave is rebuilt deterministic.
+    """
+    if getattr(ds, "_num_parallel_calls", None) is None:
+        return None
+    flag = getattr(ds, "_deterministic", "false")
     return {"default": None, "true": True, "false": False}[flag]
 
 
