@@ -27,6 +27,7 @@ class Benchmark:
 
 BENCHMARKS: list[Benchmark] = [
     Benchmark("allreduce", "allreduce.py", ranks=2),
+    Benchmark("data_pipeline", "data_pipeline.py"),
 ]
 
 
