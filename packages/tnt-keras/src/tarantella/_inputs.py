@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import keras
 import numpy as np
 import tensorflow as tf
+
 import tnt_data
 
 DEFAULT_BATCH_SIZE = 32
@@ -64,6 +65,16 @@ def _from_arrays(
     return dataset.batch(int(batch_size))
 
 
+def global_batch_size(dataset: tf.data.Dataset, sharding: Sharding) -> int | None:
+    """The global batch size B of a user dataset, when it can be told (for warnings)."""
+    if sharding.micro_batch_size is not None:
+        return sharding.micro_batch_size * sharding.size
+    try:
+        return tnt_data.inspect(dataset).global_batch_size
+    except tnt_data.DistributionError:
+        return None
+
+
 def rank_dataset(
     x,
     y=None,
@@ -73,8 +84,13 @@ def rank_dataset(
     shuffle: bool,
     sharding: Sharding,
     method: str,
+    with_sizes: bool = False,
 ) -> tf.data.Dataset:
-    """This rank's dataset of micro-batches for ``method`` ('fit', 'evaluate', 'predict')."""
+    """This rank's dataset of micro-batches for ``method`` ('fit', 'evaluate', 'predict').
+
+    ``with_sizes`` adds each step's local and global sample counts to the elements
+    (``(batch, tnt_data.StepSizes)``), so a training step knows ``b_r / B`` before backprop.
+    """
     _reject_unsplittable(x, method)
     if isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None:
@@ -101,6 +117,7 @@ def rank_dataset(
             size=sharding.size,
             micro_batch_size=sharding.micro_batch_size,
             shuffle_seed=sharding.shuffle_seed,
+            with_sizes=with_sizes and sharding.size > 1,
         )
     except tnt_data.DistributionError as err:
         # tnt_data speaks of its own argument; the user passed tnt_micro_batch_size.

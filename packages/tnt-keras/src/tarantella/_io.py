@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+
 import tnt_comm
 
 from ._runtime import MASTER_RANK, get_rank, get_size

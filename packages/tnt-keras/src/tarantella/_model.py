@@ -17,12 +17,14 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
+
 import tnt_comm
 
 from . import _io, _runtime, _sync
-from ._inputs import InputError, Sharding, rank_dataset
+from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
+from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
 from ._logging import logger
-from ._steps import DistributedSteps
+from ._steps import DistributedSteps, split_sizes
 
 _MASTER_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.ProgbarLogger)
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -190,7 +192,7 @@ class Model(keras.Model):
         exist on every rank before the first step, built from the element spec with a
         one-sample batch (no data is consumed).
         """
-        spec = dataset.element_spec
+        spec, _ = split_sizes(dataset.element_spec)
 
         def zeros(s):
             if not isinstance(s, tf.TensorSpec):
@@ -224,21 +226,19 @@ class Model(keras.Model):
             _sync.broadcast_from_master(optimizer.variables)
         self._tnt_synced = True
 
-    def _warn_small_batch_norm(self, dataset: tf.data.Dataset) -> None:
-        has_bn = any(isinstance(layer, keras.layers.BatchNormalization)
-                     for layer in _all_layers(self._model))
-        if not has_bn:
+    def _warn_small_batch_norm(self, global_batch: int | None) -> None:
+        size = _runtime.get_size()
+        if size == 1 or global_batch is None:
             return
-        global_batch = _global_batch_size(dataset)
-        if global_batch is None:
+        if not any(isinstance(layer, keras.layers.BatchNormalization) for layer in _all_layers(self._model)):
             return
-        local = global_batch // _runtime.get_size()
+        local = global_batch // size
         if local < _BATCH_NORM_MIN_LOCAL_BATCH:
             logger.warning(
                 "BatchNormalization uses the statistics of each rank's micro-batch, which "
                 "holds only %d samples here (global batch %d on %d ranks); below %d they are "
                 "noisy. Use a larger global batch or fewer ranks.",
-                local, global_batch, _runtime.get_size(), _BATCH_NORM_MIN_LOCAL_BATCH,
+                local, global_batch, size, _BATCH_NORM_MIN_LOCAL_BATCH,
             )
 
     def _callbacks_for_this_rank(self, callbacks):
@@ -274,7 +274,7 @@ class Model(keras.Model):
             (x, y, sample_weight), validation_data = _split_arrays((x, y, sample_weight), validation_split)
         train = rank_dataset(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit",
-            sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size),
+            sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size), with_sizes=True,
         )
         val = None
         if validation_data is not None:
@@ -289,7 +289,10 @@ class Model(keras.Model):
             )
         self._build_from(train, with_metrics=True)
         self._sync_replicas()
-        self._warn_small_batch_norm(train)
+        if isinstance(x, tf.data.Dataset):
+            self._warn_small_batch_norm(global_batch_size(x, self._sharding(True, tnt_micro_batch_size)))
+        else:
+            self._warn_small_batch_norm(batch_size or _DEFAULT_BATCH_SIZE)
         return super().fit(
             train, epochs=epochs, verbose=self._verbose(verbose),
             callbacks=self._callbacks_for_this_rank(callbacks), validation_data=val,
@@ -355,14 +358,6 @@ class Model(keras.Model):
             self._model.load_weights(local, *args, **kwargs)
         self._tnt_synced = False
         self._sync_replicas()
-
-
-def _global_batch_size(dataset: tf.data.Dataset) -> int | None:
-    """The largest micro-batch times the rank count: a bound good enough for a warning."""
-    shape = tf.nest.flatten(dataset.element_spec)[0].shape
-    if shape.rank and shape[0] is not None:
-        return int(shape[0]) * _runtime.get_size()
-    return None
 
 
 def _split_arrays(arrays, validation_split: float):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
+
 import tnt_comm
 
 _TOKEN = np.zeros((), dtype=np.int32)

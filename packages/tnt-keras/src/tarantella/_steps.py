@@ -22,7 +22,16 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+import tnt_data
+
 from ._reducer import GraphReducer, Slot
+
+
+def split_sizes(data):
+    """``(batch, StepSizes)`` from tnt_data (``with_sizes=True``), else ``(batch, None)``."""
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], tnt_data.StepSizes):
+        return data
+    return data, None
 
 
 def _local_batch_size(x) -> tf.Tensor:
@@ -147,6 +156,7 @@ class DistributedSteps:
     # -- steps -----------------------------------------------------------------------
     def train_step(self, data) -> dict:
         model = self._model
+        data, sizes = split_sizes(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         local_n = _local_batch_size(x)
         distributed = self._size > 1
@@ -155,7 +165,13 @@ class DistributedSteps:
             before, initial = self._begin_metric_contribution()
         with tf.GradientTape() as tape:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=True)
-            scaled_loss = model.optimizer.scale_loss(loss)
+            grad_loss = loss
+            if distributed and sizes is not None:
+                # Weighting the loss (not the gradient) by b_r / B keeps every per-sample
+                # term of backprop at its serial magnitude: with float16 compute, a loss
+                # averaged over b_r < B samples would overflow sooner than serial.
+                grad_loss = loss * tf.cast(sizes.local, loss.dtype) / tf.cast(sizes.total, loss.dtype)
+            scaled_loss = model.optimizer.scale_loss(grad_loss)
         self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
         variables = model.trainable_variables
         if not variables:
@@ -175,12 +191,14 @@ class DistributedSteps:
             tokens += [reducer.submit(offset + i, _masked(c, has_data)) for i, c in enumerate(contribution)]
             offset += len(contribution)
             for i, g in enumerate(reversed(grads)):
-                tokens.append(reducer.submit(offset + i, _masked(g * tf.cast(b, g.dtype), has_data)))
+                weighted = g if sizes is not None else g * tf.cast(b, g.dtype)
+                tokens.append(reducer.submit(offset + i, _masked(weighted, has_data)))
             reduced = reducer.wait(tokens)
-            global_n = reduced[0][0]
             self._apply_global_metrics(before, reduced[1:offset])
-            summed = list(reversed(reduced[offset:]))
-            grads = [s / tf.cast(global_n, s.dtype) for s in summed]
+            grads = list(reversed(reduced[offset:]))
+            if sizes is None:  # B was not known before backprop: it is the reduced count
+                global_n = reduced[0][0]
+                grads = [g / tf.cast(global_n, g.dtype) for g in grads]
         model.optimizer.apply_gradients(zip(grads, variables))
         return model.get_metrics_result()
 

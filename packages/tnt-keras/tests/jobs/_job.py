@@ -9,8 +9,8 @@ from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
 tf.config.experimental.enable_op_determinism()
 tf.config.threading.set_intra_op_parallelism_threads(1)

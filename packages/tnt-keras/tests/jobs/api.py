@@ -17,9 +17,9 @@ import _job
 import keras
 import numpy as np
 import tensorflow as tf
-import tnt_comm
 
 import tarantella as tnt
+import tnt_comm
 
 CHECKS: dict[str, dict] = {}
 
@@ -207,6 +207,53 @@ def check_callbacks(tmp: Path) -> None:
     check("callback_master_only", per_rank == [2] + [0] * (tnt.get_size() - 1), per_rank)
 
 
+def check_tensorboard_master_only(tmp: Path) -> None:
+    calls = []
+
+    class CountingTensorBoard(keras.callbacks.TensorBoard):
+        def on_epoch_end(self, epoch, logs=None):
+            calls.append(epoch)
+            super().on_epoch_end(epoch, logs)
+
+    _, model = serial_and_tnt()
+    model.fit(ds(X, Y), epochs=2, verbose=0, callbacks=[CountingTensorBoard(log_dir=str(tmp / "tb"))])
+    per_rank = gathered(len(calls))
+    check("tensorboard_master_only", per_rank == [2] + [0] * (tnt.get_size() - 1), per_rank)
+
+
+def check_mixed_precision() -> None:
+    """mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer; results as serial."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        serial, model = serial_and_tnt()
+        hs = serial.fit(ds(X, Y), epochs=2, verbose=0).history
+        ht = model.fit(ds(X, Y), epochs=2, verbose=0).history
+        same = gathered(digest(model.get_weights()))
+        d = _job.history_diff(hs, ht)
+        check("mixed_precision_loss_scaled", isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+              and d < 2e-3 and len(set(same)) == 1, dict(history=d, ranks=same))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def check_batch_norm_warning() -> None:
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("tarantella").addHandler(handler)
+    try:
+        keras.utils.set_random_seed(1)
+        model = compiled(tnt.Model(keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(3, activation="softmax")])))
+        model.fit(ds(X, Y, batch=8), epochs=1, verbose=0)
+    finally:
+        logging.getLogger("tarantella").removeHandler(handler)
+    warned = any("BatchNormalization" in r.getMessage() for r in records)
+    check("batch_norm_small_batch_warning", warned == (tnt.get_size() > 1), [r.getMessage() for r in records])
+
+
 def check_save_load(tmp: Path) -> None:
     _, model = serial_and_tnt()
     model.fit(ds(X, Y), epochs=2, verbose=0)
@@ -251,7 +298,7 @@ def expect_error(name: str, exc: type, fragment: str, fn) -> None:
         fn()
     except exc as err:
         check(name, fragment in str(err), err)
-    except Exception as err:  # noqa: BLE001 - the wrong error type is the finding
+    except Exception as err:
         check(name, False, f"{type(err).__name__}: {err}")
     else:
         check(name, False, "no error raised")
@@ -285,6 +332,9 @@ def main() -> None:
         check_numpy_inputs()
         check_predict_on_every_rank()
         check_callbacks(shared / "cb")
+        check_tensorboard_master_only(shared / "cb")
+        check_mixed_precision()
+        check_batch_norm_warning()
         check_save_load(shared / "io")
         check_errors()
         tnt_comm.barrier()

@@ -16,9 +16,9 @@ import _job
 import keras
 import numpy as np
 import tensorflow as tf
-import tnt_comm
 
 import tarantella as tnt
+import tnt_comm
 
 COMPILE_ARGS = dict(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+
 import tnt_comm
 
 from .._runtime import get_size, is_master_rank
