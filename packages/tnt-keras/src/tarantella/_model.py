@@ -192,6 +192,12 @@ class Model(keras.Model):
         exist on every rank before the first step, built from the element spec with a
         one-sample batch (no data is consumed).
         """
+        model = self._model
+        optimizer = model.optimizer if model.compiled else None
+        if (model.built and self.built
+                and (not with_metrics or all(getattr(m, "built", True) for m in model.metrics))
+                and (not with_metrics or optimizer is None or optimizer.built)):
+            return  # nothing left to create: skip the eager forward pass
         spec, _ = split_sizes(dataset.element_spec)
 
         def zeros(s):
@@ -209,7 +215,6 @@ class Model(keras.Model):
                 self._model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
             self._model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             self._model.reset_metrics()
-            optimizer = self._model.optimizer
             if optimizer is not None and not optimizer.built:
                 optimizer.build(self._model.trainable_variables)
 
