@@ -37,6 +37,72 @@ def _repeats(length: int) -> int:
     return next((r for r in (2, 3, 5, 7) if length % r == 0), 1)
 
 
+# The functions of the test pipelines use plain TF ops: no AutoGraph conversion (it re-parses
+# the source on every trace, which dominated the run time of this suite).
+plain = tf.autograph.experimental.do_not_convert
+
+
+@plain
+def _with_float(x):
+    return x, tf.cast(x, tf.float32)
+
+
+@plain
+def _affine(i, f):
+    return i, f * 2.0 + 1.0
+
+
+@plain
+def _ragged_row(x):
+    return tf.fill([x % 3 + 1], x)
+
+
+@plain
+def _dict_sample(x):
+    return ({"id": x, "image": tf.fill([2, 2], tf.cast(x, tf.float32))},
+            {"label": x % 3, "weight": tf.cast(x, tf.float32) / 2.0})
+
+
+@plain
+def _plus_one(x):
+    return x + 1
+
+
+@plain
+def _odd(x):
+    return x % 2 == 1
+
+
+@plain
+def _even(x):
+    return x % 2 == 0
+
+
+@plain
+def _half(x):
+    return x // 2
+
+
+@plain
+def _non_negative(x):
+    return x >= 0
+
+
+@plain
+def _half_and_self(x):
+    return x // 2, x
+
+
+@plain
+def _with_negative(x):
+    return x, -x
+
+
+@plain
+def _pair_range(x):
+    return tf.data.Dataset.range(2 * x, 2 * x + 2)
+
+
 def batch_prefetch(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
     return tf.data.Dataset.range(n).batch(b, drop_remainder=drop).prefetch(2)
 
@@ -52,46 +118,46 @@ def shuffle_unseeded(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Da
 
 def map_cache_shuffle_take_repeat_map(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
     reps = _repeats(n)
-    ds = tf.data.Dataset.range(n // reps + 3).map(lambda x: (x, tf.cast(x, tf.float32)))
+    ds = tf.data.Dataset.range(n // reps + 3).map(_with_float)
     ds = ds.cache().shuffle(n, seed=seed).take(n // reps).repeat(reps)
-    ds = ds.map(lambda i, f: (i, f * 2.0 + 1.0), num_parallel_calls=2)
-    return ds.batch(b, drop_remainder=drop)
+    return ds.map(_affine, num_parallel_calls=2).batch(b, drop_remainder=drop)
 
 
 def padded(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
-    ds = tf.data.Dataset.range(n).map(lambda x: tf.fill([x % 3 + 1], x))
+    ds = tf.data.Dataset.range(n).map(_ragged_row)
     return ds.padded_batch(b, padded_shapes=[None], padding_values=np.int64(-1), drop_remainder=drop)
 
 
 def dict_elements(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
-    ds = tf.data.Dataset.range(n).map(
-        lambda x: ({"id": x, "image": tf.fill([2, 2], tf.cast(x, tf.float32))},
-                   {"label": x % 3, "weight": tf.cast(x, tf.float32) / 2.0})
-    )
+    ds = tf.data.Dataset.range(n).map(_dict_sample)
     return ds.batch(b, drop_remainder=drop).prefetch(1)
 
 
 def filter_before_batch(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
     # the filter right before the batch decides positions: no early split possible
-    ds = tf.data.Dataset.range(2 * n).map(lambda x: x + 1).filter(lambda x: x % 2 == 1)
-    return ds.map(lambda x: x // 2, num_parallel_calls=2).filter(lambda x: x >= 0).batch(b, drop_remainder=drop)
+    ds = tf.data.Dataset.range(2 * n).map(_plus_one).filter(_odd)
+    ds = ds.map(_half, num_parallel_calls=2).filter(_non_negative)
+    return ds.batch(b, drop_remainder=drop)
 
 
 def filter_then_map(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
     # a filter below the maps: every rank filters all samples, then maps only its own
-    ds = tf.data.Dataset.range(2 * n).filter(lambda x: x % 2 == 0)
-    return ds.map(lambda x: (x // 2, x)).batch(b, drop_remainder=drop)
+    ds = tf.data.Dataset.range(2 * n).filter(_even)
+    return ds.map(_half_and_self).batch(b, drop_remainder=drop)
 
 
 def flat_map(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
-    ds = tf.data.Dataset.range(n // 2 + 1).flat_map(lambda x: tf.data.Dataset.range(2 * x, 2 * x + 2))
-    return ds.take(n).map(lambda x: (x, -x)).batch(b, drop_remainder=drop)
+    ds = tf.data.Dataset.range(n // 2 + 1).flat_map(_pair_range)
+    return ds.take(n).map(_with_negative).batch(b, drop_remainder=drop)
 
 
 def interleave(n: int, b: int, drop: bool, seed: int | None) -> tf.data.Dataset:
+    @plain
+    def shard(s):
+        return tf.data.Dataset.range(s, n, 4)
+
     ds = tf.data.Dataset.range(4).interleave(
-        lambda s: tf.data.Dataset.range(s, n, 4), cycle_length=2, block_length=3,
-        num_parallel_calls=2, deterministic=True,
+        shard, cycle_length=2, block_length=3, num_parallel_calls=2, deterministic=True
     )
     return ds.batch(b, drop_remainder=drop)
 
@@ -140,6 +206,17 @@ def same_elements(a: object, b: object) -> bool:
 def epochs_of(ds: tf.data.Dataset, epochs: int) -> list[list[object]]:
     """Elements of each pass over ``ds`` (each pass is a fresh iterator, as Keras does)."""
     return [list(ds.as_numpy_iterator()) for _ in range(epochs)]
+
+
+def rank_outputs(p: Pipeline, size: int, gbs: int, length: int, drop: bool,
+                 split: str) -> list[list[list[object]]]:
+    """Each rank's elements per epoch, without the serial check (for comparing splits)."""
+    user = p.make(length, gbs, drop, None)
+    return [
+        epochs_of(tnt_data.distribute(user, rank=r, size=size, split=split,
+                                      shuffle_seed=p.shuffle_seed), p.epochs)
+        for r in range(size)
+    ]
 
 
 def check_case(p: Pipeline, size: int, gbs: int, length: int, drop: bool,

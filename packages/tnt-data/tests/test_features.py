@@ -242,3 +242,15 @@ def test_split_strategy_names_the_reason_for_falling_back() -> None:
     assert tnt_data.split_strategy(cheap, size=1).mode == "after_batch"
     mapped = tf.data.Dataset.range(20).filter(lambda x: x > 3).map(lambda x: x * 2).batch(4)
     assert tnt_data.split_strategy(mapped, size=2).mode == "early"
+
+
+def test_enumerate_and_unbatch_around_an_unseeded_shuffle() -> None:
+    def make(seed) -> tf.data.Dataset:
+        ds = tf.data.Dataset.range(30).batch(3).unbatch().shuffle(30, seed=seed)
+        return ds.enumerate().map(lambda i, x: (i, x * 2)).batch(7)
+
+    serial = _ids(make(tnt_data.DEFAULT_SHUFFLE_SEED), lambda e: e[1])
+    for split in ("auto", "after_batch"):
+        ranks = _split(lambda r, s=split: tnt_data.distribute(make(None), rank=r, size=3, split=s),
+                       3, lambda e: e[1])
+        assert [ranks[0][k] + ranks[1][k] + ranks[2][k] for k in range(len(serial))] == serial

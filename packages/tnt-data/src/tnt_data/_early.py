@@ -98,7 +98,7 @@ def carried(func: Callable) -> Callable:
     return fn
 
 
-@tf.function(autograph=False)
+@tf.function(autograph=False, reduce_retracing=True)
 def _mine(batch: Any, rank: tf.Tensor, size: tf.Tensor) -> Any:
     """This rank's samples of a raw global batch, tagged (placeholder?, B_k) per sample.
 
@@ -115,7 +115,7 @@ def _mine(batch: Any, rank: tf.Tensor, size: tf.Tensor) -> Any:
     return tf.fill([count], empty), tf.fill([count], n), part
 
 
-@tf.function(autograph=False)
+@tf.function(autograph=False, reduce_retracing=True)
 def _unflag(flags: tf.Tensor, totals: tf.Tensor, batch: Any, with_sizes: bool, drop: bool) -> Any:
     # A placeholder is only ever alone in its micro-batch (the rank's empty last step).
     local = tf.reduce_sum(tf.cast(tf.logical_not(flags), tf.int64))

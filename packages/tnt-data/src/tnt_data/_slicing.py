@@ -82,7 +82,7 @@ def _take(x: Any, start: tf.Tensor, length: tf.Tensor) -> Any:
     return x[start : start + length]
 
 
-@tf.function(autograph=False)
+@tf.function(autograph=False, reduce_retracing=True)
 def _cut(element: Any, rank: tf.Tensor, size: tf.Tensor, with_sizes: bool) -> Any:
     # One trace per element structure, shared by every rank and every distribute() call:
     # a map calling it is cheap to build (rank and size are arguments, not constants).
