@@ -67,7 +67,11 @@ def comm(session: nox.Session) -> None:
 def data(session: nox.Session) -> None:
     """tnt-data: sharding of tf.data pipelines (single process, all ranks simulated)."""
     session.install(_pkg("tnt-data", "test"))
-    _pytest(session, "tnt-data")
+    # ~2000 simulated-rank pipelines, each costing a tf.data iterator: two pytest-xdist
+    # workers use both cores.
+    session.run(
+        "pytest", str(PKG / "tnt-data" / "tests"), "-n", "2", *session.posargs, env=MPI_ENV
+    )
 
 
 @nox.session
