@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <future>
+#include <sstream>
 #include <utility>
 
 #include "errors.h"
@@ -109,7 +110,34 @@ void Engine::loop() {
       run(*task);
     }
   }
+  if (world_.size > 1) transport_->announce_leaving(seq_);
   transport_.reset();  // MPI_Finalize (unless a collective is stuck), on this thread
+}
+
+// Note [Leaving]
+// A rank that ends while the others still train (its script returned or called
+// sys.exit() early, e.g. after skipping collectives) would leave them waiting until
+// TNT_COMM_TIMEOUT: it does not crash, so the MPI starter does not end the job, and its
+// own MPI_Finalize waits for the others. So at shutdown each rank sends every other rank
+// a leave notice carrying the number of collectives it started (side channel). A rank
+// polling a collective that the leaver never started (leaver's number < this collective's
+// number) fails it at once with CommError; the uncaught error then aborts the job. A
+// leaver that did start the collective delivered its part, so that one still completes.
+void Engine::check_departures(const Task& task) {
+  const auto& left = transport_->poll_departures();
+  for (std::size_t r = 0; r < left.size(); ++r) {
+    if (!left[r] || *left[r] >= seq_) continue;
+    std::ostringstream m;
+    m << "tnt_comm: " << task.describe() << " can never complete on rank " << world_.rank
+      << " (collective #" << seq_ << " of this rank): rank " << r
+      << " has ended (it shut tnt_comm down at exit) after its collective #" << *left[r]
+      << ", so it will never join. Likely causes: that rank's script returned, "
+         "called sys.exit() or raised SystemExit early, or skipped collectives this rank "
+         "ran; every rank must run the same collectives in the same order.";
+    transport_->mark_unclean();
+    mark_broken(m.str());
+    throw CommError(m.str());
+  }
 }
 
 void Engine::run(Task& task) {
@@ -143,6 +171,7 @@ void Engine::wait_request(Request& request, const Task& task, Clock::time_point 
     if (abort_code_.load() >= 0) transport_->abort(abort_code_.load());
     if (now < spin_until) continue;
     transport_->serve_progress_queries(seq_);
+    check_departures(task);
     std::this_thread::sleep_for(Micros(sleep_us));
     sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
   }

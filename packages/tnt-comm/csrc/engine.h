@@ -57,6 +57,8 @@ class Engine {
   void wait_request(Request& request, const Task& task,
                     std::chrono::steady_clock::time_point deadline);
   [[noreturn]] void stall(const Task& task);
+  // Fails `task` if a rank that left (Note [Leaving]) never started it.
+  void check_departures(const Task& task);
   void fail(Task& task, const std::string& why) noexcept;
 
   const Config config_;

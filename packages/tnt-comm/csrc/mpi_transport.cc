@@ -81,6 +81,10 @@ class MpiVRequest final : public Request {
 
 constexpr int kQueryTag = 7301;
 constexpr int kReplyTag = 7302;
+constexpr int kLeaveTag = 7303;
+// How long announce_leaving() waits for its 8-byte notices to leave (they are eager
+// sends and complete locally at once unless the peer's process is gone).
+constexpr std::chrono::milliseconds kLeaveSendWait{1000};
 
 class MpiTransport final : public Transport {
  public:
@@ -125,6 +129,8 @@ class MpiTransport final : public Transport {
     check(MPI_Comm_size(local_, &local_size_), "MPI_Comm_size");
     create_ops();
     post_query_recv();
+    departed_.resize(static_cast<std::size_t>(size_));
+    post_leave_recv();
     std::array<char, MPI_MAX_LIBRARY_VERSION_STRING> v{};
     int len = 0;
     MPI_Get_library_version(v.data(), &len);
@@ -134,9 +140,11 @@ class MpiTransport final : public Transport {
 
   ~MpiTransport() override {
     if (unclean_) return;  // a collective is stuck: MPI_Finalize could hang forever
-    if (query_req_ != MPI_REQUEST_NULL) {
-      MPI_Cancel(&query_req_);
-      MPI_Wait(&query_req_, MPI_STATUS_IGNORE);
+    for (MPI_Request* r : {&query_req_, &leave_req_}) {
+      if (*r != MPI_REQUEST_NULL) {
+        MPI_Cancel(r);
+        MPI_Wait(r, MPI_STATUS_IGNORE);
+      }
     }
     for (auto& r : replies_) MPI_Wait(&r.req, MPI_STATUS_IGNORE);
     for (MPI_Op* op : {&h_sum_, &h_min_, &h_max_, &b_sum_, &b_min_, &b_max_}) {
@@ -267,6 +275,39 @@ class MpiTransport final : public Transport {
     return out;
   }
 
+  void announce_leaving(std::uint64_t my_seq) override {
+    leave_seq_ = my_seq;
+    std::vector<MPI_Request> sends;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      sends.emplace_back(MPI_REQUEST_NULL);
+      MPI_Isend(&leave_seq_, 1, MPI_UINT64_T, r, kLeaveTag, side_, &sends.back());
+    }
+    const auto deadline = std::chrono::steady_clock::now() + kLeaveSendWait;
+    int done = 0;
+    while (MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done,
+                       MPI_STATUSES_IGNORE) == MPI_SUCCESS &&
+           !done && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    for (auto& r : sends) {
+      if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // a dead peer: give up on it
+    }
+  }
+
+  const std::vector<std::optional<std::uint64_t>>& poll_departures() override {
+    for (int guard = 0; guard < size_ && leave_req_ != MPI_REQUEST_NULL; ++guard) {
+      int done = 0;
+      MPI_Status st;
+      if (MPI_Test(&leave_req_, &done, &st) != MPI_SUCCESS || !done) break;
+      if (st.MPI_SOURCE >= 0 && st.MPI_SOURCE < size_) {
+        departed_[static_cast<std::size_t>(st.MPI_SOURCE)] = leave_buf_;
+      }
+      post_leave_recv();
+    }
+    return departed_;
+  }
+
   [[noreturn]] void abort(int code) override {
     std::fflush(stdout);
     std::fflush(stderr);
@@ -284,6 +325,11 @@ class MpiTransport final : public Transport {
 
   void post_query_recv() {
     check(MPI_Irecv(&query_buf_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, kQueryTag, side_, &query_req_),
+          "MPI_Irecv");
+  }
+
+  void post_leave_recv() {
+    check(MPI_Irecv(&leave_buf_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, kLeaveTag, side_, &leave_req_),
           "MPI_Irecv");
   }
 
@@ -325,6 +371,9 @@ class MpiTransport final : public Transport {
   std::uint64_t query_buf_ = 0;
   MPI_Request query_req_ = MPI_REQUEST_NULL;
   std::deque<Reply> replies_;  // deque: stable addresses for in-flight Isend buffers
+  std::uint64_t leave_buf_ = 0, leave_seq_ = 0;
+  MPI_Request leave_req_ = MPI_REQUEST_NULL;
+  std::vector<std::optional<std::uint64_t>> departed_;
 };
 
 }  // namespace

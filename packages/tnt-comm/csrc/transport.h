@@ -55,6 +55,13 @@ class Transport {
   virtual std::vector<std::optional<std::uint64_t>> query_progress(
       std::uint64_t my_seq, std::chrono::milliseconds wait) = 0;
 
+  // Leave notices (Note [Leaving] in engine.cc): tell every other rank that this rank
+  // shuts down after starting `my_seq` collectives (once, just before the transport is
+  // destroyed); and, for every rank that announced its end, how many collectives it had
+  // started (entry r is empty while rank r has not left).
+  virtual void announce_leaving(std::uint64_t my_seq) = 0;
+  virtual const std::vector<std::optional<std::uint64_t>>& poll_departures() = 0;
+
   // Ends the whole job. Callable from any thread.
   [[noreturn]] virtual void abort(int code) = 0;
   // Called instead of a clean shutdown when a collective can never complete (after a

@@ -55,3 +55,17 @@ def test_uncaught_exception_aborts_the_job(run_job) -> None:
     assert "aborting all ranks" in proc.stderr, explain(proc)
     assert "UNREACHABLE" not in proc.stdout
     assert elapsed < 40, f"took {elapsed:.1f}s: the abort did not end the waiting rank"
+
+
+@pytest.mark.parametrize("code", [1, 0], ids=["sys_exit_1", "returns_early"])
+def test_rank_that_exits_early_ends_the_job(run_job, code: int) -> None:
+    # TNT_COMM_TIMEOUT=100: ending within seconds proves the leave notice, not the stall
+    # detector, ended the job.
+    t0 = time.perf_counter()
+    proc = run_job("job_exit.py", 2, env={"CODE": str(code), "TNT_COMM_TIMEOUT": "100"}, timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0, explain(proc)
+    assert "barrier() can never complete on rank 0" in proc.stderr, explain(proc)
+    assert "rank 1 has ended" in proc.stderr and "after its collective #1" in proc.stderr, explain(proc)
+    assert "UNREACHABLE" not in proc.stdout
+    assert elapsed < 40, f"took {elapsed:.1f}s: the leave notice did not end the waiting rank"
