@@ -92,10 +92,15 @@ def keras(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: print tables and write benchmarks/results/*.json."""
+    """Benchmarks: print tables, write benchmarks/results/*.json, summary.md and plots.
+
+    `nox -s bench -- --quick` for a short development run; names select entries of
+    benchmarks/run_all.py. tf_keras: MultiWorkerMirroredStrategy fails with Keras 3, so
+    the peer benchmark runs it with the legacy Keras (see docs/benchmarks.md).
+    """
     session.install(
         _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras"),
-        "mpi4py", "matplotlib",
+        "mpi4py", "matplotlib", "tf_keras",
     )
     session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs, env=MPI_ENV)
 

@@ -1,8 +1,10 @@
 """Runs every benchmark (nox -s bench). Each entry is one launched job; add yours to
-BENCHMARKS. Results land in benchmarks/results/*.json; tables go to stdout.
+BENCHMARKS. Results land in benchmarks/results/*.json; tables go to stdout; the last
+entry, summary, collects them into results/summary.{json,md} and the PNG plots.
 
-    python benchmarks/run_all.py            # all
-    python benchmarks/run_all.py allreduce  # only the named entries
+    python benchmarks/run_all.py                      # all (about 10-15 min on 2 idle cores)
+    python benchmarks/run_all.py --quick              # fewer repetitions, for development
+    python benchmarks/run_all.py training_overhead summary   # only the named entries
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +26,28 @@ class Benchmark:
     script: str  # relative to benchmarks/
     ranks: int = 0  # 0: plain `python script`; N: `mpirun -n N python script`
     args: list[str] = field(default_factory=list)
+    # Extra mpirun options. Training jobs use the launcher's `--bind-to none` (docs/launcher.md):
+    # what `tarantella -n N` does, and ranks may move off a core another job is using.
+    mpi_args: list[str] = field(default_factory=list)
+    quick: bool = True  # accepts --quick
+    timeout: float = 1800.0  # seconds before the job is killed and counted as failed
 
+
+UNBOUND = ["--bind-to", "none"]
+# Weak scaling at 4 ranks only where there are 4 cores: oversubscribed ranks measure the
+# scheduler, not the system.
+SCALING_RANKS = [n for n in (2, 4) if n <= (os.cpu_count() or 1)]
 
 BENCHMARKS: list[Benchmark] = [
     Benchmark("allreduce", "allreduce.py", ranks=2),
+    Benchmark("fusion", "fusion.py", ranks=2),
     Benchmark("data_pipeline", "data_pipeline.py"),
+    # The training jobs run back to back, so that the ratios between them see the same load.
+    Benchmark("training_overhead", "training.py", args=["overhead"]),
+    *(Benchmark(f"training_scaling_{n}", "training.py", ranks=n, args=["scaling"], mpi_args=UNBOUND)
+      for n in SCALING_RANKS),
+    *(Benchmark(f"mwms_{n}", "peer_mwms.py", args=["--ranks", str(n)]) for n in SCALING_RANKS),
+    Benchmark("summary", "summary.py", quick=False),
 ]
 
 
@@ -39,12 +59,16 @@ def _mpirun() -> str:
     return found
 
 
-def command(b: Benchmark) -> list[str]:
-    run = [sys.executable, str(HERE / b.script), *b.args]
-    return [_mpirun(), "--oversubscribe", "-n", str(b.ranks), *run] if b.ranks else run
+def command(b: Benchmark, quick: bool = False) -> list[str]:
+    run = [sys.executable, str(HERE / b.script), *b.args, *(["--quick"] if quick and b.quick else [])]
+    if not b.ranks:
+        return run
+    return [_mpirun(), "--oversubscribe", *b.mpi_args, "-n", str(b.ranks), *run]
 
 
 def main(selected: list[str]) -> int:
+    quick = "--quick" in selected
+    selected = [s for s in selected if s != "--quick"]
     env = dict(os.environ)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -55,9 +79,16 @@ def main(selected: list[str]) -> int:
     for b in BENCHMARKS:
         if selected and b.name not in selected:
             continue
-        cmd = command(b)
-        print(f"== {b.name}: {' '.join(cmd)}", flush=True)
-        if subprocess.run(cmd, env=env, check=False).returncode != 0:
+        cmd = command(b, quick)
+        print(f"== {b.name}: {' '.join(cmd)}  (load {os.getloadavg()[0]:.2f})", flush=True)
+        t0 = time.perf_counter()
+        try:
+            rc = subprocess.run(cmd, env=env, check=False, timeout=b.timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"{b.name}: killed after {b.timeout:.0f} s", file=sys.stderr)
+            rc = -1
+        print(f"== {b.name}: exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc != 0:
             failed.append(b.name)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

@@ -1,0 +1,324 @@
+"""Collects every benchmark's JSON into one summary: targets, a Markdown table, plots.
+
+    python benchmarks/summary.py     # after the others (run_all.py runs it last)
+
+Reads results/{training_overhead, training_scaling_<N>, mwms_<N>, fusion, allreduce,
+data_pipeline}.json (whatever exists), writes results/summary.json (rows {"name", "value",
+"target", "higher_is_better", "unit", "detail"}; ratios, 1.0 = equal), results/summary.md
+(committed; docs/benchmarks.md links it) and the PNG plots throughput_vs_ranks.png,
+busbw.png and fusion_threshold.png (committed too).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+DEFAULT_KB = 8192  # tnt-keras' default TNT_FUSION_THRESHOLD (docs/keras.md)
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def row(name: str, value: float | None, target: float | None, higher: bool, unit: str,
+        detail: str) -> dict[str, Any]:
+    return {"name": name, "value": value, "target": target, "higher_is_better": higher,
+            "unit": unit, "detail": detail}
+
+
+def met(r: dict[str, Any]) -> str:
+    if r["value"] is None:
+        return "not measured"
+    if r["target"] is None:
+        return "(no target)"
+    ok = r["value"] >= r["target"] if r["higher_is_better"] else r["value"] <= r["target"]
+    return "yes" if ok else "**no**"
+
+
+def loads_of(results: dict[str, dict | None]) -> dict[str, float]:
+    out = {}
+    for name, res in results.items():
+        if res and "machine_before" in res:
+            out[name] = res["machine_before"]["loadavg"][0]
+    return out
+
+
+def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    over, scal, mwms = res["training_overhead"], res["training_scaling_2"], res["mwms_2"]
+    fus, ar, dp = res["fusion"], res["allreduce"], res["data_pipeline"]
+
+    for model, label in (("lenet5", "LeNet-5"), ("resnet", "ResNet-20")):
+        m = over["models"][model] if over else None
+        rows.append(row(
+            f"overhead_1rank_{model}", m and m["ratio"], 0.95, True, "x plain Keras samples/s",
+            (m and (f"{label}, batch {m['micro_batch']}, 1+1 threads: tnt {m['tnt_sps']:.0f} vs Keras "
+                   f"{m['keras_sps']:.0f} samples/s; per-round ratios "
+                   + ", ".join(f"{x:.3f}" for x in m["ratio_per_round"]))) or "training_overhead.json missing"))
+
+    tnt2 = scal and scal["contenders"].get(f"tnt@{DEFAULT_KB}")
+    tnt1 = over and over["models"]["resnet"]["tnt_sps"]
+    if scal and tnt2 and tnt1:
+        c = scal["contenders"]
+        alone, indep = c["keras_alone"]["sps"], c["keras_independent"]["sps"]
+        eff = tnt2["sps"] / (2 * tnt1)
+        detail = (f"tnt {tnt2['sps']:.0f} samples/s on 2 ranks vs {tnt1:.0f} on 1 (micro-batch "
+                  f"{scal['micro_batch']}). Same job: hardware ceiling (2 independent Keras ranks, no "
+                  f"communication) = {indep / (2 * alone):.2f} of 2x 1-rank Keras; tnt = "
+                  f"{tnt2['sps'] / indep:.2f} of that ceiling; step waits for communication "
+                  f"{100 * tnt2['wait_fraction']:.1f}% of step time "
+                  f"({tnt2['wait_per_step_s'] * 1e3:.2f} ms/step vs contiguous MPI_Allreduce "
+                  f"{scal['floor']['allreduce_s'] * 1e3:.2f} ms, memcpy {scal['floor']['memcpy_s'] * 1e3:.2f} ms "
+                  f"of the {scal['floor']['bytes'] / 1e6:.2f} MB gradients)")
+    else:
+        eff, detail = None, "training_scaling_2.json or training_overhead.json missing"
+    rows.append(row("weak_scaling_eff_2ranks_resnet", eff, 0.90, True,
+                    "throughput(2) / (2 x throughput(1))", detail))
+    rows.append(row("comm_wait_fraction_2ranks_resnet", tnt2 and tnt2["wait_fraction"], None, False,
+                    "fraction of step time", "time in FusedAllreduce.wait / epoch time (exposed "
+                    "communication incl. waiting for the slower rank); submit copies "
+                    + (f"{100 * tnt2['submit_fraction']:.1f}%" if tnt2 else "n/a")))
+
+    if mwms and tnt2:
+        if mwms.get("ok"):
+            v = tnt2["sps"] / mwms["sps"]
+            d = (f"tnt {tnt2['sps']:.0f} vs MultiWorkerMirroredStrategy {mwms['sps']:.0f} samples/s "
+                 f"(back-to-back launches); MWMS ran with {mwms['keras']} (TF_USE_LEGACY_KERAS=1) "
+                 f"because Keras 3 {'works' if mwms['keras3'] == 'ok' else 'failed: ' + mwms['keras3']}")
+        else:
+            v, d = None, f"MultiWorkerMirroredStrategy could not run: {mwms['error']}"
+    else:
+        v, d = None, "mwms_2.json or training_scaling_2.json missing"
+    rows.append(row("vs_mwms_2ranks_resnet", v, 1.0, True, "x MWMS samples/s", d))
+
+    if scal and tnt2:
+        naive = scal["contenders"]["mpi4py_naive"]
+        per_round = [a / b for a, b in zip(tnt2["sps_per_round"], naive["sps_per_round"]) if b]
+        from statistics import median
+
+        v = median(per_round) if per_round else None
+        d = (f"tnt {tnt2['sps']:.0f} vs per-tensor blocking mpi4py loop {naive['sps']:.0f} samples/s, "
+             "same processes, round-robin; median of per-round ratios")
+    else:
+        v, d = None, "training_scaling_2.json missing"
+    rows.append(row("vs_mpi4py_naive_2ranks_resnet", v, 1.0, True, "x mpi4py loop samples/s", d))
+
+    if fus:
+        gs = fus["resnet50_set"]
+        dflt = next(r for r in gs["sweep"] if r["threshold_kb"] == DEFAULT_KB)
+        best = min(gs["sweep"], key=lambda r: r["fused_s"])
+        d = (f"{gs['tensors']} tensors, {gs['bytes'] / 1e6:.0f} MB, {fus['ranks']} ranks, threshold "
+             f"{DEFAULT_KB} KB ({dflt['buckets']} buckets): fused {dflt['fused_s'] * 1e3:.1f} ms vs one "
+             f"contiguous MPI_Allreduce {gs['floor_allreduce_s'] * 1e3:.1f} ms; memcpy of the same bytes "
+             f"{gs['memcpy_s'] * 1e3:.1f} ms")
+        if ar:
+            d += (f"; allreduce.py ({ar['resnet50_set']['threshold_bytes'] >> 10} KB): "
+                  f"{ar['targets']['resnet50_fused_over_floor']:.2f}")
+        rows.append(row("fused_vs_floor_resnet50_set", dflt["over_floor"], 1.15, False,
+                        "x one contiguous MPI_Allreduce (time)", d))
+        rows.append(row("fused_vs_floor_plus_memcpy_resnet50_set", dflt["over_floor_plus_memcpy"], None,
+                        False, "x (contiguous MPI_Allreduce + memcpy) (time)",
+                        "the engine copies each gradient once into its bucket: floor + memcpy is its bound"))
+        rows.append(row("fusion_default_vs_best_resnet50_set", dflt["fused_s"] / best["fused_s"], 1.10,
+                        False, "x best threshold's time",
+                        f"best threshold measured: {best['threshold_kb']} KB ({best['fused_s'] * 1e3:.1f} ms)"))
+    else:
+        rows.append(row("fused_vs_floor_resnet50_set", None, 1.15, False,
+                        "x one contiguous MPI_Allreduce (time)", "fusion.json missing"))
+
+    if ar:
+        s = ar["small_tensors"]
+        rows.append(row("small_tensors_fused_vs_per_tensor", ar["targets"]["small_speedup_vs_per_tensor"],
+                        10.0, True, "x speed-up",
+                        f"{s['tensors']} x {s['values'] // s['tensors']} float32: fused "
+                        f"{s['fused_s'] * 1e3:.2f} ms vs one mpi4py Allreduce per tensor "
+                        f"{s['per_tensor_s'] * 1e3:.2f} ms (allreduce.py)"))
+    if dp:
+        r2 = next((r for r in dp["summary"] if r["ranks"] == 2 and r["split"] == "early"), None)
+        if r2:
+            rows.append(row("data_preprocessing_share_2ranks", r2["map_calls_fraction"], 0.5, False,
+                            "fraction of serial map calls per rank",
+                            f"early split; slowest rank's epoch = {r2['slowest_rank_epoch_vs_serial']:.2f} "
+                            "of serial (data_pipeline.py)"))
+    return rows
+
+
+def fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+
+
+def markdown(rows: list[dict[str, Any]], res: dict[str, Any], loads: dict[str, float]) -> str:
+    lines = [
+        "# Benchmark summary",
+        "",
+        f"Written by `benchmarks/summary.py` on {dt.date.today().isoformat()}, a "
+        f"{os.cpu_count()}-core machine, Python {platform.python_version()}. 1-minute load average at "
+        "the start of each job: " + ", ".join(f"{k} {v:.2f}" for k, v in loads.items()) + ".",
+        "",
+        "| name | value | target | met | unit | detail |",
+        "|---|---:|---:|:---:|---|---|",
+    ]
+    for r in rows:
+        tgt = "-" if r["target"] is None else ("≥ " if r["higher_is_better"] else "≤ ") + fmt(r["target"])
+        lines.append(f"| `{r['name']}` | {fmt(r['value'])} | {tgt} | {met(r)} | {r['unit']} | "
+                     f"{r['detail'].replace('|', '/')} |")
+    scal = res["training_scaling_2"]
+    if scal:
+        lines += ["", f"## ResNet-20, 2 ranks, micro-batch {scal['micro_batch']} per rank, "
+                      "1 intra-op + 1 inter-op thread per rank", "",
+                  "| contender | samples/s | wait % of step | submit % of step | buckets |",
+                  "|---|---:|---:|---:|---:|"]
+        over = res["training_overhead"]
+        if over:
+            m = over["models"]["resnet"]
+            lines.append(f"| tnt, 1 rank | {m['tnt_sps']:.1f} | | | |")
+            lines.append(f"| Keras, 1 rank | {m['keras_sps']:.1f} | | | |")
+        for name, c in scal["contenders"].items():
+            w = f"{100 * c['wait_fraction']:.1f}" if "wait_fraction" in c else ""
+            s = f"{100 * c['submit_fraction']:.1f}" if "submit_fraction" in c else ""
+            lines.append(f"| {name} | {c['sps']:.1f} | {w} | {s} | {c.get('buckets', '')} |")
+        mwms = res["mwms_2"]
+        if mwms:
+            lines.append(f"| MultiWorkerMirroredStrategy ({mwms.get('keras', 'failed')}) | "
+                         f"{mwms['sps']:.1f} | | | |")
+    fus = res["fusion"]
+    if fus:
+        gs = fus["resnet50_set"]
+        lines += ["", f"## Fusion threshold, ResNet-50 gradient set ({gs['bytes'] / 1e6:.0f} MB, "
+                      f"{fus['ranks']} ranks)", "",
+                  f"Floor: one contiguous MPI_Allreduce {gs['floor_allreduce_s'] * 1e3:.1f} ms; memcpy "
+                  f"{gs['memcpy_s'] * 1e3:.1f} ms.", "",
+                  "| threshold | buckets | fused ms | / floor | / (floor + memcpy) | training samples/s (ResNet-20, 2 ranks) |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        for r in gs["sweep"]:
+            c = scal and scal["contenders"].get(f"tnt@{r['threshold_kb']}")
+            tr = f"{c['sps']:.1f}" if c else "-"
+            lines.append(f"| {r['threshold_kb']} KB | {r['buckets']} | {r['fused_s'] * 1e3:.1f} | "
+                         f"{r['over_floor']:.2f} | {r['over_floor_plus_memcpy']:.2f} | {tr} |")
+    lines += ["", "![throughput vs ranks](throughput_vs_ranks.png)", "",
+              "![busbw vs message size](busbw.png)", "", "![fusion threshold](fusion_threshold.png)", ""]
+    return "\n".join(lines)
+
+
+def plots(res: dict[str, Any]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    over = res["training_overhead"]
+    scal = {int(k.rsplit("_", 1)[1]): v for k, v in res.items() if k.startswith("training_scaling_") and v}
+    if over and scal:
+        tnt1 = over["models"]["resnet"]["tnt_sps"]
+        keras1 = over["models"]["resnet"]["keras_sps"]
+        ranks = [1, *sorted(scal)]
+        tnt = [tnt1] + [scal[n]["contenders"][f"tnt@{DEFAULT_KB}"]["sps"] for n in ranks[1:]]
+        ceil = [keras1] + [scal[n]["contenders"]["keras_independent"]["sps"] for n in ranks[1:]]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(ranks, [tnt1 * n for n in ranks], "k--", label="ideal (N x tnt on 1 rank)")
+        ax.plot(ranks, ceil, "s:", color="grey", label="N independent Keras ranks (no communication)")
+        ax.plot(ranks, tnt, "o-", label="tnt.Model")
+        for n in ranks[1:]:
+            c = scal[n]["contenders"]["mpi4py_naive"]["sps"]
+            ax.plot([n], [c], "v", color="C1", label="mpi4py per-tensor loop" if n == ranks[1] else None)
+            mw = res.get(f"mwms_{n}")
+            if mw and mw.get("ok"):
+                ax.plot([n], [mw["sps"]], "^", color="C2",
+                        label="MultiWorkerMirroredStrategy (tf_keras)" if n == ranks[1] else None)
+        ax.set_xticks(ranks)
+        ax.set_xlabel("ranks (1 intra-op + 1 inter-op thread each)")
+        ax.set_ylabel("samples/s")
+        ax.set_title("ResNet-20 weak scaling, micro-batch 32 per rank")
+        ax.legend(fontsize=8)
+        ax.set_ylim(bottom=0)
+        fig.tight_layout()
+        fig.savefig(RESULTS / "throughput_vs_ranks.png", dpi=100)
+        plt.close(fig)
+        written.append("throughput_vs_ranks.png")
+    ar, fus = res["allreduce"], res["fusion"]
+    if ar:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        b = [r["bytes"] for r in ar["busbw"]]
+        ax.plot(b, [r["tnt_GBps"] for r in ar["busbw"]], "o-", label="tnt_comm.allreduce")
+        ax.plot(b, [r["mpi4py_GBps"] for r in ar["busbw"]], "s-",
+                label="contiguous MPI_Allreduce (mpi4py): the floor")
+        if fus:
+            ax.plot([r["bytes"] for r in fus["memcpy"]], [r["memcpy_GBps"] for r in fus["memcpy"]], "k:",
+                    label="memcpy bandwidth (1 rank)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("GB/s (busbw = bytes x 2(n-1)/n / time)")
+        ax.set_title(f"Allreduce bus bandwidth, {ar['ranks']} ranks")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(RESULTS / "busbw.png", dpi=100)
+        plt.close(fig)
+        written.append("busbw.png")
+    if fus:
+        gs = fus["resnet50_set"]
+        kb = [r["threshold_kb"] for r in gs["sweep"]]
+        x = list(range(len(kb)))
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(x, [r["fused_s"] * 1e3 for r in gs["sweep"]], "o-", label="fused round (ResNet-50 set)")
+        ax.axhline(gs["floor_allreduce_s"] * 1e3, color="C1", ls="--", label="one contiguous MPI_Allreduce")
+        ax.axhline(gs["memcpy_s"] * 1e3, color="k", ls=":", label="memcpy of the same bytes")
+        ax.set_xticks(x, [f"{k} KB" for k in kb])
+        ax.set_xlabel("fusion threshold")
+        ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
+        scal2 = res["training_scaling_2"]
+        if scal2:
+            ax2 = ax.twinx()
+            sps = [scal2["contenders"].get(f"tnt@{k}", {}).get("sps") for k in kb]
+            ax2.plot(x, sps, "s-", color="C2", label="ResNet-20 training, 2 ranks (samples/s)")
+            ax2.set_ylabel("training samples/s")
+            ax2.set_ylim(bottom=0)
+            ax2.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="upper left")
+        ax.set_title("Fusion threshold sweep")
+        fig.tight_layout()
+        fig.savefig(RESULTS / "fusion_threshold.png", dpi=100)
+        plt.close(fig)
+        written.append("fusion_threshold.png")
+    return written
+
+
+def main() -> int:
+    names = ["training_overhead", "training_scaling_2", "mwms_2", "fusion", "allreduce", "data_pipeline"]
+    names += [p.stem for p in RESULTS.glob("training_scaling_*.json") if p.stem not in names]
+    names += [p.stem for p in RESULTS.glob("mwms_*.json") if p.stem not in names]
+    res = {n: load(n) for n in names}
+    rows = rows_from(res)
+    loads = loads_of(res)
+    rows.append(row("machine_loadavg_1min", max(loads.values(), default=None), None, False,
+                    "1-minute load average (max over jobs)",
+                    f"{os.cpu_count()} cores, shared; at each job's start: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in loads.items())
+                    + f"; written {dt.datetime.now().isoformat(timespec='seconds')}"))
+    (RESULTS / "summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (RESULTS / "summary.md").write_text(markdown(rows, res, loads))
+    written = plots(res)
+    print("\nsummary (ratios, 1.0 = equal):")
+    print(f"{'name':>40} {'value':>8} {'target':>8}  met")
+    for r in rows:
+        print(f"{r['name']:>40} {fmt(r['value']):>8} {fmt(r['target']):>8}  {met(r).strip('*')}")
+    print(f"loads (1 min) by job: {loads}")
+    print(f"wrote {RESULTS / 'summary.json'}, summary.md, {', '.join(written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
