@@ -147,6 +147,23 @@ void Engine::run(Task& task) {
                          std::chrono::duration<double>(config_.timeout_s));
   try {
     while (auto request = task.next(*transport_)) wait_request(*request, task, deadline);
+  } catch (const CommError& e) {
+    if (e.code() < 0) {  // ours (stall, a rank left): already complete and final
+      task.finish(std::current_exception());
+      return;
+    }
+    // An MPI error inside a collective (e.g. MPI_ERR_TRUNCATE) almost always means the
+    // ranks' collectives got out of step; nothing later can be trusted to match.
+    std::ostringstream m;
+    m << "tnt_comm: " << task.describe() << " failed on rank " << world_.rank
+      << " (collective #" << seq_ << " of this rank): " << e.what()
+      << ". This usually means the ranks ran different collectives at this point: a rank "
+         "skipped a collective or ran an extra one (e.g. a collective inside `if rank == 0:`)"
+         "; every rank must issue the same collectives in the same order.";
+    transport_->mark_unclean();
+    mark_broken(m.str());
+    task.finish(std::make_exception_ptr(CommError(m.str(), e.code())));
+    return;
   } catch (...) {
     task.finish(std::current_exception());
     return;

@@ -69,3 +69,13 @@ def test_rank_that_exits_early_ends_the_job(run_job, code: int) -> None:
     assert "rank 1 has ended" in proc.stderr and "after its collective #1" in proc.stderr, explain(proc)
     assert "UNREACHABLE" not in proc.stdout
     assert elapsed < 40, f"took {elapsed:.1f}s: the leave notice did not end the waiting rank"
+
+
+def test_mismatched_collectives_are_named_as_such(run_job) -> None:
+    t0 = time.perf_counter()
+    proc = run_job("job_mismatch.py", 2, env={"TNT_COMM_TIMEOUT": "100"}, timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0, explain(proc)
+    assert "the ranks ran different collectives at this point" in proc.stderr, explain(proc)
+    assert "UNREACHABLE" not in proc.stdout
+    assert elapsed < 40, f"took {elapsed:.1f}s"
