@@ -81,3 +81,14 @@ def test_plan_errors_name_the_problem(call, words: str) -> None:
         call()
     assert words in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+def test_the_plan_does_not_import_tensorflow() -> None:
+    # NumPy/PyTorch users get the index plan without paying TensorFlow's import.
+    import subprocess
+    import sys
+
+    code = ("import sys, tnt_data; p = tnt_data.index_plan(11, 4, 2, 3); "
+            "assert [a.tolist() for a in p] == [[3], [7], [10]]; "
+            "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
