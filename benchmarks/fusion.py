@@ -73,6 +73,7 @@ def gradient_set_sweep(shapes: list[list[int]], reps: int) -> dict:
     res = fused(engines[8192])()
     assert all(np.all(r == 0.5 * COMM.size) for r in res), "wrong fused result"
     med = {k: bl.median(v) for k, v in times.items()}
+    mins = {k: min(v) for k, v in times.items()}
     floor = med["floor_allreduce"]
     rows = [{"threshold_kb": kb, "buckets": len(engines[kb].plan), "fused_s": med[f"fused@{kb}"],
              "over_floor": med[f"fused@{kb}"] / floor,
@@ -81,7 +82,9 @@ def gradient_set_sweep(shapes: list[list[int]], reps: int) -> dict:
     for e in engines.values():
         e.close()
     return {"tensors": len(specs), "values": total, "bytes": 4 * total, "reps": reps,
-            "floor_allreduce_s": floor, "memcpy_s": med["memcpy"], "sweep": rows}
+            "floor_allreduce_s": floor, "memcpy_s": med["memcpy"],
+            "floor_allreduce_min_s": mins["floor_allreduce"], "memcpy_min_s": mins["memcpy"],
+            "fused_min_s": {kb: mins[f"fused@{kb}"] for kb in SWEEP_KB}, "sweep": rows}
 
 
 def memcpy_bandwidth(max_bytes: int, reps: int) -> list[dict]:
