@@ -254,3 +254,12 @@ def test_enumerate_and_unbatch_around_an_unseeded_shuffle() -> None:
         ranks = _split(lambda r, s=split: tnt_data.distribute(make(None), rank=r, size=3, split=s),
                        3, lambda e: e[1])
         assert [ranks[0][k] + ranks[1][k] + ranks[2][k] for k in range(len(serial))] == serial
+
+
+def test_numpy_integers_are_accepted() -> None:
+    # e.g. a seed broadcast from rank 0 arrives as a NumPy integer
+    ds = tf.data.Dataset.range(12).shuffle(12)
+    a = _ids(tnt_data.distribute(ds, rank=np.int64(1), size=np.int32(2), micro_batch_size=np.int64(2),
+                                 shuffle_seed=np.int64(9)))
+    b = _ids(tnt_data.distribute(ds, rank=1, size=2, micro_batch_size=2, shuffle_seed=9))
+    assert a == b and len(a) == 3

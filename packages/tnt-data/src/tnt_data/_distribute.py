@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import tensorflow as tf
 
 from tnt_data import _plan
@@ -187,7 +188,7 @@ def distribute(
                 "micro_batch_size=m to batch it here with B = m * size."
             )
         _check_micro(micro_batch_size)
-        dataset = dataset.batch(micro_batch_size * size, drop_remainder=drop_remainder)
+        dataset = dataset.batch(int(micro_batch_size) * int(size), drop_remainder=drop_remainder)
         root = parse(dataset)
         info = inspect_graph(root)
     elif micro_batch_size is not None:
@@ -205,13 +206,13 @@ def distribute(
             "drop_remainder applies only when distribute() batches an unbatched dataset; "
             "this one is batched already: pass drop_remainder to your batch() instead."
         )
-    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)):
+    if shuffle_seed is not None and not _is_int(shuffle_seed):
         raise DistributionError(f"shuffle_seed must be an int or None, got {shuffle_seed!r}.")
 
     overrides: dict[Node, dict[str, Any]] = {}
     base = DEFAULT_SHUFFLE_SEED if shuffle_seed is None else shuffle_seed
     for i, node in enumerate(_unseeded_shuffles(root)):
-        overrides[node] = {"seed": GRAPH_SEED, "seed2": (base + i) % 2**63}
+        overrides[node] = {"seed": GRAPH_SEED, "seed2": (int(base) + i) % 2**63}
     rebuildable = _rebuildable(root)
     for node in _all_nodes(root):
         # Rebuilt: non-deterministic transformations (ranks must see one order), and every
@@ -248,8 +249,12 @@ def distribute(
     return result
 
 
+def _is_int(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, np.integer))
+
+
 def _check_micro(m: Any) -> None:
-    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    if not _is_int(m) or m < 1:
         raise DistributionError(f"micro_batch_size must be an int >= 1, got {m!r}.")
 
 
