@@ -263,3 +263,18 @@ def test_numpy_integers_are_accepted() -> None:
                                  shuffle_seed=np.int64(9)))
     b = _ids(tnt_data.distribute(ds, rank=1, size=2, micro_batch_size=2, shuffle_seed=9))
     assert a == b and len(a) == 3
+
+
+def test_from_generator_source_with_early_split() -> None:
+    def gen():
+        yield from range(26)
+
+    def make() -> tf.data.Dataset:
+        ds = tf.data.Dataset.from_generator(gen, output_signature=tf.TensorSpec((), tf.int64))
+        return ds.map(lambda x: (x, x * x)).batch(6)
+
+    assert tnt_data.split_strategy(make(), size=4).mode == "early"
+    serial = _ids(make(), lambda e: e[0])
+    ranks = _split(lambda r: tnt_data.distribute(make(), rank=r, size=4), 4, lambda e: e[0])
+    assert [[x for r in range(4) for x in ranks[r][k]] for k in range(len(serial))] == serial
+    assert [len(ranks[r][-1]) for r in range(4)] == [1, 1, 0, 0]
