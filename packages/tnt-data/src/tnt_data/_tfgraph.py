@@ -289,10 +289,10 @@ def rebuild(
     k = node.kind
     if k in ("source", "opaque"):
         raise DistributionError(
-            f"tnt_data cannot rebuild the {node.label} transformation, but must to split "
-            f"this pipeline (it sits above a shuffle that needs a common seed, or above the "
-            f"point where samples are split). Give that shuffle a seed, move the "
-            f"transformation after the batch, or {_FIX}."
+            f"tnt_data cannot rebuild the {node.label} transformation, but must: something "
+            f"below it changes (an unseeded shuffle gets the common seed, or a "
+            f"deterministic=False transformation is made deterministic). Give that shuffle "
+            f"a seed / make it deterministic yourself, or {_FIX}."
         )
     if k == "zip":
         return tf.data.Dataset.zip(tf.nest.pack_sequence_as(p["structure"], list(inputs)))
