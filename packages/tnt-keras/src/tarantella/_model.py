@@ -19,8 +19,9 @@ import numpy as np
 import tensorflow as tf
 
 import tnt_comm
+import tnt_data
 
-from . import _io, _runtime, _sync
+from . import _backup, _io, _runtime, _sync
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
 from ._logging import logger
@@ -174,9 +175,21 @@ class Model(keras.Model):
 
     # -- preparing a run -------------------------------------------------------------------
     def _common_seed(self) -> int:
+        """The shuffle seed of unseeded shuffles (and of array inputs), equal on all ranks.
+
+        Derived from TensorFlow's global seed when one is set (``keras.utils.set_random_seed``
+        or ``tf.random.set_seed``), so that every run of the script, a resumed one too,
+        shuffles alike; otherwise drawn at random. Rank 0's choice is used everywhere.
+        """
         if self._tnt_seed is None:
-            seed = int(np.random.SeedSequence().entropy % (2**31 - 1))
-            self._tnt_seed = int(tnt_comm.broadcast_object(seed, _runtime.MASTER_RANK))
+            seed = _global_seed()
+            if seed is None:
+                seed = int(np.random.SeedSequence().entropy % (2**31 - 1))
+            else:
+                seed = int(np.random.SeedSequence([seed, _SEED_SALT]).generate_state(1)[0] % (2**31 - 1))
+            if _runtime.get_size() > 1:
+                seed = tnt_comm.broadcast_object(seed, _runtime.MASTER_RANK)
+            self._tnt_seed = int(seed)
         return self._tnt_seed
 
     def _sharding(self, distribute: bool, micro_batch_size: int | None) -> Sharding:
@@ -264,13 +277,15 @@ class Model(keras.Model):
     # -- training loop entry points -----------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
-            validation_batch_size=None, *, tnt_micro_batch_size=None,
+            validation_batch_size=None, initial_epoch=0, *, tnt_micro_batch_size=None,
             tnt_validation_micro_batch_size=None, tnt_distribute_dataset=True,
             tnt_distribute_validation_dataset=True, **kwargs):
         """Keras' ``fit`` on every rank; ``x`` is split into per-rank micro-batches.
 
         ``x`` is a ``tf.data.Dataset`` batched with the global batch size (recommended),
         an unbatched one with ``tnt_micro_batch_size``, or arrays with ``batch_size``.
+        Epoch ``initial_epoch`` (or the one a ``BackupAndRestore`` backup resumes at) sees
+        the shuffle order it has in a run that started at epoch 0 (see docs/keras.md).
         """
         self._assert_compiled("fit")
         if validation_split:
@@ -298,10 +313,17 @@ class Model(keras.Model):
             self._warn_small_batch_norm(global_batch_size(x, self._sharding(True, tnt_micro_batch_size)))
         else:
             self._warn_small_batch_norm(batch_size or _DEFAULT_BATCH_SIZE)
+        callbacks, backup = _backup.adapt(callbacks)
+        if backup is not None:
+            restored = backup.restore(self)
+            if restored is not None:
+                initial_epoch = restored
+        if initial_epoch > 0:
+            train = _at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
         return super().fit(
             train, epochs=epochs, verbose=self._verbose(verbose),
             callbacks=self._callbacks_for_this_rank(callbacks), validation_data=val,
-            shuffle=False, **kwargs,
+            shuffle=False, initial_epoch=initial_epoch, **kwargs,
         )
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
@@ -363,6 +385,57 @@ class Model(keras.Model):
             self._model.load_weights(local, *args, **kwargs)
         self._tnt_synced = False
         self._sync_replicas()
+
+
+#: Iterators Keras 3's EpochIterator creates per epoch when steps_per_epoch is None.
+_KERAS_ITERATORS_PER_EPOCH = 2
+#: Mixed with TensorFlow's global seed, so the common shuffle seed is not the user's seed.
+_SEED_SALT = 0x746E74
+
+
+def _global_seed() -> int | None:
+    """TensorFlow's global seed (``tf.random.set_seed``), or None when none is set."""
+    try:
+        from tensorflow.python.eager import context
+    except ImportError:  # pragma: no cover - TensorFlow moved it
+        return None
+    seed = context.global_seed()
+    return None if seed is None else int(seed)
+
+
+def _at_epoch(dataset: tf.data.Dataset, user_input, epoch: int, steps_per_epoch) -> tf.data.Dataset:
+    """``dataset`` with its reshuffling state where a run from epoch 0 has it at ``epoch``.
+
+    A shuffle with ``reshuffle_each_iteration`` draws a new order for each new iterator,
+    and Keras' epoch loop creates ``_KERAS_ITERATORS_PER_EPOCH`` iterators per epoch of a
+    dataset of known length (one when the epoch starts, one after its last batch).
+    Creating (and dropping) as many iterators as the first ``epoch`` epochs would advances
+    the order without reading data. This needs a dataset whose state starts fresh: tnt
+    builds one per fit (distributed or from arrays); one passed through unchanged (one
+    rank) is rebuilt. tests/test_resume.py checks the count against an uninterrupted run.
+    """
+    if steps_per_epoch:
+        logger.warning(
+            "fit(initial_epoch=%d) with steps_per_epoch: the data position of the interrupted "
+            "run is not restored (Keras then continues one iterator across epochs); the "
+            "resumed epochs start from a fresh iterator.", epoch)
+        return dataset
+    if dataset is user_input:
+        try:
+            dataset = tnt_data.distribute(dataset, rank=0, size=1)
+        except tnt_data.DistributionError:
+            logger.warning(
+                "fit(initial_epoch=%d): this dataset cannot be rebuilt, so its shuffle order "
+                "from epoch %d on may differ from an uninterrupted run.", epoch, epoch)
+            return dataset
+    if int(dataset.cardinality()) < 0:
+        logger.warning(
+            "fit(initial_epoch=%d): the dataset's length is unknown, so its shuffle order "
+            "from epoch %d on may differ from an uninterrupted run.", epoch, epoch)
+        return dataset
+    for _ in range(epoch * _KERAS_ITERATORS_PER_EPOCH):
+        iter(dataset)
+    return dataset
 
 
 def _split_arrays(arrays, validation_split: float):
