@@ -75,6 +75,13 @@ def global_batch_size(dataset: tf.data.Dataset, sharding: Sharding) -> int | Non
         return None
 
 
+def _known_unbatched(dataset: tf.data.Dataset) -> bool:
+    try:
+        return not tnt_data.inspect(dataset).batched
+    except tnt_data.DistributionError:  # a pipeline tnt_data cannot read runs as given
+        return False
+
+
 def rank_dataset(
     x,
     y=None,
@@ -108,9 +115,19 @@ def rank_dataset(
         dataset = x
     else:
         dataset = _from_arrays(x, y, sample_weight, batch_size, shuffle, sharding, method)
-    if not sharding.distribute or (sharding.size == 1 and sharding.micro_batch_size is None):
-        return dataset
     try:
+        if not sharding.distribute:
+            return dataset
+        if sharding.size == 1 and sharding.micro_batch_size is None:
+            # One rank: the pipeline runs as given; only refuse what N ranks would refuse,
+            # so a script behaves the same under `python` and under the launcher.
+            if _known_unbatched(dataset):
+                raise tnt_data.DistributionError(
+                    "the dataset is not batched, so tnt_data cannot tell the global batch "
+                    "size. Batch it with the global batch size (dataset.batch(B)), or pass "
+                    "micro_batch_size=m to batch it here with B = m * size."
+                )
+            return dataset
         return tnt_data.distribute(
             dataset,
             rank=sharding.rank,

@@ -307,6 +307,10 @@ class Model(keras.Model):
                 shuffle=False, method="fit(validation_data)",
                 sharding=self._sharding(tnt_distribute_validation_dataset, tnt_validation_micro_batch_size),
             )
+        if not kwargs.get("steps_per_epoch"):
+            _check_same_length(train, "training", "fit")
+        if val is not None and not kwargs.get("validation_steps"):
+            _check_same_length(val, "validation", "fit")
         self._build_from(train, with_metrics=True)
         self._sync_replicas()
         if isinstance(x, tf.data.Dataset):
@@ -339,6 +343,8 @@ class Model(keras.Model):
             x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate",
             sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size),
         )
+        if not steps:
+            _check_same_length(data, "evaluation", "evaluate")
         self._build_from(data, with_metrics=True)
         self._sync_replicas()
         return super().evaluate(
@@ -436,6 +442,34 @@ def _at_epoch(dataset: tf.data.Dataset, user_input, epoch: int, steps_per_epoch)
     for _ in range(epoch * _KERAS_ITERATORS_PER_EPOCH):
         iter(dataset)
     return dataset
+
+
+def _check_same_length(dataset: tf.data.Dataset, what: str, method: str) -> None:
+    """Every rank must run as many steps as the others, or one waits in a step forever.
+
+    tnt's own split guarantees it; datasets the ranks build themselves
+    (``tnt_distribute_dataset=False``) may differ. One small allgather per call. A length
+    TensorFlow cannot tell (e.g. after ``filter``) is not checked here; a difference then
+    shows as a stall after TNT_COMM_TIMEOUT.
+    """
+    if _runtime.get_size() == 1:
+        return
+    lengths = tnt_comm.allgather_object(int(dataset.cardinality()))
+    if len(set(lengths)) == 1 or tf.data.UNKNOWN_CARDINALITY in lengths:
+        return
+
+    def show(n: int) -> str:
+        return "infinite" if n == tf.data.INFINITE_CARDINALITY else str(n)
+
+    per_rank = ", ".join(f"rank {r}: {show(n)}" for r, n in enumerate(lengths))
+    raise InputError(
+        f"tnt.Model.{method}: the ranks' {what} datasets have different numbers of batches "
+        f"({per_rank}), so some rank would wait in a step the others never run. With "
+        "tnt_distribute_dataset=False every rank must pass the same number of batches (e.g. "
+        "dataset.shard(num_shards, index) of a dataset whose length the number of ranks "
+        "divides, or .take(n) with the same n everywhere); or pass one dataset and let tnt "
+        "split it (tnt_distribute_dataset=True)."
+    )
 
 
 def _split_arrays(arrays, validation_split: float):

@@ -59,5 +59,9 @@ def setup() -> _settings.Settings:
     tnt_comm.init()
     settings = _settings.load()
     _logging.configure(get_rank(), settings.log_level, settings.log_on_all_devices)
+    unknown = _settings.unknown_names()
+    if unknown and not getattr(setup, "_warned", False):
+        setup._warned = True  # type: ignore[attr-defined]
+        _logging.logger.warning("unknown setting(s) ignored: %s", ", ".join(unknown))
     _select_gpu(tnt_comm.local_rank())
     return settings

@@ -64,6 +64,26 @@ def _log_level() -> str:
     return level
 
 
+#: Every TNT_* variable of Tarantella's packages (tnt-comm and the launcher read theirs).
+KNOWN = frozenset({
+    "TNT_FUSION_THRESHOLD", "TNT_LOG_LEVEL", "TNT_LOG_ON_ALL_DEVICES",
+    "TNT_OUTPUT_ON_ALL_DEVICES", "TNT_TENSORBOARD_ON_ALL_DEVICES",
+    "TNT_COMM_TIMEOUT", "TNT_COMM_POLL_SPIN_US", "TNT_COMM_POLL_MAX_SLEEP_US", "TNT_COMM_MPI",
+    "TNT_MPIRUN",
+})
+
+
+def unknown_names() -> list[str]:
+    """``TNT_*`` variables nobody reads (likely typos), each with a suggestion."""
+    import difflib
+
+    out = []
+    for name in sorted(n for n in os.environ if n.startswith("TNT_") and n not in KNOWN):
+        close = difflib.get_close_matches(name, sorted(KNOWN), n=1)
+        out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return out
+
+
 @dataclass(frozen=True)
 class Settings:
     """The parsed ``TNT_*`` settings of this process."""

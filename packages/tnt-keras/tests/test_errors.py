@@ -1,0 +1,117 @@
+"""The bad-input catalogue (docs/errors.md): each misuse gives its documented message.
+
+Misuses that need ranks run in one 2-rank launch (jobs/errors.py); the settings errors
+are single-process (a plain `python` run is a 1-rank job). Every launch and subprocess
+has a deadline, so a hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import launch
+
+CHECKS = [
+    "global_batch_smaller_than_ranks_works",
+    "ftrl_supported",
+    "error_micro_batch_inconsistent",
+    "error_unbatched_without_micro_batch",
+    "error_batch_size_with_dataset",
+    "error_generator_input",
+    "error_fit_before_compile",
+    "error_dataset_lengths_differ",
+    "error_dataset_lengths_differ_evaluate",
+    "own_data_per_rank_same_length_trains",
+    "error_uncompiled_loaded_model",
+    "error_models_differ_shape",
+    "error_models_differ_layers",
+    "usable_after_errors",
+]
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("errors") / "errors.json"
+    result = launch(2, "errors.py", out, timeout=600)
+    assert result["ranks"] == 2
+    return result["checks"]
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_check(checks, name):
+    assert name in checks, f"check {name} did not run; ran: {sorted(checks)}"
+    assert checks[name]["ok"], f"{name}: {checks[name]['detail']}"
+
+
+def test_no_unlisted_checks(checks):
+    assert sorted(checks) == sorted(CHECKS)
+
+
+# -- settings: single process --------------------------------------------------------
+BAD_SETTINGS = {
+    "fusion_negative": ("TNT_FUSION_THRESHOLD", "-1", ["TNT_FUSION_THRESHOLD='-1' is negative", ">= 0"]),
+    "fusion_nan": ("TNT_FUSION_THRESHOLD", "nan", ["TNT_FUSION_THRESHOLD='nan' is negative", ">= 0"]),
+    "fusion_not_a_number": ("TNT_FUSION_THRESHOLD", "8MB", ["TNT_FUSION_THRESHOLD='8MB' is not a number",
+                                                             "in KB", "TNT_FUSION_THRESHOLD=8192"]),
+    "log_level": ("TNT_LOG_LEVEL", "LOUD", ["TNT_LOG_LEVEL='LOUD' is not a log level", "DEBUG, INFO"]),
+    "flag": ("TNT_OUTPUT_ON_ALL_DEVICES", "maybe", ["TNT_OUTPUT_ON_ALL_DEVICES='maybe' is not a boolean",
+                                                      "true/false"]),
+}
+
+_PROBE = """
+import json, os, sys
+import tarantella
+from tarantella import _settings
+cases = json.loads(sys.argv[1])
+out = {}
+for case, (name, value) in cases.items():
+    os.environ[name] = value
+    try:
+        _settings.load()
+        out[case] = None
+    except tarantella.SettingError as err:
+        out[case] = str(err)
+    del os.environ[name]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _python(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-c", code, *args], env=full, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def setting_messages():
+    cases = {case: (name, value) for case, (name, value, _) in BAD_SETTINGS.items()}
+    proc = _python(_PROBE, json.dumps(cases))
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SETTINGS))
+def test_bad_setting_value(setting_messages, case):
+    message = setting_messages[case]
+    assert message is not None, f"{case}: no SettingError"
+    for fragment in BAD_SETTINGS[case][2]:
+        assert fragment in message, message
+
+
+def test_bad_setting_fails_at_import_and_unknown_names_warn():
+    """A bad value stops `import tarantella` (so every rank stops at once, before any
+    collective); a misspelt TNT_* name is reported with a suggestion."""
+    proc = _python("import tarantella", env={"TNT_FUSION_THRESHOLD": "-5"})
+    assert proc.returncode != 0
+    assert "SettingError: TNT_FUSION_THRESHOLD='-5' is negative" in proc.stderr, proc.stderr[-3000:]
+    proc = _python("import tarantella", env={"TNT_FUSION_TRESHOLD": "64"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "unknown setting(s) ignored: TNT_FUSION_TRESHOLD (did you mean TNT_FUSION_THRESHOLD?)" in proc.stderr
+    proc = _python("import tarantella", env={"TNT_COMM_TIMEOUT": "soon"})
+    assert proc.returncode != 0
+    assert "TNT_COMM_TIMEOUT='soon' is not a number > 0" in proc.stderr, proc.stderr[-3000:]
