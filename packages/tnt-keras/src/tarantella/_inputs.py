@@ -139,4 +139,5 @@ def rank_dataset(
     except tnt_data.DistributionError as err:
         # tnt_data speaks of its own argument; the user passed tnt_micro_batch_size.
         message = str(err).replace(" micro_batch_size=", " tnt_micro_batch_size=")
+        message = message.replace("drop micro_batch_size", "drop tnt_micro_batch_size")
         raise InputError(f"tnt.Model.{method}: {message}") from err
