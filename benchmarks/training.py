@@ -20,7 +20,13 @@ rank), ResNet-20, contenders timed round-robin in the same processes:
 * ``keras_independent``: every rank runs plain Keras on its micro-batches, no
   communication: what this machine delivers with N busy ranks (the hardware ceiling);
 * ``keras_alone``: rank 0 runs plain Keras while the others sleep: 1-rank compute speed
-  measured inside the same job.
+  measured inside the same job;
+* ``mwms``: tf.distribute.MultiWorkerMirroredStrategy, set up in the same processes with
+  TF_CONFIG on free localhost ports (created before any TensorFlow op); Keras 3 is tried
+  and its error recorded, then tf_keras trains (see peer_mwms.py for the same peer in
+  processes of its own).
+
+Ratios against tnt (``tnt_over_this``) are medians of per-round ratios.
 
 Plus the floor of the gradient exchange: one contiguous MPI_Allreduce and one memcpy of
 the same bytes. Writes results/training_scaling_<N>.json.
@@ -217,6 +223,66 @@ class Mpi4pyNaive(Contender):
         return rows
 
 
+class MwmsFit(Contender):
+    """tf.distribute.MultiWorkerMirroredStrategy in the same processes (TF_CONFIG per rank).
+
+    Keras 3 is tried first (a one-step fit); it fails with TF 2.21 / Keras 3.15, so the
+    error is recorded and the legacy ``tf_keras`` package trains the same model.
+    """
+
+    def __init__(self, strategy, model_name: str, ds: tf.data.Dataset, samples: int) -> None:
+        self.name, self.ds, self.samples_per_epoch = "mwms", ds, samples
+        try:
+            with strategy.scope():
+                model = bl.build(keras, model_name)
+                bl.compile_model(model)
+            model.fit(ds.take(1), epochs=1, verbose=0)
+            self.keras3, kmod = "ok", keras
+        except Exception as err:  # recorded in the JSON; the legacy path runs
+            self.keras3 = short_error(err)
+            import tf_keras as kmod
+
+            with strategy.scope():
+                model = bl.build(kmod, model_name)
+                bl.compile_model(model)
+        self.kmod, self.model = kmod, model
+        self.keras = f"{'keras' if kmod is keras else 'tf_keras'} {kmod.__version__}"
+
+    def run(self, epochs: int) -> list[dict]:
+        timer = bl.EpochTimer.make(self.kmod)
+        self.model.fit(self.ds, epochs=epochs, verbose=0, callbacks=[timer])
+        return [{"seconds": s} for s in timer.seconds]
+
+
+def short_error(err: BaseException) -> str:
+    """Type, first and last line of an error (the middle may be a whole tensor dump)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(err).__name__}: {text}"[:300]
+
+
+def start_mwms(n: int):
+    """Create the strategy (before any TensorFlow op): rank 0's free ports for all ranks."""
+    import json as _json
+    import socket
+
+    ports = None
+    if tnt.get_rank() == 0:
+        socks = [socket.socket() for _ in range(n)]
+        for sk in socks:
+            sk.bind(("127.0.0.1", 0))
+        ports = [sk.getsockname()[1] for sk in socks]
+        for sk in socks:
+            sk.close()
+    ports = tnt_comm.broadcast_object(ports, 0)
+    os.environ["TF_CONFIG"] = _json.dumps({
+        "cluster": {"worker": [f"localhost:{p}" for p in ports]},
+        "task": {"type": "worker", "index": tnt.get_rank()},
+    })
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"  # only tf.keras reads it; Keras 3 is imported already
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
 # -- measurement ---------------------------------------------------------------------------
 def round_robin(contenders: list[Contender], rounds: int, epochs: int) -> dict[str, list[list[dict]]]:
     """Warm up each contender (1 epoch), then ``rounds`` x (each contender ``epochs`` epochs)."""
@@ -300,6 +366,12 @@ def scaling(args) -> dict:
 
     comm = MPI.COMM_WORLD
     rank, n = tnt.get_rank(), tnt.get_size()
+    strategy, mwms_error = None, None
+    if not args.no_mwms and n > 1:
+        try:
+            strategy = start_mwms(n)
+        except Exception as err:
+            mwms_error = short_error(err)
     name = "resnet"
     cfg = bl.MODELS[name]
     micro = cfg["micro_batch"]
@@ -316,6 +388,11 @@ def scaling(args) -> dict:
         KerasFit("keras_independent", name, local_ds, micro * steps, weights),
         KerasFit("keras_alone", name, local_ds, micro * steps, weights, active=rank == 0),
     ]
+    if strategy is not None:
+        try:
+            contenders.append(MwmsFit(strategy, name, global_ds, micro * n * steps))
+        except Exception as err:
+            mwms_error = short_error(err)
     machine_before = bl.machine()
     runs = round_robin(contenders, args.rounds, args.epochs)
     grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in contenders[0].model.trainable_variables)
@@ -323,7 +400,11 @@ def scaling(args) -> dict:
 
     res: dict = {"mode": "scaling", "ranks": n, "model": name, "micro_batch": micro,
                  "steps_per_epoch": steps, "machine_before": machine_before,
-                 "machine_after": bl.machine(), "floor": floor, "contenders": {}}
+                 "machine_after": bl.machine(), "floor": floor, "contenders": {},
+                 "mwms": {"error": mwms_error} if mwms_error else None}
+    mw = next((c for c in contenders if isinstance(c, MwmsFit)), None)
+    if mw is not None:
+        res["mwms"] = {"keras3": mw.keras3, "keras": mw.keras}
     for c in contenders:
         flat = [r for rnd in runs[c.name] for r in rnd]
         per_round = [bl.median(sps(rnd, c.samples_per_epoch)) if rnd else 0.0 for rnd in runs[c.name]]
@@ -341,6 +422,10 @@ def scaling(args) -> dict:
             entry["step_s"] = bl.median([r["seconds"] / max(1, r["waits"]) for r in flat])
             entry["buckets"] = getattr(c, "buckets", 0)
         res["contenders"][c.name] = entry
+    ref = res["contenders"][f"tnt@{DEFAULT_KB}"]["sps_per_round"]
+    for entry in res["contenders"].values():  # paired: same round, same load
+        entry["tnt_over_this_per_round"] = [a / b if b else None for a, b in zip(ref, entry["sps_per_round"])]
+        entry["tnt_over_this"] = bl.median([x for x in entry["tnt_over_this_per_round"] if x is not None])
     return res
 
 
@@ -351,9 +436,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=None, help="round-robin repetitions")
     p.add_argument("--epochs", type=int, default=None, help="timed epochs per round")
     p.add_argument("--no-sweep", action="store_true", help="scaling: only the default threshold")
+    p.add_argument("--no-mwms", action="store_true", help="scaling: without MultiWorkerMirroredStrategy")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.rounds = args.rounds or (2 if args.quick else (6 if args.mode == "overhead" else 4))
     args.epochs = args.epochs or (1 if args.quick else 2)
     t0 = time.perf_counter()
     result = overhead(args) if args.mode == "overhead" else scaling(args)
