@@ -17,6 +17,10 @@ rank), ResNet-20, contenders timed round-robin in the same processes:
   step spent waiting for communication;
 * ``mpi4py_naive``: a custom loop, gradients allreduced one tensor at a time with blocking
   mpi4py ``Allreduce`` after backprop (no fusion, no overlap);
+* ``tnt_nocomm``: ``tnt.Model`` whose engine is swapped for one that exchanges nothing
+  (each rank keeps its own gradients): tnt's distributed step graph without the
+  communication and without waiting for the other rank — the split of tnt's cost into
+  graph overhead (vs keras_independent) and communication + synchronisation (vs tnt);
 * ``keras_independent``: every rank runs plain Keras on its micro-batches, no
   communication: what this machine delivers with N busy ranks (the hardware ceiling);
 * ``keras_alone``: rank 0 runs plain Keras while the others sleep: 1-rank compute speed
@@ -24,7 +28,8 @@ rank), ResNet-20, contenders timed round-robin in the same processes:
 * ``mwms``: tf.distribute.MultiWorkerMirroredStrategy, set up in the same processes with
   TF_CONFIG on free localhost ports (created before any TensorFlow op); Keras 3 is tried
   and its error recorded, then tf_keras trains (see peer_mwms.py for the same peer in
-  processes of its own).
+  processes of its own); ``tf_keras_independent`` is its ceiling (tf_keras, no
+  communication), as tf_keras and Keras 3 differ in speed on their own.
 
 Ratios against tnt (``tnt_over_this``) are medians of per-round ratios.
 
@@ -90,7 +95,44 @@ class TimedFusedAllreduce(tnt_comm.FusedAllreduce):
         return out
 
 
-tnt_comm.FusedAllreduce = TimedFusedAllreduce  # tnt-keras looks it up when building a reducer
+class NoCommEngine:
+    """Stand-in for the engine that communicates nothing: each rank "reduces" only itself.
+
+    Same interface and the same one copy per tensor, no MPI and no waiting for the other
+    ranks: a tnt.Model built with it runs tnt's distributed step graph (masking, metric
+    states, submit/wait ops) without the exchange, which isolates the graph's own cost
+    from the communication's. Instrumentation only; the numbers it trains are wrong.
+    """
+
+    def __init__(self, specs, threshold_bytes, op=None) -> None:
+        self._specs = tuple(specs)
+        self.plan = tnt_comm.plan_buckets(self._specs, threshold_bytes)
+        self._got: dict[int, np.ndarray] = {}
+        EngineClock.last_buckets = len(self.plan)
+
+    def submit(self, index, array) -> None:
+        t0 = time.perf_counter()
+        self._got[index] = np.array(array, copy=True).reshape(-1)
+        EngineClock.submit_s += time.perf_counter() - t0
+
+    def wait(self):
+        out, self._got = [self._got[i] for i in range(len(self._specs))], {}
+        EngineClock.waits += 1
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+_REAL_ENGINE = tnt_comm.FusedAllreduce
+NO_COMM = False  # set while a "tnt_nocomm" contender builds its reducer (first fit)
+
+
+def _engine(*args, **kwargs):
+    return NoCommEngine(*args, **kwargs) if NO_COMM else TimedFusedAllreduce(*args, **kwargs)
+
+
+tnt_comm.FusedAllreduce = _engine  # tnt-keras looks it up when building a reducer
 
 
 def engine_timer():
@@ -133,17 +175,23 @@ class Contender:
 
 
 class KerasFit(Contender):
+    """Plain ``model.fit`` on this rank; ``kmod`` is Keras 3 or the legacy tf_keras."""
+
     def __init__(self, name: str, model_name: str, ds: tf.data.Dataset, samples: int, weights,
-                 active: bool = True) -> None:
+                 active: bool = True, kmod=keras) -> None:
         self.name, self.ds, self.samples_per_epoch = name, ds, samples
-        self.model = fresh_keras(model_name, weights)
-        self.active = active
+        if kmod is keras:
+            self.model = fresh_keras(model_name, weights)
+        else:
+            self.model = bl.build(kmod, model_name)
+            bl.compile_model(self.model)
+        self.active, self.kmod = active, kmod
 
     def run(self, epochs: int) -> list[dict]:
         tnt_comm.barrier()
         rows = []
         if self.active:
-            timer = bl.EpochTimer.make(keras)
+            timer = bl.EpochTimer.make(self.kmod)
             self.model.fit(self.ds, epochs=epochs, verbose=0, callbacks=[timer])
             rows = [{"seconds": s} for s in timer.seconds]
         tnt_comm.barrier()  # sleeps (no busy-wait) on ranks that are not active
@@ -152,8 +200,9 @@ class KerasFit(Contender):
 
 class TntFit(Contender):
     def __init__(self, name: str, model_name: str, ds: tf.data.Dataset, samples: int, weights,
-                 threshold_kb: int | None = None) -> None:
+                 threshold_kb: int | None = None, no_comm: bool = False) -> None:
         self.name, self.ds, self.samples_per_epoch = name, ds, samples
+        self.no_comm = no_comm
         if threshold_kb is not None:
             os.environ["TNT_FUSION_THRESHOLD"] = str(threshold_kb)
         self.model = tnt.Model(bl.build(keras, model_name))
@@ -164,8 +213,13 @@ class TntFit(Contender):
 
     def run(self, epochs: int) -> list[dict]:
         timer = engine_timer()
+        global NO_COMM
         EngineClock.last_buckets = 0
-        self.model.fit(self.ds, epochs=epochs, verbose=0, callbacks=[timer])
+        NO_COMM = self.no_comm
+        try:
+            self.model.fit(self.ds, epochs=epochs, verbose=0, callbacks=[timer])
+        finally:
+            NO_COMM = False
         self.buckets = EngineClock.last_buckets or getattr(self, "buckets", 0)
         return [{"seconds": s, "wait_s": w, "submit_s": sub, "waits": n}
                 for s, w, sub, n in timer.rows]
@@ -384,13 +438,18 @@ def scaling(args) -> dict:
         TntFit(f"tnt@{kb}", name, global_ds, micro * n * steps, weights, kb) for kb in sweep
     ]
     contenders += [
+        TntFit("tnt_nocomm", name, global_ds, micro * n * steps, weights, no_comm=True),
         Mpi4pyNaive(name, local_ds, micro * n * steps, weights, comm),
         KerasFit("keras_independent", name, local_ds, micro * steps, weights),
         KerasFit("keras_alone", name, local_ds, micro * steps, weights, active=rank == 0),
     ]
     if strategy is not None:
         try:
-            contenders.append(MwmsFit(strategy, name, global_ds, micro * n * steps))
+            mwms = MwmsFit(strategy, name, global_ds, micro * n * steps)
+            contenders.append(mwms)
+            # MWMS's own ceiling: its Keras (tf_keras) on every rank, no communication.
+            contenders.append(KerasFit(f"{mwms.keras.split()[0]}_independent", name, local_ds,
+                                       micro * steps, None, kmod=mwms.kmod))
         except Exception as err:
             mwms_error = short_error(err)
     machine_before = bl.machine()
@@ -411,7 +470,7 @@ def scaling(args) -> dict:
         entry = {"samples_per_epoch": c.samples_per_epoch,
                  "sps_per_round": per_round,
                  "epoch_s": [r["seconds"] for r in flat]}
-        if c.name == "keras_independent":  # total throughput: sum over the ranks
+        if c.name.endswith("_independent"):  # total throughput: sum over the ranks
             totals = comm.allreduce(np.array(per_round), op=MPI.SUM)
             entry["sps_per_round"] = [float(x) for x in totals]
         entry["sps"] = bl.median(entry["sps_per_round"])
