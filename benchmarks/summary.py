@@ -66,48 +66,68 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
                    + ", ".join(f"{x:.3f}" for x in m["ratio_per_round"]))) or "training_overhead.json missing"))
 
     tnt2 = scal and scal["contenders"].get(f"tnt@{DEFAULT_KB}")
+    c = scal["contenders"] if scal else {}
     tnt1 = over and over["models"]["resnet"]["tnt_sps"]
-    if scal and tnt2 and tnt1:
-        c = scal["contenders"]
+
+    def paired(name: str) -> float | None:
+        """Median over rounds of tnt(2 ranks) / contender, both timed in the same round."""
+        return c[name]["tnt_over_this"] if name in c else None
+
+    if tnt2 and "keras_alone" in c:
         alone, indep = c["keras_alone"]["sps"], c["keras_independent"]["sps"]
-        eff = tnt2["sps"] / (2 * tnt1)
-        detail = (f"tnt {tnt2['sps']:.0f} samples/s on 2 ranks vs {tnt1:.0f} on 1 (micro-batch "
-                  f"{scal['micro_batch']}). Same job: hardware ceiling (2 independent Keras ranks, no "
-                  f"communication) = {indep / (2 * alone):.2f} of 2x 1-rank Keras; tnt = "
-                  f"{tnt2['sps'] / indep:.2f} of that ceiling; step waits for communication "
-                  f"{100 * tnt2['wait_fraction']:.1f}% of step time "
-                  f"({tnt2['wait_per_step_s'] * 1e3:.2f} ms/step vs contiguous MPI_Allreduce "
-                  f"{scal['floor']['allreduce_s'] * 1e3:.2f} ms, memcpy {scal['floor']['memcpy_s'] * 1e3:.2f} ms "
-                  f"of the {scal['floor']['bytes'] / 1e6:.2f} MB gradients)")
+        eff = paired("keras_alone") / 2
+        detail = (f"tnt {tnt2['sps']:.0f} samples/s on 2 ranks vs plain Keras {alone:.0f} on 1 rank in the "
+                  f"same job (median of per-round ratios, micro-batch {scal['micro_batch']}); "
+                  + (f"vs tnt's 1-rank {tnt1:.0f} from the overhead job: {tnt2['sps'] / (2 * tnt1):.2f}; "
+                     if tnt1 else "")
+                  + f"hardware ceiling (2 independent Keras ranks, no communication) = "
+                  f"{indep / (2 * alone):.2f}; tnt = {paired('keras_independent'):.2f} of that ceiling")
     else:
-        eff, detail = None, "training_scaling_2.json or training_overhead.json missing"
+        eff, detail = None, "training_scaling_2.json missing"
     rows.append(row("weak_scaling_eff_2ranks_resnet", eff, 0.90, True,
                     "throughput(2) / (2 x throughput(1))", detail))
-    rows.append(row("comm_wait_fraction_2ranks_resnet", tnt2 and tnt2["wait_fraction"], None, False,
-                    "fraction of step time", "time in FusedAllreduce.wait / epoch time (exposed "
-                    "communication incl. waiting for the slower rank); submit copies "
-                    + (f"{100 * tnt2['submit_fraction']:.1f}%" if tnt2 else "n/a")))
+    if tnt2:
+        f = scal["floor"]
+        rows.append(row(
+            "comm_wait_fraction_2ranks_resnet", tnt2["wait_fraction"], None, False, "fraction of step time",
+            f"time in FusedAllreduce.wait / epoch time: exposed communication incl. waiting for the slower "
+            f"rank, {tnt2['wait_per_step_s'] * 1e3:.2f} ms/step (step {tnt2['step_s'] * 1e3:.0f} ms) vs "
+            f"floor: contiguous MPI_Allreduce {f['allreduce_s'] * 1e3:.2f} ms, memcpy {f['memcpy_s'] * 1e3:.2f} ms "
+            f"of the {f['bytes'] / 1e6:.2f} MB gradients; submit copies {100 * tnt2['submit_fraction']:.1f}%"))
+    if tnt2 and "tnt_nocomm" in c:
+        rows.append(row(
+            "tnt_nocomm_vs_keras_2ranks_resnet", 1 / paired("tnt_nocomm") * paired("keras_independent"),
+            None, True, "x Keras samples/s (both ranks busy, no communication)",
+            "tnt's distributed step with an engine that exchanges nothing vs plain Keras: the cost of "
+            "tnt's step graph alone"))
+        rows.append(row(
+            "tnt_vs_nocomm_2ranks_resnet", paired("tnt_nocomm"), None, True, "x tnt without communication",
+            "the cost of the exchange itself and of waiting for the slower rank every step"))
 
-    if mwms and tnt2:
-        if mwms.get("ok"):
-            v = tnt2["sps"] / mwms["sps"]
-            d = (f"tnt {tnt2['sps']:.0f} vs MultiWorkerMirroredStrategy {mwms['sps']:.0f} samples/s "
-                 f"(back-to-back launches); MWMS ran with {mwms['keras']} (TF_USE_LEGACY_KERAS=1) "
-                 f"because Keras 3 {'works' if mwms['keras3'] == 'ok' else 'failed: ' + mwms['keras3']}")
-        else:
-            v, d = None, f"MultiWorkerMirroredStrategy could not run: {mwms['error']}"
+    mw = (scal or {}).get("mwms")
+    if tnt2 and "mwms" in c:
+        ceil = c.get("tf_keras_independent")
+        v = paired("mwms")
+        d = (f"tnt {tnt2['sps']:.0f} vs MultiWorkerMirroredStrategy {c['mwms']['sps']:.0f} samples/s, same "
+             f"processes, round-robin. MWMS ran with {mw['keras']} (TF_USE_LEGACY_KERAS=1) because Keras 3 "
+             + ("works" if mw["keras3"] == "ok" else f"failed: {mw['keras3']}"))
+        if ceil and "keras_independent" in c:
+            d += (f". Frameworks alone (independent ranks, no communication): tf_keras {ceil['sps']:.0f} vs "
+                  f"Keras 3 {c['keras_independent']['sps']:.0f} samples/s; each against its own framework's "
+                  f"ceiling (same rounds): MWMS {paired('tf_keras_independent') / paired('mwms'):.2f}, tnt "
+                  f"{paired('keras_independent'):.2f}")
+    elif mwms and tnt2 and not mwms.get("ok"):
+        v, d = None, f"MultiWorkerMirroredStrategy could not run: {mwms['error']}"
+    elif mw and mw.get("error"):
+        v, d = None, f"MultiWorkerMirroredStrategy could not run: {mw['error']}"
     else:
-        v, d = None, "mwms_2.json or training_scaling_2.json missing"
+        v, d = None, "training_scaling_2.json missing"
     rows.append(row("vs_mwms_2ranks_resnet", v, 1.0, True, "x MWMS samples/s", d))
 
-    if scal and tnt2:
-        naive = scal["contenders"]["mpi4py_naive"]
-        per_round = [a / b for a, b in zip(tnt2["sps_per_round"], naive["sps_per_round"]) if b]
-        from statistics import median
-
-        v = median(per_round) if per_round else None
-        d = (f"tnt {tnt2['sps']:.0f} vs per-tensor blocking mpi4py loop {naive['sps']:.0f} samples/s, "
-             "same processes, round-robin; median of per-round ratios")
+    if tnt2 and "mpi4py_naive" in c:
+        v = paired("mpi4py_naive")
+        d = (f"tnt {tnt2['sps']:.0f} vs per-tensor blocking mpi4py loop {c['mpi4py_naive']['sps']:.0f} "
+             "samples/s, same processes, round-robin; median of per-round ratios")
     else:
         v, d = None, "training_scaling_2.json missing"
     rows.append(row("vs_mpi4py_naive_2ranks_resnet", v, 1.0, True, "x mpi4py loop samples/s", d))
@@ -152,6 +172,17 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+CONTENDERS = {
+    f"tnt@{DEFAULT_KB}": f"tnt.Model, 2 ranks (default threshold {DEFAULT_KB} KB)",
+    "tnt_nocomm": "tnt.Model, engine exchanging nothing (step graph only)",
+    "mpi4py_naive": "mpi4py loop, one blocking Allreduce per tensor",
+    "keras_independent": "Keras 3 on each rank, no communication (ceiling)",
+    "keras_alone": "Keras 3 on rank 0 alone (1-rank speed, same job)",
+    "mwms": "MultiWorkerMirroredStrategy",
+    "tf_keras_independent": "tf_keras on each rank, no communication (MWMS's ceiling)",
+}
+
+
 def fmt(v: float | None) -> str:
     if v is None:
         return "-"
@@ -177,21 +208,23 @@ def markdown(rows: list[dict[str, Any]], res: dict[str, Any], loads: dict[str, f
     if scal:
         lines += ["", f"## ResNet-20, 2 ranks, micro-batch {scal['micro_batch']} per rank, "
                       "1 intra-op + 1 inter-op thread per rank", "",
-                  "| contender | samples/s | wait % of step | submit % of step | buckets |",
-                  "|---|---:|---:|---:|---:|"]
+                  "| contender | samples/s | tnt@default / this (paired) | wait % of step | submit % of step | buckets |",
+                  "|---|---:|---:|---:|---:|---:|"]
         over = res["training_overhead"]
         if over:
             m = over["models"]["resnet"]
-            lines.append(f"| tnt, 1 rank | {m['tnt_sps']:.1f} | | | |")
-            lines.append(f"| Keras, 1 rank | {m['keras_sps']:.1f} | | | |")
+            lines.append(f"| tnt, 1 rank (overhead job) | {m['tnt_sps']:.1f} | | | | |")
+            lines.append(f"| Keras, 1 rank (overhead job) | {m['keras_sps']:.1f} | | | | |")
         for name, c in scal["contenders"].items():
             w = f"{100 * c['wait_fraction']:.1f}" if "wait_fraction" in c else ""
             s = f"{100 * c['submit_fraction']:.1f}" if "submit_fraction" in c else ""
-            lines.append(f"| {name} | {c['sps']:.1f} | {w} | {s} | {c.get('buckets', '')} |")
-        mwms = res["mwms_2"]
-        if mwms:
-            lines.append(f"| MultiWorkerMirroredStrategy ({mwms.get('keras', 'failed')}) | "
-                         f"{mwms['sps']:.1f} | | | |")
+            p = f"{c['tnt_over_this']:.2f}" if c.get("tnt_over_this") else ""
+            label = CONTENDERS.get(name, name)
+            lines.append(f"| {label} | {c['sps']:.1f} | {p} | {w} | {s} | {c.get('buckets', '')} |")
+        mwms = res.get("mwms_2")
+        if mwms and mwms.get("ok"):
+            lines.append(f"| MWMS in its own processes (peer_mwms.py, {mwms['keras']}, load "
+                         f"{mwms['machine_before']['loadavg'][0]:.1f}) | {mwms['sps']:.1f} | | | | |")
     fus = res["fusion"]
     if fus:
         gs = fus["resnet50_set"]
@@ -222,21 +255,23 @@ def plots(res: dict[str, Any]) -> list[str]:
     scal = {int(k.rsplit("_", 1)[1]): v for k, v in res.items() if k.startswith("training_scaling_") and v}
     if over and scal:
         tnt1 = over["models"]["resnet"]["tnt_sps"]
-        keras1 = over["models"]["resnet"]["keras_sps"]
         ranks = [1, *sorted(scal)]
+        first = scal[ranks[1]]["contenders"]
+        keras1 = first["keras_alone"]["sps"]  # 1-rank Keras, measured inside the 2-rank job
         tnt = [tnt1] + [scal[n]["contenders"][f"tnt@{DEFAULT_KB}"]["sps"] for n in ranks[1:]]
         ceil = [keras1] + [scal[n]["contenders"]["keras_independent"]["sps"] for n in ranks[1:]]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(ranks, [tnt1 * n for n in ranks], "k--", label="ideal (N x tnt on 1 rank)")
-        ax.plot(ranks, ceil, "s:", color="grey", label="N independent Keras ranks (no communication)")
-        ax.plot(ranks, tnt, "o-", label="tnt.Model")
-        for n in ranks[1:]:
-            c = scal[n]["contenders"]["mpi4py_naive"]["sps"]
-            ax.plot([n], [c], "v", color="C1", label="mpi4py per-tensor loop" if n == ranks[1] else None)
-            mw = res.get(f"mwms_{n}")
-            if mw and mw.get("ok"):
-                ax.plot([n], [mw["sps"]], "^", color="C2",
-                        label="MultiWorkerMirroredStrategy (tf_keras)" if n == ranks[1] else None)
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        ax.plot(ranks, [keras1 * n for n in ranks], "k--", label="ideal (N x 1-rank Keras)")
+        ax.plot(ranks, ceil, "s:", color="grey", label="Keras 3, independent ranks (no communication)")
+        ax.plot(ranks, tnt, "o-", label="tnt.Model (1 rank: overhead job)")
+        marks = (("mpi4py_naive", "v", "C1", "mpi4py per-tensor loop"),
+                 ("mwms", "^", "C2", "MultiWorkerMirroredStrategy (tf_keras)"),
+                 ("tf_keras_independent", "D", "C2", "tf_keras, independent ranks (MWMS's ceiling)"),
+                 ("tnt_nocomm", "x", "C0", "tnt step graph, no exchange"))
+        for key, marker, color, label in marks:
+            pts = [(n, scal[n]["contenders"][key]["sps"]) for n in ranks[1:] if key in scal[n]["contenders"]]
+            if pts:
+                ax.plot(*zip(*pts), marker, color=color, label=label, linestyle="none")
         ax.set_xticks(ranks)
         ax.set_xlabel("ranks (1 intra-op + 1 inter-op thread each)")
         ax.set_ylabel("samples/s")
@@ -301,6 +336,10 @@ def main() -> int:
     names += [p.stem for p in RESULTS.glob("training_scaling_*.json") if p.stem not in names]
     names += [p.stem for p in RESULTS.glob("mwms_*.json") if p.stem not in names]
     res = {n: load(n) for n in names}
+    for n in [k for k in res if k.startswith("mwms_")]:  # standalone MWMS: only if from this run
+        scaling = RESULTS / f"training_scaling_{n.split('_')[1]}.json"
+        if res[n] and scaling.exists() and (RESULTS / f"{n}.json").stat().st_mtime < scaling.stat().st_mtime:
+            res[n] = None
     rows = rows_from(res)
     loads = loads_of(res)
     rows.append(row("machine_loadavg_1min", max(loads.values(), default=None), None, False,
