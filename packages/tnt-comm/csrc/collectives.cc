@@ -11,7 +11,9 @@ namespace tnt {
 namespace {
 
 // Exchanged by every rank before each plain collective.
+constexpr std::uint32_t kMetaMagic = 0x746E7431;  // "tnt1": tells our Meta from other bytes
 struct Meta {
+  std::uint32_t magic;
   char dtype[24];
   std::int32_t op;  // ReduceOp, root, or -1
   std::int32_t ndim;
@@ -28,6 +30,7 @@ Meta to_meta(const ArrayDesc& d, std::int32_t op) {
     throw std::invalid_argument("dtype name too long: " + d.dtype);
   }
   Meta m{};
+  m.magic = kMetaMagic;
   std::memcpy(m.dtype, d.dtype.data(), d.dtype.size());
   m.op = op;
   m.ndim = static_cast<std::int32_t>(d.shape.size());
@@ -54,6 +57,29 @@ StepTask::Step exchange_step(const std::shared_ptr<MetaExchange>& x) {
   return [x](Transport& t) {
     x->all.resize(static_cast<std::size_t>(t.size()));
     return t.iallgather(&x->mine, sizeof(Meta), x->all.data());
+  };
+}
+
+// When another rank runs a different collective, MPI may match it against this exchange
+// and hand us bytes that are no Meta: say so (never decode them).
+StepTask::Step in_step_check(const std::shared_ptr<MetaExchange>& x, const char* what) {
+  return [x, what](Transport&) -> std::unique_ptr<Request> {
+    std::string ranks;
+    for (std::size_t r = 0; r < x->all.size(); ++r) {
+      const Meta& m = x->all[r];
+      const bool ok = m.magic == kMetaMagic && m.ndim >= 0 && m.ndim <= kMaxDims &&
+                      strnlen(m.dtype, sizeof m.dtype) < sizeof m.dtype;
+      if (!ok) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (!ranks.empty()) {
+      throw OutOfStepError(
+          std::string("tnt_comm: ") + what + ": rank(s) " + ranks +
+          " ran a different collective at this point (what they sent does not describe "
+          "arguments of " + what + "), so the ranks ran different collectives: a rank skipped a "
+          "collective or ran an extra one (e.g. a collective inside `if rank == 0:`); every "
+          "rank must issue the same collectives in the same order.");
+    }
+    return nullptr;
   };
 }
 
@@ -97,6 +123,7 @@ void allreduce(Engine& engine, const void* in, void* out, const ArrayDesc& desc,
   const int size = engine.world().size;
   std::vector<StepTask::Step> steps;
   steps.push_back(exchange_step(x));
+  steps.push_back(in_step_check(x, "allreduce"));
   steps.push_back([x](Transport&) -> std::unique_ptr<Request> {
     for (const Meta& m : x->all) {
       if (std::memcmp(&m, &x->all.front(), sizeof(Meta)) != 0) {
@@ -124,6 +151,7 @@ void broadcast(Engine& engine, void* buf, const ArrayDesc& desc, int root) {
   const std::int64_t nbytes = desc.nbytes();
   std::vector<StepTask::Step> steps;
   steps.push_back(exchange_step(x));
+  steps.push_back(in_step_check(x, "broadcast"));
   // Checked after the exchange, on the gathered table: every rank reaches the same verdict.
   steps.push_back([x, root](Transport& t) -> std::unique_ptr<Request> {
     for (const Meta& m : x->all) {
@@ -171,6 +199,7 @@ Gathered allgather(Engine& engine, const void* in, const ArrayDesc& desc) {
   auto counts = std::make_shared<std::vector<std::int64_t>>();
   std::vector<StepTask::Step> steps;
   steps.push_back(exchange_step(x));
+  steps.push_back(in_step_check(x, "allgather"));
   steps.push_back([x, out, counts](Transport& t) -> std::unique_ptr<Request> {
     const ArrayDesc first = from_meta(x->all.front());
     std::int64_t rows = 0;

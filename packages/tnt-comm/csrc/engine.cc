@@ -147,6 +147,11 @@ void Engine::run(Task& task) {
                          std::chrono::duration<double>(config_.timeout_s));
   try {
     while (auto request = task.next(*transport_)) wait_request(*request, task, deadline);
+  } catch (const OutOfStepError&) {  // the message says it all; nothing later can match
+    transport_->mark_unclean();
+    mark_broken("the ranks' collectives got out of step");
+    task.finish(std::current_exception());
+    return;
   } catch (const CommError& e) {
     if (e.code() < 0) {  // ours (stall, a rank left): already complete and final
       task.finish(std::current_exception());

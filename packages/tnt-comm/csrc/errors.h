@@ -22,6 +22,13 @@ class StallError : public CommError {
   using CommError::CommError;
 };
 
+// The ranks' collectives got out of step (a rank skipped one or ran an extra one): the
+// engine becomes unusable, as after a stall. Reaches Python as tnt_comm.CommError.
+class OutOfStepError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 class TypeError_ : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
