@@ -23,6 +23,8 @@ CHECKS = [
     "error_batch_size_with_dataset",
     "error_generator_input",
     "error_fit_before_compile",
+    "error_validation_split_with_dataset",
+    "error_predict_not_distributed",
     "error_dataset_lengths_differ",
     "error_dataset_lengths_differ_evaluate",
     "own_data_per_rank_same_length_trains",

@@ -101,6 +101,10 @@ def check_input_errors() -> None:
                  lambda: model.fit((b for b in [(X, Y)]), verbose=0))
     expect_error("error_fit_before_compile", RuntimeError, ["needs a compiled model", "model.compile("],
                  lambda: tnt.Model(net()).fit(ds(10), verbose=0))
+    expect_error("error_validation_split_with_dataset", tnt.InputError, ["validation_split needs arrays", "validation_data="],
+                 lambda: model.fit(ds(10), validation_split=0.2, verbose=0))
+    expect_error("error_predict_not_distributed", tnt.InputError, ["self.model.predict(...)"],
+                 lambda: model.predict(ds(10).map(lambda a, b: a), tnt_distribute_dataset=False, verbose=0))
     # Different lengths per rank (each rank brings its own data, so tnt does not split it).
     mine = ds(10, *data(40 + 10 * tnt.get_rank(), seed=tnt.get_rank()))
     per_rank = ", ".join(f"rank {r}: {4 + r}" for r in range(tnt.get_size()))
