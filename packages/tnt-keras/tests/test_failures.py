@@ -151,7 +151,7 @@ def test_rank1_blocks_inside_a_step(tmp_path):
 def test_rank0_runs_a_collective_rank1_skips(tmp_path):
     run = Run("skip_collective", tmp_path, timeout=str(STALL_TIMEOUT_S))
     _assert_ended(run, "skip_collective", limit_s=STALL_TIMEOUT_S + 20)
-    assert "the ranks ran different collectives at this point" in run.stderr, run.output()
+    assert "ran different collectives" in run.stderr, run.output()
 
 
 def test_ctrl_c_stops_all_ranks(tmp_path):
