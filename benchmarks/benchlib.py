@@ -66,7 +66,7 @@ def lenet5(keras):
 def resnet(keras, depth: int = 20):
     """CIFAR-style ResNet-``depth`` (He et al. 2016, 6n+2 layers, 16/32/64 filters).
 
-    ResNet-20 has 0.27 M parameters in 65 trainable tensors (1.1 MB of gradients).
+    ResNet-20 has 0.27 M parameters in 61 trainable tensors (1.09 MB of gradients).
     Written with layers common to Keras 3 and tf_keras, so the legacy path can build it.
     """
     L = keras.layers

@@ -103,13 +103,14 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
             f"of the {f['bytes'] / 1e6:.2f} MB gradients; submit copies {100 * tnt2['submit_fraction']:.1f}%"))
     if tnt2 and "tnt_nocomm" in c:
         rows.append(row(
-            "tnt_nocomm_vs_keras_2ranks_resnet", 1 / paired("tnt_nocomm") * paired("keras_independent"),
+            "tnt_nocomm_vs_keras_2ranks_resnet", per_round("tnt_nocomm", "keras_independent"),
             None, True, "x Keras samples/s (both ranks busy, no communication)",
-            "tnt's distributed step with an engine that exchanges nothing vs plain Keras: the cost of "
-            "tnt's step graph alone"))
+            "tnt's distributed step with an engine that exchanges nothing vs plain Keras, median of "
+            "per-round ratios: the cost of tnt's step graph and input split alone"))
         rows.append(row(
             "tnt_vs_nocomm_2ranks_resnet", paired("tnt_nocomm"), None, True, "x tnt without communication",
-            "the cost of the exchange itself and of waiting for the slower rank every step"))
+            "the cost of the exchange itself and of waiting for the slower rank every step; per round: "
+            + ", ".join(f"{1 / x:.2f}" for x in c["tnt_nocomm"]["tnt_over_this_per_round"] if x)))
 
     mw = (scal or {}).get("mwms")
     if tnt2 and "mwms" in c:
