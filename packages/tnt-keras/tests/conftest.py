@@ -46,3 +46,16 @@ def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIM
             f"{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return json.loads(out.read_text())
+
+
+def launched_checks(ranks: int, job: str, tmp_path_factory) -> dict:
+    """Run a check-registry job (see jobs/api.py) and return its {name: {ok, detail}}."""
+    out = tmp_path_factory.mktemp(Path(job).stem) / f"{Path(job).stem}.json"
+    result = launch(ranks, job, out)
+    assert result["ranks"] == ranks
+    return result["checks"]
+
+
+def assert_check(checks: dict, name: str) -> None:
+    assert name in checks, f"check {name} did not run; ran: {sorted(checks)}"
+    assert checks[name]["ok"], f"{name}: {checks[name]['detail']}"

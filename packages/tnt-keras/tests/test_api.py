@@ -7,7 +7,7 @@ asserted here by name so a failure says which behaviour broke and shows its numb
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import assert_check, launched_checks
 
 CHECKS = [
     "rank_api",
@@ -40,16 +40,12 @@ CHECKS = [
 
 @pytest.fixture(scope="module", params=[2, 1], ids=lambda n: f"{n}ranks")
 def checks(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("api") / "api.json"
-    result = launch(request.param, "api.py", out)
-    assert result["ranks"] == request.param
-    return result["checks"]
+    return launched_checks(request.param, "api.py", tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", CHECKS)
 def test_check(checks, name):
-    assert name in checks, f"check {name} did not run; ran: {sorted(checks)}"
-    assert checks[name]["ok"], f"{name}: {checks[name]['detail']}"
+    assert_check(checks, name)
 
 
 def test_no_unlisted_checks(checks):

@@ -48,7 +48,11 @@ def _fusion_threshold_bytes() -> int:
             f"{name}={raw!r} is not a number; give the fusion threshold in KB, "
             f"e.g. {name}=8192 (0 = one allreduce per tensor)."
         ) from None
-    if kib < 0 or kib != kib:  # negative or NaN
+    if kib != kib or kib == float("inf"):
+        raise SettingError(
+            f"{name}={raw!r} is not a finite number; give a threshold in KB >= 0 (0 = no fusion)."
+        )
+    if kib < 0:
         raise SettingError(
             f"{name}={raw!r} is negative; give a threshold in KB >= 0 (0 = no fusion)."
         )
