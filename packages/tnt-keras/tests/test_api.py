@@ -20,6 +20,7 @@ CHECKS = [
     "learning_rate_scheduler_serial_rates",
     "csv_logger_equal_serial",
     "checkpoint_only_master_writes",
+    "checkpoint_dirs_made_by_master_only",
     "progress_and_summary_only_on_master",
     "callback_master_only",
     "tensorboard_master_only",

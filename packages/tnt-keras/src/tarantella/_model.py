@@ -25,9 +25,9 @@ from . import _backup, _io, _runtime, _sync
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
 from ._logging import logger
+from ._rank_callbacks import callbacks_for_rank
 from ._steps import DistributedSteps, split_sizes
 
-_MASTER_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.ProgbarLogger)
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
 
 
@@ -259,17 +259,10 @@ class Model(keras.Model):
                 local, global_batch, size, _BATCH_NORM_MIN_LOCAL_BATCH,
             )
 
-    def _callbacks_for_this_rank(self, callbacks):
-        if callbacks is None or _runtime.is_master_rank():
-            return callbacks
-        keep = []
-        for cb in callbacks:
-            if isinstance(cb, _MASTER_ONLY_CALLBACKS):
-                continue
-            if isinstance(cb, keras.callbacks.TensorBoard) and not self._tnt_settings.tensorboard_on_all_devices:
-                continue
-            keep.append(cb)
-        return keep
+    def _rank_callbacks(self, callbacks):
+        return callbacks_for_rank(
+            callbacks, tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices
+        )
 
     def _verbose(self, verbose):
         return verbose if _runtime.is_master_rank() else 0
@@ -324,11 +317,12 @@ class Model(keras.Model):
                 initial_epoch = restored
         if initial_epoch > 0:
             train = _at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
-        return super().fit(
-            train, epochs=epochs, verbose=self._verbose(verbose),
-            callbacks=self._callbacks_for_this_rank(callbacks), validation_data=val,
-            shuffle=False, initial_epoch=initial_epoch, **kwargs,
-        )
+        with self._rank_callbacks(callbacks) as rank_callbacks:
+            return super().fit(
+                train, epochs=epochs, verbose=self._verbose(verbose),
+                callbacks=rank_callbacks, validation_data=val,
+                shuffle=False, initial_epoch=initial_epoch, **kwargs,
+            )
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=False, *, tnt_micro_batch_size=None,
@@ -347,10 +341,11 @@ class Model(keras.Model):
             _check_same_length(data, "evaluation", "evaluate")
         self._build_from(data, with_metrics=True)
         self._sync_replicas()
-        return super().evaluate(
-            data, verbose=self._verbose(verbose), steps=steps,
-            callbacks=self._callbacks_for_this_rank(callbacks), return_dict=return_dict, **kwargs,
-        )
+        with self._rank_callbacks(callbacks) as rank_callbacks:
+            return super().evaluate(
+                data, verbose=self._verbose(verbose), steps=steps,
+                callbacks=rank_callbacks, return_dict=return_dict, **kwargs,
+            )
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None, *,
                 tnt_micro_batch_size=None, tnt_distribute_dataset=True):
@@ -367,8 +362,9 @@ class Model(keras.Model):
             )
         self._build_from(data, with_metrics=False)
         self._sync_replicas()
-        return super().predict(data, verbose=self._verbose(verbose), steps=steps,
-                               callbacks=self._callbacks_for_this_rank(callbacks))
+        with self._rank_callbacks(callbacks) as rank_callbacks:
+            return super().predict(data, verbose=self._verbose(verbose), steps=steps,
+                                   callbacks=rank_callbacks)
 
     # -- files ---------------------------------------------------------------------------------
     def save(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:

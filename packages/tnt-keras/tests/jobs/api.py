@@ -10,6 +10,7 @@ import contextlib
 import csv
 import hashlib
 import io
+import os
 import tempfile
 from pathlib import Path
 
@@ -171,14 +172,31 @@ def check_callbacks(tmp: Path) -> None:
         writes.append(args[0] if args else kwargs.get("filepath"))
         return inner_save(self, *args, **kwargs)
 
+    # Keras creates the checkpoint directory itself: only the master may, or ranks race.
+    made_dirs = []
+    inner_makedirs = os.makedirs
+
+    def recording_makedirs(name, *args, **kwargs):
+        made_dirs.append(str(name))
+        return inner_makedirs(name, *args, **kwargs)
+
     keras.Model.save_weights = counting_save
+    os.makedirs = recording_makedirs
     try:
         _, model = serial_and_tnt()
         ckpt_dir = tmp / "ckpt"
-        model.fit(ds(X, Y), epochs=3, verbose=0, callbacks=[keras.callbacks.ModelCheckpoint(
-            str(ckpt_dir / "w-{epoch}.weights.h5"), save_weights_only=True)])
+        checkpoint = keras.callbacks.ModelCheckpoint(
+            str(ckpt_dir / "w-{epoch}.weights.h5"), save_weights_only=True)
+        model.fit(ds(X, Y), epochs=3, verbose=0, callbacks=[checkpoint])
     finally:
         keras.Model.save_weights = inner_save
+        os.makedirs = inner_makedirs
+    made_per_rank = tnt_comm.allgather_object([d for d in made_dirs if d.startswith(str(tmp))])
+    restored = tnt_comm.allgather_object(checkpoint.filepath)
+    check("checkpoint_dirs_made_by_master_only",
+          made_per_rank == [[str(ckpt_dir)]] + [[]] * (tnt.get_size() - 1)
+          and set(restored) == {str(ckpt_dir / "w-{epoch}.weights.h5")},
+          dict(made_per_rank=made_per_rank, filepath_after_fit=restored))
     # tnt.Model.save_weights is itself a keras.Model method override: count real writes only.
     real = [w for w in writes if ".tmp" in str(w)]
     per_rank = gathered(len(real))
