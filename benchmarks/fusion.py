@@ -54,10 +54,12 @@ def gradient_set_sweep(shapes: list[list[int]], reps: int) -> dict:
     engines = {kb: t.FusedAllreduce(specs, kb * 1024) for kb in SWEEP_KB}
 
     def fused(engine: t.FusedAllreduce) -> Callable[[], object]:
-        def round_() -> object:
-            for i, g in enumerate(grads):
-                engine.submit(i, g)
-            return engine.wait()
+        plan = engine.plan
+
+        def round_() -> object:  # as tnt-keras runs it: one submit_many per bucket
+            for bucket in plan:
+                engine.submit_many(bucket, [grads[i] for i in bucket])
+            return engine.wait_buckets()
         return round_
 
     variants: dict[str, Callable[[], object]] = {f"fused@{kb}": fused(e) for kb, e in engines.items()}

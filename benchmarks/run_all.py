@@ -40,8 +40,8 @@ UNBOUND = ["--bind-to", "none"]
 SCALING_RANKS = [n for n in (2, 4) if n <= (os.cpu_count() or 1)]
 
 BENCHMARKS: list[Benchmark] = [
-    Benchmark("allreduce", "allreduce.py", ranks=2),
-    Benchmark("fusion", "fusion.py", ranks=2),
+    Benchmark("allreduce", "allreduce.py", ranks=2, mpi_args=UNBOUND),
+    Benchmark("fusion", "fusion.py", ranks=2, mpi_args=UNBOUND),
     Benchmark("data_pipeline", "data_pipeline.py"),
     # The training jobs run back to back, so that the ratios between them see the same load.
     Benchmark("training_overhead", "training.py", args=["overhead"]),

@@ -76,20 +76,20 @@ class EngineClock:
 
 
 class TimedFusedAllreduce(tnt_comm.FusedAllreduce):
-    """tnt_comm's engine with its two calls timed; behaviour unchanged."""
+    """tnt_comm's engine with the two calls tnt-keras makes timed; behaviour unchanged."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         EngineClock.last_buckets = len(self.plan)
 
-    def submit(self, index, array) -> None:
+    def submit_many(self, indices, arrays) -> None:
         t0 = time.perf_counter()
-        super().submit(index, array)
+        super().submit_many(indices, arrays)
         EngineClock.submit_s += time.perf_counter() - t0
 
-    def wait(self):
+    def wait_buckets(self):
         t0 = time.perf_counter()
-        out = super().wait()
+        out = super().wait_buckets()
         EngineClock.wait_s += time.perf_counter() - t0
         EngineClock.waits += 1
         return out
@@ -98,7 +98,7 @@ class TimedFusedAllreduce(tnt_comm.FusedAllreduce):
 class NoCommEngine:
     """Stand-in for the engine that communicates nothing: each rank "reduces" only itself.
 
-    Same interface and the same one copy per tensor, no MPI and no waiting for the other
+    The interface tnt-keras uses and the same one copy per tensor, no MPI and no waiting for the other
     ranks: a tnt.Model built with it runs tnt's distributed step graph (masking, metric
     states, submit/wait ops) without the exchange, which isolates the graph's own cost
     from the communication's. Instrumentation only; the numbers it trains are wrong.
@@ -110,13 +110,15 @@ class NoCommEngine:
         self._got: dict[int, np.ndarray] = {}
         EngineClock.last_buckets = len(self.plan)
 
-    def submit(self, index, array) -> None:
+    def submit_many(self, indices, arrays) -> None:
         t0 = time.perf_counter()
-        self._got[index] = np.array(array, copy=True).reshape(-1)
+        for index, array in zip(indices, arrays):
+            self._got[index] = np.array(array, copy=True).reshape(-1)
         EngineClock.submit_s += time.perf_counter() - t0
 
-    def wait(self):
-        out, self._got = [self._got[i] for i in range(len(self._specs))], {}
+    def wait_buckets(self):
+        out = [np.concatenate([self._got[i] for i in bucket]) for bucket in self.plan]
+        self._got = {}
         EngineClock.waits += 1
         return out
 

@@ -76,10 +76,6 @@ class PyFused {
     }
     const void* data = a.data();
     const std::int64_t count = a.size();
-    // Releasing the GIL costs more than copying a small tensor (and invites a thread
-    // switch per tensor); only copies of kReleaseGilBytes or more run without it. The
-    // submit never waits on communication either way.
-    constexpr std::int64_t kReleaseGilBytes = 64 * 1024;
     if (count * static_cast<std::int64_t>(dtype_size(dt)) < kReleaseGilBytes) {
       impl_->submit(index, data, count, dt);
       return;
@@ -88,12 +84,77 @@ class PyFused {
     impl_->submit(index, data, count, dt);
   }
 
-  py::list wait() {
+  // Arrays are taken as they are: the Python layer checked each against its spec (or
+  // left that to the C++ checks here and in FusedAllreduce::submit_many, which name the
+  // tensor). Copies run without the GIL once they are worth the switch.
+  void submit_many(const std::vector<std::int64_t>& indices, const py::sequence& arrays) {
+    if (indices.size() != static_cast<std::size_t>(py::len(arrays))) {
+      throw std::invalid_argument("FusedAllreduce.submit_many: " + std::to_string(indices.size()) +
+                                  " indices but " + std::to_string(py::len(arrays)) + " arrays");
+    }
+    const auto& specs = impl_->specs();
+    std::vector<FusedAllreduce::Item> items;
+    items.reserve(indices.size());
+    std::int64_t nbytes = 0;
+    for (std::size_t k = 0; k < indices.size(); ++k) {
+      const std::int64_t index = indices[k];
+      if (index < 0 || index >= static_cast<std::int64_t>(specs.size())) {
+        throw std::out_of_range("FusedAllreduce.submit_many: index " + std::to_string(index) +
+                                " is not a tensor index (0.." + std::to_string(specs.size() - 1) + ")");
+      }
+      const TensorSpec& spec = specs[static_cast<std::size_t>(index)];
+      py::handle obj = arrays[k];
+      if (!py::isinstance<py::array>(obj)) {
+        throw TypeError_("FusedAllreduce.submit_many: arrays[" + std::to_string(k) + "] (tensor '" +
+                         spec.name + "') must be a numpy.ndarray, got " +
+                         std::string(py::str(obj.get_type().attr("__name__"))) +
+                         "; convert it with np.asarray(...)");
+      }
+      auto a = py::reinterpret_borrow<py::array>(obj);
+      if (!a.dtype().is(dtypes_[static_cast<std::size_t>(index)]) &&
+          !a.dtype().equal(dtypes_[static_cast<std::size_t>(index)])) {
+        throw TypeError_("FusedAllreduce.submit_many: tensor " + std::to_string(index) + " ('" +
+                         spec.name + "') is " + dtype_name(spec.dtype) + " in the specs but the array is " +
+                         std::string(py::str(a.dtype().attr("name"))) + "; convert with array.astype(...)");
+      }
+      if (a.size() != spec.count) {
+        throw std::invalid_argument("FusedAllreduce.submit_many: tensor " + std::to_string(index) + " ('" +
+                                    spec.name + "') has " + std::to_string(spec.count) +
+                                    " elements in the specs but the array has " + std::to_string(a.size()));
+      }
+      if (!(a.flags() & py::array::c_style)) {
+        throw std::invalid_argument("FusedAllreduce.submit_many: tensor " + std::to_string(index) + " ('" +
+                                    spec.name + "') is not C-contiguous; pass np.ascontiguousarray(array)");
+      }
+      items.push_back({index, a.data(), a.size(), spec.dtype});
+      nbytes += spec.nbytes();
+    }
+    if (nbytes < kReleaseGilBytes) {
+      impl_->submit_many(items);
+      return;
+    }
+    py::gil_scoped_release release;
+    impl_->submit_many(items);
+  }
+
+  py::list wait() { return results(false); }
+  py::list wait_buckets() { return results(true); }
+
+  void close() { impl_->close(); }
+
+ private:
+  // Releasing the GIL costs more than copying a small tensor (and invites a thread
+  // switch per tensor); only copies of this many bytes or more run without it. A submit
+  // never waits on communication either way.
+  static constexpr std::int64_t kReleaseGilBytes = 64 * 1024;
+
+  py::list results(bool per_bucket) {
     std::vector<FusedResult> results;
     {
       py::gil_scoped_release release;
-      results = impl_->wait();
+      results = per_bucket ? impl_->wait_buckets() : impl_->wait();
     }
+    const Plan& plan = impl_->plan();
     py::list out;
     // One capsule per bucket buffer; each tensor is a 1-D view into it.
     std::shared_ptr<FusionBuffer> last;
@@ -104,16 +165,13 @@ class PyFused {
         last = r.buffer;
         cap = owner(r.buffer);
       }
-      const py::dtype& dt = dtypes_[i];
+      const py::dtype& dt = dtypes_[per_bucket ? static_cast<std::size_t>(plan[i].front()) : i];
       py::array arr(dt, {r.count}, {dt.itemsize()}, r.buffer->data() + r.offset_bytes, cap);
       out.append(std::move(arr));
     }
     return out;
   }
 
-  void close() { impl_->close(); }
-
- private:
   std::vector<py::dtype> dtypes_;
   std::unique_ptr<FusedAllreduce> impl_;
 };
@@ -201,6 +259,8 @@ PYBIND11_MODULE(_core, m) {
                     std::int64_t, int, std::vector<py::object>>())
       .def_property_readonly("plan", &PyFused::plan)
       .def("submit", &PyFused::submit)
+      .def("submit_many", &PyFused::submit_many)
       .def("wait", &PyFused::wait)
+      .def("wait_buckets", &PyFused::wait_buckets)
       .def("close", &PyFused::close);
 }

@@ -18,6 +18,7 @@ struct FusedAllreduce::State {
   struct BucketState {
     std::shared_ptr<FusionBuffer> buffer;
     std::int64_t pending = 0;  // tensors still to be submitted this round
+    bool buffer_armed = false;  // buffer chosen for this round (first tensor arrived)
     bool launched = false;
     bool done = false;
     std::exception_ptr error;
@@ -47,7 +48,7 @@ struct FusedAllreduce::State {
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       auto& bs = buckets[b];
       bs.pending = static_cast<std::int64_t>(layout.buckets[b].tensors.size());
-      bs.launched = bs.done = false;
+      bs.launched = bs.done = bs.buffer_armed = false;
       bs.error = nullptr;
     }
     std::fill(submitted.begin(), submitted.end(), 0);
@@ -188,48 +189,67 @@ const Plan& FusedAllreduce::plan() const { return state_->plan; }
 const std::vector<TensorSpec>& FusedAllreduce::specs() const { return state_->specs; }
 
 void FusedAllreduce::submit(std::int64_t index, const void* data, std::int64_t count, DType dtype) {
+  submit_many({Item{index, data, count, dtype}});
+}
+
+void FusedAllreduce::submit_many(const std::vector<Item>& items) {
   State& s = *state_;
-  if (index < 0 || index >= static_cast<std::int64_t>(s.specs.size())) {
-    throw std::out_of_range("FusedAllreduce.submit: index " + std::to_string(index) +
-                            " is out of range for " + std::to_string(s.specs.size()) + " tensors");
+  const auto n_specs = static_cast<std::int64_t>(s.specs.size());
+  for (const Item& it : items) {
+    if (it.index < 0 || it.index >= n_specs) {
+      throw std::out_of_range("FusedAllreduce.submit: index " + std::to_string(it.index) +
+                              " is out of range for " + std::to_string(n_specs) + " tensors");
+    }
+    const TensorSpec& spec = s.specs[static_cast<std::size_t>(it.index)];
+    if (it.count != spec.count || it.dtype != spec.dtype) {
+      throw std::invalid_argument("FusedAllreduce.submit: " + s.tensor_name(it.index) + " expects " +
+                                  std::to_string(spec.count) + " " + dtype_name(spec.dtype) +
+                                  " values, got " + std::to_string(it.count) + " " +
+                                  dtype_name(it.dtype));
+    }
   }
-  const TensorSpec& spec = s.specs[static_cast<std::size_t>(index)];
-  if (count != spec.count || dtype != spec.dtype) {
-    throw std::invalid_argument("FusedAllreduce.submit: " + s.tensor_name(index) + " expects " +
-                                std::to_string(spec.count) + " " + dtype_name(spec.dtype) +
-                                " values, got " + std::to_string(count) + " " + dtype_name(dtype));
-  }
-  const TensorSlot& slot = s.layout.slots[static_cast<std::size_t>(index)];
-  const auto b = static_cast<std::size_t>(slot.bucket);
-  std::shared_ptr<FusionBuffer> buf;
+  std::vector<std::byte*> targets(items.size());
+  std::vector<std::shared_ptr<FusionBuffer>> keep_alive;  // buffers stay valid while copying
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (s.closed) throw CommError("FusedAllreduce.submit: the engine was closed");
     if (!s.broken.empty()) throw CommError("FusedAllreduce is unusable: " + s.broken);
-    if (s.submitted[static_cast<std::size_t>(index)]) {
-      throw std::invalid_argument(
-          "FusedAllreduce.submit: " + s.tensor_name(index) +
-          " was already submitted in this round; submit each tensor once between wait() calls");
+    for (std::size_t k = 0; k < items.size(); ++k) {
+      const auto i = static_cast<std::size_t>(items[k].index);
+      if (s.submitted[i]) {
+        for (std::size_t j = 0; j < k; ++j) s.submitted[static_cast<std::size_t>(items[j].index)] = 0;
+        throw std::invalid_argument(
+            "FusedAllreduce.submit: " + s.tensor_name(items[k].index) +
+            " was already submitted in this round; submit each tensor once between wait() calls");
+      }
+      s.submitted[i] = 1;
     }
-    s.submitted[static_cast<std::size_t>(index)] = 1;
-    auto& bs = s.buckets[b];
-    const auto members = static_cast<std::int64_t>(s.layout.buckets[b].tensors.size());
-    if (bs.pending == members) {  // first tensor of this bucket in this round
-      bs.buffer = reuse_or_allocate(bs.buffer, static_cast<std::size_t>(s.layout.buckets[b].nbytes()));
+    for (std::size_t k = 0; k < items.size(); ++k) {
+      const TensorSlot& slot = s.layout.slots[static_cast<std::size_t>(items[k].index)];
+      const auto b = static_cast<std::size_t>(slot.bucket);
+      auto& bs = s.buckets[b];
+      if (!bs.buffer_armed) {  // first tensor of this bucket in this round
+        bs.buffer = reuse_or_allocate(bs.buffer, static_cast<std::size_t>(s.layout.buckets[b].nbytes()));
+        bs.buffer_armed = true;
+      }
+      if (keep_alive.empty() || keep_alive.back() != bs.buffer) keep_alive.push_back(bs.buffer);
+      targets[k] = bs.buffer->data() + slot.offset * static_cast<std::int64_t>(dtype_size(items[k].dtype));
     }
-    buf = bs.buffer;
   }
-  const std::size_t esize = dtype_size(spec.dtype);
-  if (count > 0) {
-    std::memcpy(buf->data() + slot.offset * static_cast<std::int64_t>(esize), data,
-                static_cast<std::size_t>(count) * esize);
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    if (items[k].count > 0) {
+      std::memcpy(targets[k], items[k].data,
+                  static_cast<std::size_t>(items[k].count) * dtype_size(items[k].dtype));
+    }
   }
   // Launch every bucket that is complete and next in plan order.
   std::lock_guard<std::mutex> launch(s.launch_mu);
   std::vector<std::shared_ptr<Task>> ready;
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    --s.buckets[b].pending;
+    for (const Item& it : items) {
+      --s.buckets[static_cast<std::size_t>(s.layout.slots[static_cast<std::size_t>(it.index)].bucket)].pending;
+    }
     while (s.next_bucket < s.buckets.size() && s.buckets[s.next_bucket].pending == 0) {
       auto& nb = s.buckets[s.next_bucket];
       nb.launched = true;
@@ -240,7 +260,11 @@ void FusedAllreduce::submit(std::int64_t index, const void* data, std::int64_t c
   for (auto& t : ready) s.engine->enqueue(std::move(t));
 }
 
-std::vector<FusedResult> FusedAllreduce::wait() {
+std::vector<FusedResult> FusedAllreduce::wait() { return wait_round(false); }
+
+std::vector<FusedResult> FusedAllreduce::wait_buckets() { return wait_round(true); }
+
+std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
   State& s = *state_;
   const double timeout_s = s.engine->config().timeout_s;
   auto deadline = std::chrono::steady_clock::now() +
@@ -294,12 +318,19 @@ std::vector<FusedResult> FusedAllreduce::wait() {
     }
   }
   std::vector<FusedResult> out;
-  out.reserve(s.specs.size());
-  for (std::size_t t = 0; t < s.specs.size(); ++t) {
-    const TensorSlot& slot = s.layout.slots[t];
-    const std::size_t esize = dtype_size(s.specs[t].dtype);
-    out.push_back({s.buckets[static_cast<std::size_t>(slot.bucket)].buffer,
-                   slot.offset * static_cast<std::int64_t>(esize), slot.count});
+  if (per_bucket) {
+    out.reserve(s.buckets.size());
+    for (std::size_t b = 0; b < s.buckets.size(); ++b) {
+      out.push_back({s.buckets[b].buffer, 0, s.layout.buckets[b].count});
+    }
+  } else {
+    out.reserve(s.specs.size());
+    for (std::size_t t = 0; t < s.specs.size(); ++t) {
+      const TensorSlot& slot = s.layout.slots[t];
+      const std::size_t esize = dtype_size(s.specs[t].dtype);
+      out.push_back({s.buckets[static_cast<std::size_t>(slot.bucket)].buffer,
+                     slot.offset * static_cast<std::int64_t>(esize), slot.count});
+    }
   }
   std::vector<std::pair<std::shared_ptr<FusionBuffer>, const BucketLayout*>> to_scale;
   if (s.op == ReduceOp::kAvg) {

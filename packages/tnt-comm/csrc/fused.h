@@ -38,14 +38,30 @@ class FusedAllreduce {
   // Copies `data` (count elements of dtype) into the tensor's bucket slot; launches the
   // buckets that became ready. Errors name the tensor. Call with the GIL released.
   void submit(std::int64_t index, const void* data, std::int64_t count, DType dtype);
+
+  // One tensor of a batched submit: a view of the caller's memory, copied at once.
+  struct Item {
+    std::int64_t index = 0;
+    const void* data = nullptr;
+    std::int64_t count = 0;
+    DType dtype = DType::kFloat32;
+  };
+  // submit() for several tensors with one lock round trip: many small tensors cost a
+  // copy each, not a call each. All-or-nothing: an invalid item (index out of range,
+  // wrong count/dtype, submitted twice) throws before any tensor is taken.
+  void submit_many(const std::vector<Item>& items);
   // Blocks until every bucket is reduced; results in spec order. Call with the GIL released.
   std::vector<FusedResult> wait();
+  // As wait(), but one result per bucket (plan order): the bucket's tensors back to back
+  // in plan order. The cheap form for many small tensors: the caller splits views.
+  std::vector<FusedResult> wait_buckets();
   // Further calls fail; a pending wait() fails with CommError. In-flight buckets finish.
   void close();
 
   struct State;
 
  private:
+  std::vector<FusedResult> wait_round(bool per_bucket);
   std::shared_ptr<State> state_;
 };
 

@@ -17,7 +17,7 @@ def test_collectives_and_fused_engine(run_job, ranks: int) -> None:
     assert proc.returncode == 0, explain(proc)
     ok = re.findall(r"rank (\d+): CHECKS OK (\d+)", proc.stdout)
     assert sorted(int(r) for r, _ in ok) == list(range(ranks)), explain(proc)
-    assert all(int(n) >= 14 for _, n in ok), explain(proc)
+    assert all(int(n) >= 16 for _, n in ok), explain(proc)
 
 
 def test_stall_of_a_skipped_allreduce_raises_quickly(run_job) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from conftest import launch
 
-EXPECTED_CASES = 12
+EXPECTED_CASES = 13
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")

@@ -122,9 +122,32 @@ class FusedAllreduce:
             )
         self._core.submit(index, array)
 
+    def submit_many(self, indices: Sequence[int], arrays: Sequence[np.ndarray]) -> None:
+        """``submit`` for several tensors in one call: one lock, no per-tensor Python cost.
+
+        The form for many small tensors (and for a caller that has a whole bucket's
+        tensors at once). All-or-nothing: if any array does not match its spec, or an
+        index repeats or was submitted already, nothing is taken and the error names it.
+        """
+        # Checked in C++ (one pass, messages name the tensor): a Python loop here would
+        # cost as much as the copies themselves.
+        self._core.submit_many(
+            indices if isinstance(indices, (list, tuple, range)) else list(indices),
+            arrays if isinstance(arrays, (list, tuple)) else list(arrays),
+        )
+
     def wait(self) -> list[np.ndarray]:
         """All reduced tensors in spec order (1-D, ``count`` elements each); re-arms."""
         return self._core.wait()
+
+    def wait_buckets(self) -> list[np.ndarray]:
+        """As ``wait``, but one 1-D array per bucket, in plan order; re-arms.
+
+        Bucket ``b`` holds the tensors ``plan[b]`` back to back in that order, so
+        ``np.split(result[b], np.cumsum(counts)[:-1])`` gives them. With many small
+        tensors this skips creating one array object per tensor.
+        """
+        return self._core.wait_buckets()
 
     def close(self) -> None:
         """Refuse further use; a pending wait() fails. In-flight buckets still finish."""

@@ -245,6 +245,61 @@ def fused_bad_submissions_name_the_tensor() -> None:
 
 
 @check
+def fused_submit_many_and_wait_buckets() -> None:
+    specs = _specs(300, seed=5)
+    for threshold in (0, 700, 1 << 20):
+        with t.FusedAllreduce(specs, threshold) as f:
+            plan = f.plan
+            for it in range(3):
+                # Batches of different sizes, in a rank-dependent order, mixed with submit().
+                order = [int(i) for i in np.random.default_rng(300 + R + it).permutation(len(specs))]
+                single, batched = order[:7], order[7:]
+                for i in single:
+                    f.submit(i, _value(specs[i], i, R, it))
+                for part in np.array_split(np.array(batched), 5):
+                    idx = [int(i) for i in part]
+                    f.submit_many(idx, [_value(specs[i], i, R, it) for i in idx])
+                if it % 2:
+                    out = f.wait()
+                else:  # one flat array per bucket: its tensors back to back in plan order
+                    buckets = f.wait_buckets()
+                    assert len(buckets) == len(plan), (len(buckets), len(plan))
+                    out = [None] * len(specs)
+                    for members, flat in zip(plan, buckets):
+                        counts = [specs[i].count for i in members]
+                        assert flat.shape == (sum(counts),) and flat.dtype == specs[members[0]].dtype
+                        for i, part in zip(members, np.split(flat, np.cumsum(counts)[:-1])):
+                            out[i] = part
+                for i, (s, y) in enumerate(zip(specs, out)):
+                    expect_equal(y, _want(s, i, it), f"submit_many {threshold} round {it} {s.name}")
+
+
+@check
+def fused_submit_many_is_all_or_nothing() -> None:
+    specs = [t.TensorSpec("kernel", 4, "float32"), t.TensorSpec("bias", 2, "float32"),
+             t.TensorSpec("steps", 1, "int64")]
+    with t.FusedAllreduce(specs, 1024) as f:
+        good = [np.ones(4, np.float32), np.ones(2, np.float32), np.ones(1, np.int64)]
+        expect_raises(ValueError, "'bias') has 2 elements", f.submit_many, [0, 1],
+                      [good[0], np.ones(3, np.float32)])
+        expect_raises(TypeError, "'steps') is int64 in the specs", f.submit_many, [0, 2],
+                      [good[0], np.ones(1, np.float32)])
+        expect_raises(TypeError, "must be a numpy.ndarray", f.submit_many, [1], [[1.0, 2.0]])
+        expect_raises(ValueError, "not C-contiguous", f.submit_many, [0],
+                      [np.ones(8, np.float32)[::2]])
+        expect_raises(IndexError, "not a tensor index", f.submit_many, [0, 3], good[:2])
+        expect_raises(ValueError, "2 indices but 3 arrays", f.submit_many, [0, 1], good)
+        expect_raises(ValueError, "tensor 0 ('kernel') was already submitted", f.submit_many,
+                      [0, 1, 0], [good[0], good[1], good[0]])
+        # Nothing of the failed calls was taken: every tensor can still be submitted once.
+        f.submit_many([2, 0, 1], [good[2], good[0], good[1]])
+        k, b, st = f.wait()
+        expect_equal(b, np.full(2, N, np.float32), "bias after failed batches")
+        expect_equal(k, np.full(4, N, np.float32), "after failed batches")
+        expect_equal(st, np.full(1, N, np.int64), "int64 after failed batches")
+
+
+@check
 def bad_input_errors() -> None:
     expect_raises(ValueError, "np.ascontiguousarray", t.allreduce, np.zeros((4, 4))[:, 1])
     expect_raises(TypeError, "supported: float16", t.allreduce, np.zeros(3, np.uint8))

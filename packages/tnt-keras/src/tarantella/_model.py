@@ -122,19 +122,22 @@ class Model(keras.Model):
                 run_eagerly=False, steps_per_execution=1, **kwargs) -> None:
         """Compile the wrapped model; the wrapper's steps use its loss, metrics, optimizer.
 
-        ``jit_compile`` is honoured on one rank; on several ranks steps run without XLA
-        (the allreduce runs outside the graph compiler), with a warning if it was asked for.
+        ``jit_compile`` is honoured: on one rank as Keras does; on several ranks XLA
+        compiles the part of each step before the gradient exchange and the part after it
+        (the exchange itself runs outside the compiler).
         """
         self._model.compile(
             optimizer=optimizer, loss=loss, run_eagerly=run_eagerly,
             steps_per_execution=steps_per_execution, jit_compile=jit_compile, **kwargs,
         )
-        if _runtime.get_size() > 1 and jit_compile is True:
-            logger.warning("jit_compile=True is not used on several ranks; steps run without XLA.")
         self._compile_wrapper(run_eagerly, steps_per_execution)
 
     def _compile_wrapper(self, run_eagerly: bool, steps_per_execution: int) -> None:
-        """Let Keras' loops run on the wrapper, with the wrapped model's optimizer."""
+        """Let Keras' loops run on the wrapper, with the wrapped model's optimizer.
+
+        On several ranks the wrapper's step function itself is not XLA-compiled (it holds
+        the exchange); DistributedSteps compiles the halves around it instead.
+        """
         jit = False if _runtime.get_size() > 1 else self._model.jit_compile
         super().compile(
             optimizer=self._model.optimizer, loss=None, run_eagerly=run_eagerly,

@@ -1,11 +1,14 @@
 """Graph glue between a TensorFlow step function and tnt_comm's fused allreduce engine.
 
-A step hands each tensor to the engine with :meth:`GraphReducer.submit` the moment the
-tensor exists in the graph (the TF executor runs the submit op as soon as its input is
-computed, so early gradients are on the wire while backprop continues), then one
-:meth:`GraphReducer.wait` op returns every SUM-reduced tensor. The engine buckets the
-tensors by a plan that is a pure function of the specs and the fusion threshold, so every
-rank issues the same collectives in the same order.
+:meth:`GraphReducer.reduce` puts one submit op per fusion bucket into the step graph,
+taking that bucket's tensors as inputs. TensorFlow's executor runs an op as soon as its
+inputs exist, so a bucket goes to the engine (and on the wire) the moment its last
+gradient is computed, while backprop of earlier layers continues. One wait op then
+returns each bucket's SUM as one flat tensor, which the graph splits into the slots.
+One Python call per bucket (not per tensor) keeps the step's host overhead independent
+of the number of weights. The engine buckets the tensors by a plan that is a pure
+function of the specs and the fusion threshold, so every rank issues the same
+collectives in the same order.
 
 ``tf.numpy_function`` is not XLA-compilable; steps that use a reducer therefore run with
 ``jit_compile=False`` (see docs/keras.md).
@@ -45,43 +48,52 @@ class GraphReducer:
         self.slots = list(slots)
         specs = [tnt_comm.TensorSpec(s.name, s.count, s.dtype.as_numpy_dtype) for s in self.slots]
         self._engine = tnt_comm.FusedAllreduce(specs, threshold_bytes, tnt_comm.Op.SUM)
+        self._plan = self._engine.plan
 
     @property
     def plan(self) -> list[list[int]]:
-        return self._engine.plan
+        return [list(b) for b in self._plan]
 
-    def _submit_np(self, index: int, value: np.ndarray) -> np.ndarray:
-        self._engine.submit(index, np.ascontiguousarray(value).reshape(-1))
+    def _submit_np(self, members: list[int], *values: np.ndarray) -> np.ndarray:
+        self._engine.submit_many(members, [np.ascontiguousarray(v).reshape(-1) for v in values])
         return _TOKEN
 
     def _wait_np(self, *_tokens: np.ndarray) -> list[np.ndarray]:
-        return list(self._engine.wait())
+        return list(self._engine.wait_buckets())
 
-    def submit(self, index: int, value: tf.Tensor) -> tf.Tensor:
-        """Queue ``value`` as slot ``index``; returns a token the wait op depends on."""
-        slot = self.slots[index]
-        value = tf.cast(value, slot.dtype) if value.dtype != slot.dtype else value
-        return tf.numpy_function(
-            lambda v, i=index: self._submit_np(i, v),
-            [value],
-            tf.int32,
-            stateful=False,
-            name="tnt_submit",
-        )
-
-    def wait(self, tokens: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """Block until every slot is reduced; returns the sums, shaped like the slots."""
-        flat = tf.numpy_function(
+    def reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """The SUM over ranks of each value (one per slot, in slot order), shaped like it."""
+        if len(values) != len(self.slots):
+            raise ValueError(f"GraphReducer.reduce: {len(values)} values for {len(self.slots)} slots")
+        if not self.slots:
+            return []
+        values = [
+            tf.cast(v, s.dtype) if v.dtype != s.dtype else v for v, s in zip(values, self.slots)
+        ]
+        tokens = [
+            tf.numpy_function(
+                lambda *arrays, members=members: self._submit_np(members, *arrays),
+                [values[i] for i in members],
+                tf.int32,
+                stateful=False,
+                name="tnt_submit_bucket",
+            )
+            for members in self._plan
+        ]
+        buckets = tf.numpy_function(
             self._wait_np,
-            list(tokens),
-            [s.dtype for s in self.slots],
+            tokens,
+            [self.slots[members[0]].dtype for members in self._plan],
             stateful=True,
             name="tnt_wait",
         )
-        out = []
-        for slot, tensor in zip(self.slots, flat):
-            tensor.set_shape([slot.count])
-            out.append(tf.reshape(tensor, slot.shape))
+        out: list[tf.Tensor | None] = [None] * len(self.slots)
+        for members, flat in zip(self._plan, buckets):
+            counts = [self.slots[i].count for i in members]
+            flat.set_shape([sum(counts)])
+            parts = tf.split(flat, counts) if len(members) > 1 else [flat]
+            for i, part in zip(members, parts):
+                out[i] = tf.reshape(part, self.slots[i].shape)
         return out
 
     def close(self) -> None:

@@ -7,7 +7,8 @@ Data flow of one training step on rank r with micro-batch b_r of global batch B
    this rank's contribution ``c_r`` in them.
 2. Forward pass and Keras' own loss (mean over the micro-batch, plus regularisation).
 3. The loss tracker and compiled metrics are updated, giving ``c_r``.
-4. Backprop; each gradient ``g_r`` is submitted, scaled by ``b_r``, as soon as it exists.
+4. Backprop; each fusion bucket of gradients ``g_r`` (scaled by ``b_r``) is submitted as
+   soon as its last gradient exists.
 5. One fused SUM-allreduce returns ``B = sum b_r``, ``sum c_r`` and ``sum b_r g_r``.
 6. Metric states become ``s0 + sum c_r`` (exact global metrics); the optimizer applies
    ``sum b_r g_r / B``, the gradient of the global mean loss — identical on all ranks.
@@ -154,53 +155,81 @@ class DistributedSteps:
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # -- steps -----------------------------------------------------------------------
-    def train_step(self, data) -> dict:
+    def _compiled(self, name: str, fn):
+        """``fn`` as a nested tf.function, XLA-compiled when the wrapped model asks for it.
+
+        The exchange cannot live inside XLA, so a distributed step is cut around it:
+        everything before (forward, loss, backprop) and everything after (metrics,
+        optimizer) is compiled as Keras would compile the whole serial step.
+        """
+        if tf.executing_eagerly():  # run_eagerly=True: stay debuggable
+            return fn
+        cache = self.__dict__.setdefault("_compiled_fns", {})
+        jit = bool(getattr(self._model, "jit_compile", False))
+        if (name, jit) not in cache:
+            cache[(name, jit)] = tf.function(fn, jit_compile=jit, autograph=False)
+        return cache[(name, jit)]
+
+    def _gradients(self, x, y, sample_weight, local_n, weight):
+        """This rank's forward pass, metric updates and gradients of ``weight`` x its loss."""
         model = self._model
-        data, sizes = split_sizes(data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        local_n = _local_batch_size(x)
-        distributed = self._size > 1
-        if distributed:
-            x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-            before, initial = self._begin_metric_contribution()
         with tf.GradientTape() as tape:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=True)
-            grad_loss = loss
-            if distributed and sizes is not None:
-                # Weighting the loss (not the gradient) by b_r / B keeps every per-sample
-                # term of backprop at its serial magnitude: with float16 compute, a loss
-                # averaged over b_r < B samples would overflow sooner than serial.
-                grad_loss = loss * tf.cast(sizes.local, loss.dtype) / tf.cast(sizes.total, loss.dtype)
+            # Weighting the loss (not the gradient) by b_r / B keeps every per-sample
+            # term of backprop at its serial magnitude: with float16 compute, a loss
+            # averaged over b_r < B samples would overflow sooner than serial.
+            grad_loss = loss if weight is None else loss * tf.cast(weight, loss.dtype)
             scaled_loss = model.optimizer.scale_loss(grad_loss)
         self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
         variables = model.trainable_variables
         if not variables:
             raise ValueError("The model has no trainable weights: nothing to train.")
         grads = tape.gradient(scaled_loss, variables)
-        grads = [
-            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-            for g, v in zip(grads, variables)
+        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+
+    def _local_part(self, x, y, sample_weight, sizes):
+        """Everything before the exchange: returns the metric states before the step and
+        the values to SUM over ranks (``b_r``, metric contributions, weighted gradients)."""
+        local_n = _local_batch_size(x)
+        x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
+        before, initial = self._begin_metric_contribution()
+        weight = None if sizes is None else tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
+        grads = self._gradients(x, y, sample_weight, local_n, weight)
+        has_data = local_n > 0
+        b = tf.cast(local_n, tf.float32)
+        contribution = self._metric_contribution(initial)
+        weighted = [g if sizes is not None else g * tf.cast(b, g.dtype) for g in reversed(grads)]
+        to_reduce = [
+            tf.reshape(b, [1]),
+            *(_masked(c, has_data) for c in contribution),
+            *(_masked(g, has_data) for g in weighted),
         ]
-        if distributed:
-            reducer = self.train_reducer()
-            has_data = local_n > 0
-            b = tf.cast(local_n, tf.float32)
-            tokens = [reducer.submit(0, tf.reshape(b, [1]))]
-            contribution = self._metric_contribution(initial)
-            offset = 1
-            tokens += [reducer.submit(offset + i, _masked(c, has_data)) for i, c in enumerate(contribution)]
-            offset += len(contribution)
-            for i, g in enumerate(reversed(grads)):
-                weighted = g if sizes is not None else g * tf.cast(b, g.dtype)
-                tokens.append(reducer.submit(offset + i, _masked(weighted, has_data)))
-            reduced = reducer.wait(tokens)
-            self._apply_global_metrics(before, reduced[1:offset])
-            grads = list(reversed(reduced[offset:]))
-            if sizes is None:  # B was not known before backprop: it is the reduced count
-                global_n = reduced[0][0]
-                grads = [g / tf.cast(global_n, g.dtype) for g in grads]
-        model.optimizer.apply_gradients(zip(grads, variables))
-        return model.get_metrics_result()
+        return before, to_reduce
+
+    def _global_part(self, before, reduced, divide_by_total: bool):
+        """Everything after the exchange: global metric states, then the optimizer step."""
+        offset = 1 + len(before)
+        self._apply_global_metrics(before, reduced[1:offset])
+        grads = list(reversed(reduced[offset:]))
+        if divide_by_total:  # B was not known before backprop: it is the reduced count
+            global_n = reduced[0][0]
+            grads = [g / tf.cast(global_n, g.dtype) for g in grads]
+        self._model.optimizer.apply_gradients(zip(grads, self._model.trainable_variables))
+        return tf.constant(True)
+
+    def train_step(self, data) -> dict:
+        model = self._model
+        data, sizes = split_sizes(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if self._size == 1:  # Keras' own step (the wrapper runs it under Keras' jit setting)
+            grads = self._gradients(x, y, sample_weight, _local_batch_size(x), None)
+            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return model.get_metrics_result()
+        before, to_reduce = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
+        reduced = self.train_reducer().reduce(to_reduce)  # slots exist now: metrics are built
+        done = self._compiled("global", self._global_part)(before, reduced, sizes is None)
+        with tf.control_dependencies([done]):  # read the metrics after they became global
+            return model.get_metrics_result()
 
     def test_step(self, data) -> dict:
         model = self._model
@@ -217,8 +246,7 @@ class DistributedSteps:
         reducer = self.test_reducer()
         contribution = self._metric_contribution(initial)
         has_data = local_n > 0
-        tokens = [reducer.submit(i, _masked(c, has_data)) for i, c in enumerate(contribution)]
-        self._apply_global_metrics(before, reducer.wait(tokens) if tokens else [])
+        self._apply_global_metrics(before, reducer.reduce([_masked(c, has_data) for c in contribution]))
         return model.get_metrics_result()
 
     def predict_step(self, data):

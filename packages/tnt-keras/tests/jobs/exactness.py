@@ -98,6 +98,8 @@ CASES = {
     "cnn_adam_B11_last1": ("cnn", "adam", 11, 11 * 4 + 1, 3, False, None, 1e-4, 1e-3),
     "tuple_inputs_weights_l2_adam": ("tuple", "adam", 10, 10 * 4 + 1, 3, True, None, 1e-5, 2e-5),
     "dict_inputs_weights_l2_rmsprop": ("dict", "rmsprop", 12, 12 * 3 + 5, 3, True, 5, 1e-5, 2e-5),
+    # jit_compile=True (serial and tnt): XLA compiles the step halves around the exchange.
+    "dense_adam_B11_last2_xla": ("dense", "adam", 11, 11 * 4 + 2, 3, False, None, 1e-5, 2e-5),
 }
 
 
@@ -117,11 +119,11 @@ def batched(x, y, w, batch: int, shuffle_seed):
     return ds.batch(batch)
 
 
-def run_serial(kind, opt, train, vx, vy, epochs, initial) -> dict:
+def run_serial(kind, opt, train, vx, vy, epochs, initial, jit) -> dict:
     """Plain Keras on one process: the reference (computed on the master rank only)."""
     serial = build(kind, seed=3)
     serial.set_weights(initial)
-    serial.compile(optimizer=OPTIMIZERS[opt](), **COMPILE_ARGS)
+    serial.compile(optimizer=OPTIMIZERS[opt](), jit_compile=jit, **COMPILE_ARGS)
     history = serial.fit(train, epochs=epochs, validation_data=batched(vx, vy, None, 7, None), verbose=0).history
     return {
         "history": history,
@@ -131,7 +133,7 @@ def run_serial(kind, opt, train, vx, vy, epochs, initial) -> dict:
     }
 
 
-def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed) -> dict:
+def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
     x, y, w = data(kind, n, seed=11)
     vx, vy, _ = data(kind, 29, seed=12)
     w = w if weighted else None
@@ -141,11 +143,11 @@ def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed) -> dict:
     train_serial = batched(x, y, w, batch, shuffle_seed)
     train_tnt = batched(x, y, w, batch, shuffle_seed)
     initial = build(kind, seed=3).get_weights()
-    ref = run_serial(kind, opt, train_serial, vx, vy, epochs, initial) if tnt.is_master_rank() else None
+    ref = run_serial(kind, opt, train_serial, vx, vy, epochs, initial, jit) if tnt.is_master_rank() else None
 
     model = tnt.Model(build(kind, seed=100 + tnt.get_rank()))  # rank-dependent init: rank 0's must win
     model.set_weights(initial)
-    model.compile(optimizer=OPTIMIZERS[opt](), **COMPILE_ARGS)
+    model.compile(optimizer=OPTIMIZERS[opt](), jit_compile=jit, **COMPILE_ARGS)
     history = model.fit(train_tnt, epochs=epochs, validation_data=batched(vx, vy, None, 7, None), verbose=0).history
     evaluated = model.evaluate(batched(vx, vy, None, 7, None), verbose=0)
     predicted = model.predict(batched(vx, vy, None, 7, None).map(lambda a, b: (a,)), verbose=0)
@@ -170,7 +172,8 @@ def main() -> None:
     out = _job.out_path()
     results = {}
     for name, (kind, opt, batch, n, epochs, weighted, shuffle_seed, tol_l, tol_w) in CASES.items():
-        results[name] = run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed)
+        jit = name.endswith("_xla") or "auto"
+        results[name] = run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit)
         results[name].update(tol_loss=tol_l, tol_weights=tol_w)
     _job.write(out, {"ranks": tnt.get_size(), "cases": results})
 
