@@ -61,80 +61,24 @@ class PyFused {
 
   Plan plan() const { return impl_->plan(); }
 
-  // The Python layer checked the array against the spec; the size/dtype are re-checked
-  // in C++ (cheaply) so a direct caller cannot corrupt a bucket.
+  // The Python layer checks the array of submit() against its spec and owns that message;
+  // every array is re-checked here (cheaply) so a direct caller cannot corrupt a bucket.
   void submit(std::int64_t index, const py::array& a) {
-    const auto& specs = impl_->specs();
-    if (index < 0 || index >= static_cast<std::int64_t>(specs.size())) {
-      throw std::out_of_range("FusedAllreduce.submit: no tensor " + std::to_string(index));
-    }
-    const DType dt = specs[static_cast<std::size_t>(index)].dtype;
-    if (a.itemsize() != static_cast<py::ssize_t>(dtype_size(dt)) ||
-        !(a.flags() & py::array::c_style)) {
-      throw std::invalid_argument("FusedAllreduce.submit: array does not match tensor " +
-                                  std::to_string(index) + " (itemsize or layout)");
-    }
-    const void* data = a.data();
-    const std::int64_t count = a.size();
-    if (count * static_cast<std::int64_t>(dtype_size(dt)) < kReleaseGilBytes) {
-      impl_->submit(index, data, count, dt);
-      return;
-    }
-    py::gil_scoped_release release;
-    impl_->submit(index, data, count, dt);
+    submit_items({checked_item(index, a, "submit")});
   }
 
-  // Arrays are taken as they are: the Python layer checked each against its spec (or
-  // left that to the C++ checks here and in FusedAllreduce::submit_many, which name the
-  // tensor). Copies run without the GIL once they are worth the switch.
+  // Many tensors in one call: all are checked (errors name the tensor) before any is taken.
   void submit_many(const std::vector<std::int64_t>& indices, const py::sequence& arrays) {
     if (indices.size() != static_cast<std::size_t>(py::len(arrays))) {
       throw std::invalid_argument("FusedAllreduce.submit_many: " + std::to_string(indices.size()) +
                                   " indices but " + std::to_string(py::len(arrays)) + " arrays");
     }
-    const auto& specs = impl_->specs();
     std::vector<FusedAllreduce::Item> items;
     items.reserve(indices.size());
-    std::int64_t nbytes = 0;
     for (std::size_t k = 0; k < indices.size(); ++k) {
-      const std::int64_t index = indices[k];
-      if (index < 0 || index >= static_cast<std::int64_t>(specs.size())) {
-        throw std::out_of_range("FusedAllreduce.submit_many: index " + std::to_string(index) +
-                                " is not a tensor index (0.." + std::to_string(specs.size() - 1) + ")");
-      }
-      const TensorSpec& spec = specs[static_cast<std::size_t>(index)];
-      py::handle obj = arrays[k];
-      if (!py::isinstance<py::array>(obj)) {
-        throw TypeError_("FusedAllreduce.submit_many: arrays[" + std::to_string(k) + "] (tensor '" +
-                         spec.name + "') must be a numpy.ndarray, got " +
-                         std::string(py::str(obj.get_type().attr("__name__"))) +
-                         "; convert it with np.asarray(...)");
-      }
-      auto a = py::reinterpret_borrow<py::array>(obj);
-      if (!a.dtype().is(dtypes_[static_cast<std::size_t>(index)]) &&
-          !a.dtype().equal(dtypes_[static_cast<std::size_t>(index)])) {
-        throw TypeError_("FusedAllreduce.submit_many: tensor " + std::to_string(index) + " ('" +
-                         spec.name + "') is " + dtype_name(spec.dtype) + " in the specs but the array is " +
-                         std::string(py::str(a.dtype().attr("name"))) + "; convert with array.astype(...)");
-      }
-      if (a.size() != spec.count) {
-        throw std::invalid_argument("FusedAllreduce.submit_many: tensor " + std::to_string(index) + " ('" +
-                                    spec.name + "') has " + std::to_string(spec.count) +
-                                    " elements in the specs but the array has " + std::to_string(a.size()));
-      }
-      if (!(a.flags() & py::array::c_style)) {
-        throw std::invalid_argument("FusedAllreduce.submit_many: tensor " + std::to_string(index) + " ('" +
-                                    spec.name + "') is not C-contiguous; pass np.ascontiguousarray(array)");
-      }
-      items.push_back({index, a.data(), a.size(), spec.dtype});
-      nbytes += spec.nbytes();
+      items.push_back(checked_item(indices[k], arrays[k], "submit_many"));
     }
-    if (nbytes < kReleaseGilBytes) {
-      impl_->submit_many(items);
-      return;
-    }
-    py::gil_scoped_release release;
-    impl_->submit_many(items);
+    submit_items(items);
   }
 
   py::list wait() { return results(false); }
@@ -147,6 +91,48 @@ class PyFused {
   // switch per tensor); only copies of this many bytes or more run without it. A submit
   // never waits on communication either way.
   static constexpr std::int64_t kReleaseGilBytes = 64 * 1024;
+
+  FusedAllreduce::Item checked_item(std::int64_t index, py::handle obj, const char* method) const {
+    const auto& specs = impl_->specs();
+    const std::string where = std::string("FusedAllreduce.") + method + ": ";
+    if (index < 0 || index >= static_cast<std::int64_t>(specs.size())) {
+      throw std::out_of_range(where + "index " + std::to_string(index) + " is not a tensor index (0.." +
+                              std::to_string(specs.size() - 1) + ")");
+    }
+    const TensorSpec& spec = specs[static_cast<std::size_t>(index)];
+    const std::string tensor = "tensor " + std::to_string(index) + " ('" + spec.name + "')";
+    if (!py::isinstance<py::array>(obj)) {
+      throw TypeError_(where + tensor + " must be a numpy.ndarray, got " +
+                       std::string(py::str(obj.get_type().attr("__name__"))) +
+                       "; convert it with np.asarray(...)");
+    }
+    auto a = py::reinterpret_borrow<py::array>(obj);
+    const py::dtype& want = dtypes_[static_cast<std::size_t>(index)];
+    if (!a.dtype().is(want) && !a.dtype().equal(want)) {
+      throw TypeError_(where + tensor + " is " + dtype_name(spec.dtype) +
+                       " in the specs but the array is " + std::string(py::str(a.dtype().attr("name"))) +
+                       "; convert with array.astype(...)");
+    }
+    if (a.size() != spec.count) {
+      throw std::invalid_argument(where + tensor + " has " + std::to_string(spec.count) +
+                                  " elements in the specs but the array has " + std::to_string(a.size()));
+    }
+    if (!(a.flags() & py::array::c_style)) {
+      throw std::invalid_argument(where + tensor + " is not C-contiguous; pass np.ascontiguousarray(array)");
+    }
+    return {index, a.data(), a.size(), spec.dtype};
+  }
+
+  void submit_items(const std::vector<FusedAllreduce::Item>& items) {
+    std::int64_t nbytes = 0;
+    for (const auto& it : items) nbytes += it.count * static_cast<std::int64_t>(dtype_size(it.dtype));
+    if (nbytes < kReleaseGilBytes) {
+      impl_->submit_many(items);
+      return;
+    }
+    py::gil_scoped_release release;
+    impl_->submit_many(items);
+  }
 
   py::list results(bool per_bucket) {
     std::vector<FusedResult> results;

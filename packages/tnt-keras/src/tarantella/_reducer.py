@@ -10,8 +10,9 @@ of the number of weights. The engine buckets the tensors by a plan that is a pur
 function of the specs and the fusion threshold, so every rank issues the same
 collectives in the same order.
 
-``tf.numpy_function`` is not XLA-compilable; steps that use a reducer therefore run with
-``jit_compile=False`` (see docs/keras.md).
+``tf.numpy_function`` is not XLA-compilable, so ``reduce`` must be called outside any
+XLA-compiled function; the training step compiles the parts before and after it instead
+(``_steps.DistributedSteps``, docs/keras.md).
 """
 
 from __future__ import annotations

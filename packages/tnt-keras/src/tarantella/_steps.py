@@ -95,6 +95,7 @@ class DistributedSteps:
         self._threshold = threshold_bytes
         self._train_reducer: GraphReducer | None = None
         self._test_reducer: GraphReducer | None = None
+        self._compiled_fns: dict[tuple[str, bool], object] = {}  # (part, jit) -> tf.function
 
     # -- reducers -----------------------------------------------------------------
     def _metric_slots(self) -> list[Slot]:
@@ -164,11 +165,10 @@ class DistributedSteps:
         """
         if tf.executing_eagerly():  # run_eagerly=True: stay debuggable
             return fn
-        cache = self.__dict__.setdefault("_compiled_fns", {})
         jit = bool(getattr(self._model, "jit_compile", False))
-        if (name, jit) not in cache:
-            cache[(name, jit)] = tf.function(fn, jit_compile=jit, autograph=False)
-        return cache[(name, jit)]
+        if (name, jit) not in self._compiled_fns:
+            self._compiled_fns[(name, jit)] = tf.function(fn, jit_compile=jit, autograph=False)
+        return self._compiled_fns[(name, jit)]
 
     def _gradients(self, x, y, sample_weight, local_n, weight):
         """This rank's forward pass, metric updates and gradients of ``weight`` x its loss."""
