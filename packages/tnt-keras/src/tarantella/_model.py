@@ -75,18 +75,22 @@ class Model(keras.Model):
         return self._model
 
     def call(self, inputs, training=None, mask=None):
+        """The wrapped model's forward pass (local, no communication)."""
         return self._model(inputs, training=training)
 
     @property
     def layers(self):
+        """The wrapped model's layers."""
         return self._model.layers
 
     @property
     def metrics(self):
+        """The wrapped model's metrics (their states hold global totals after a step)."""
         return self._model.metrics
 
     @property
     def metrics_names(self):
+        """Names of the wrapped model's metrics."""
         return self._model.metrics_names
 
     def get_config(self) -> dict[str, Any]:
@@ -151,6 +155,7 @@ class Model(keras.Model):
 
     @property
     def optimizer(self):
+        """The wrapped model's optimizer once compiled, else None."""
         return self._model.optimizer if self._model.compiled else None
 
     @optimizer.setter
@@ -168,12 +173,15 @@ class Model(keras.Model):
 
     # -- steps (called by Keras' loops) --------------------------------------------------
     def train_step(self, data):
+        """One data-parallel step: local gradients, summed across ranks, then applied."""
         return self._tnt_steps.train_step(data)
 
     def test_step(self, data):
+        """One evaluation step on this rank's micro-batch; metric states summed across ranks."""
         return self._tnt_steps.test_step(data)
 
     def predict_step(self, data):
+        """One prediction step on this rank's micro-batch."""
         return self._tnt_steps.predict_step(data)
 
     # -- preparing a run -------------------------------------------------------------------
