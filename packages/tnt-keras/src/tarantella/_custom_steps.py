@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from . import _grad_sync
 from ._metric_states import MetricExchange, metric_variables
-from ._reducer import GraphReducer, Slot
+from ._reducer import GraphReducer, Slot, start_token
 
 
 def _first_rows(data) -> tf.Tensor:
@@ -77,7 +77,7 @@ class CustomSteps:
         has_data = local_n > 0
         data = _nonempty(data, local_n)
         begun = exchange.begin()
-        with exchange.watch(), _grad_sync.step_scope(local_n, tf.timestamp()) as scope:
+        with exchange.watch(), _grad_sync.step_scope(local_n, start_token()) as scope:
             logs = step(data)
         before, contribution = exchange.contributions(begun, local_n, has_data)
         leaves = tf.nest.flatten(logs)

@@ -123,7 +123,7 @@ class MetricExchange:
                 prior, start = begun[id(var)]
                 value = var.value - start
             else:
-                prior, value = tf.zeros_like(var.value), var.value
+                prior, value = tf.zeros_like(var.value), tf.convert_to_tensor(var.value)
             if id(metric) in self._per_step and value.dtype.is_floating:
                 value = value * tf.cast(local_n, value.dtype)
             before.append(prior)
@@ -134,9 +134,10 @@ class MetricExchange:
         """Set every state to its value before the step plus the summed contributions."""
         done = []
         for (metric, var), prior, total in zip(_owned_variables(self._model), before, summed):
-            total = tf.cast(total, var.dtype)
-            if id(metric) in self._per_step and var.dtype.is_floating:
-                total = total / tf.cast(tf.maximum(global_n, 1), var.dtype)
+            dtype = tf.as_dtype(var.dtype)
+            total = tf.cast(total, dtype)
+            if id(metric) in self._per_step and dtype.is_floating:
+                total = total / tf.cast(tf.maximum(global_n, 1), dtype)
             var.assign(prior + total)
             done.append(var.value)
         return done

@@ -10,8 +10,8 @@ of the number of weights. The engine buckets the tensors by a plan that is a pur
 function of the specs and the fusion threshold, so every rank issues the same
 collectives in the same order.
 
-Every submit op also takes a *start token*: a tensor that only exists at run time (a
-``tf.timestamp`` made before backprop, or the previous reduction's result). Without it, a
+Every submit op also takes a *start token*: a tensor that only exists at run time (a read
+of a variable nobody writes, made before backprop, or the previous reduction's result). Without it, a
 rank whose micro-batch is statically empty (``batch(B, drop_remainder=True)`` with B < N)
 has only constant inputs to its submit ops, and Grappler constant-folds them — runs them
 once while optimising the graph and never again — so the other ranks wait forever.
@@ -33,6 +33,22 @@ import tensorflow as tf
 import tnt_comm
 
 _TOKEN = np.zeros((), dtype=np.int32)
+
+
+_start_variable: tf.Variable | None = None
+
+
+def start_token() -> tf.Tensor:
+    """A tensor Grappler cannot constant-fold: the read of a variable nobody writes.
+
+    (``tf.timestamp`` would do, but op determinism forbids it.) Reading it orders nothing:
+    only ops touching the same variable are ordered against a read.
+    """
+    global _start_variable
+    if _start_variable is None:
+        with tf.init_scope():  # created eagerly, also when first asked for inside a trace
+            _start_variable = tf.Variable(0, trainable=False, dtype=tf.int32, name="tnt_start")
+    return _start_variable.read_value()
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,7 @@ class GraphReducer:
         """The SUM over ranks of each value (one per slot, in slot order), shaped like it.
 
         ``start``: a run-time-only tensor every submit op waits for (see the module
-        docstring); a ``tf.timestamp`` made here when not given. Passing the result of
+        docstring); :func:`start_token` made here when not given. Passing the result of
         an earlier reduction orders this one after it on every rank.
         """
         if len(values) != len(self.slots):
@@ -83,7 +99,7 @@ class GraphReducer:
             tf.cast(v, s.dtype) if v.dtype != s.dtype else v for v, s in zip(values, self.slots)
         ]
         if start is None:
-            start = tf.timestamp()
+            start = start_token()
         # stateful=False on purpose: a stateful op would be chained after every earlier
         # side-effecting op of the step (tf.function's automatic control dependencies), so
         # no bucket could start before backprop ends. The start token keeps Grappler from

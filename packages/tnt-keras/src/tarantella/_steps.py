@@ -30,7 +30,7 @@ import tnt_data
 
 from . import _grad_sync, _internals
 from ._metric_states import MetricExchange, metric_variables
-from ._reducer import GraphReducer, Slot
+from ._reducer import GraphReducer, Slot, start_token
 
 
 def split_sizes(data):
@@ -60,7 +60,7 @@ def _nonempty(structure, local_n: tf.Tensor):
         zero = tf.zeros([1, *t.shape[1:]], t.dtype) if t.shape[1:].is_fully_defined() else \
             tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
         out = tf.cond(local_n > 0, lambda: t, lambda: zero)
-        out.set_shape(t.shape)
+        out.set_shape([None, *t.shape[1:]])  # not t's: a statically empty batch is not empty now
         return out
 
     return tf.nest.map_structure(pad, structure)
@@ -213,7 +213,7 @@ class DistributedSteps:
             grads = self._gradients(x, y, sample_weight, _local_batch_size(x), None)
             model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return model.get_metrics_result()
-        start = tf.timestamp()  # made before backprop: see _reducer, "start token"
+        start = start_token()  # made before backprop: see _reducer, "start token"
         before, to_reduce = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
         reduced = self.train_reducer().reduce(to_reduce, start=start)
         done = self._compiled("global", self._global_part)(before, reduced, sizes is None)
@@ -231,7 +231,7 @@ class DistributedSteps:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
             return model.get_metrics_result()
-        start = tf.timestamp()
+        start = start_token()
         x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
         begun = self._test_metrics.begin()
         with self._test_metrics.watch():
