@@ -46,6 +46,9 @@ CHECKS = [
     "batch_norm_saved_file_holds_common_statistics",
     "unknown_model_kwarg_error",
     "unknown_cardinality_logs",
+    "sync_batch_norm_option_equal_serial",
+    "sync_batch_norm_layer_equal_serial",
+    "sync_batch_norm_layer_loads_as_plain_bn",
 ]
 
 

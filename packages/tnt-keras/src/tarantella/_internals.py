@@ -72,6 +72,18 @@ def flatten_logs(model: keras.Model, logs: dict):
     return results[0] if len(results) == 1 else results
 
 
+def batch_norm_reduction_axes(layer: keras.layers.BatchNormalization) -> list[int]:
+    """The axes a BatchNormalization layer reduces over (set when it is built).
+
+    ``SyncBatchNormalization`` also overrides the layer's private ``_moments`` hook, the
+    one place Keras computes batch statistics; tests/test_keras_api checks it still is.
+    """
+    try:
+        return list(layer._reduction_axes)
+    except AttributeError as err:
+        raise _missing("BatchNormalization._reduction_axes", err) from err
+
+
 def is_cached_eval_call(kwargs: dict[str, Any]) -> bool:
     """True when Keras' fit calls evaluate() for validation (data already prepared)."""
     return bool(kwargs.get("_use_cached_eval_dataset"))

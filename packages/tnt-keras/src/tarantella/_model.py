@@ -19,7 +19,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from . import _backup, _grad_sync, _inputs, _internals, _io, _runtime, _sync
+from . import _backup, _batch_norm, _grad_sync, _inputs, _internals, _io, _runtime, _sync
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
 from ._logging import logger
@@ -44,9 +44,13 @@ class Model(keras.Model):
         model: a built or unbuilt Keras 3 model (Sequential, functional or subclassed,
             with or without its own ``train_step``/``test_step``/``predict_step``).
         parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the only one supported).
+        sync_batch_norm: make every ``BatchNormalization`` layer normalise with the
+            statistics of the global batch (as ``tnt.keras.layers.SyncBatchNormalization``
+            does), so a model with batch normalisation trains as serial Keras does.
     """
 
-    def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, **kwargs):
+    def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
+                 sync_batch_norm: bool = False, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"tnt.Model wraps a keras.Model, got {type(model).__name__}. "
@@ -68,6 +72,8 @@ class Model(keras.Model):
         super().__init__(**kwargs)
         self._tnt_settings = _runtime.setup()
         self._model = model
+        if sync_batch_norm and _batch_norm.synchronise(model) == 0 and not _batch_norm.has_sync_batch_norm(model):
+            logger.warning("tnt.Model(sync_batch_norm=True): the model has no BatchNormalization layer.")
         self._tnt_steps = DistributedSteps(
             model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
         )
