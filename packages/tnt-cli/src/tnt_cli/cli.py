@@ -299,7 +299,7 @@ def _launch(
         _print_dry_run(plan, starter)
         return 0
     _say("DEBUG", f"{starter.flavour.value} {starter.version}: {shlex.join(plan.argv)}", threshold)
-    output = StarterOutput(sys.stderr.buffer, verbose=verbose)
+    output = StarterOutput(sys.stderr.buffer, verbose=verbose, out_sink=sys.stdout.buffer)
     outcome = run(plan.argv, plan.env, output)
     return _report(outcome, output, threshold)
 

@@ -1,6 +1,6 @@
-"""What the user sees of the MPI starter's stderr: clean text, each error once.
+"""What the user sees of the MPI starter's output: clean text, each error once.
 
-The starter's stderr carries three kinds of lines: the ranks' own (rank 0 unprefixed,
+The starter's stdout and stderr carry three kinds of lines: the ranks' own (rank 0 unprefixed,
 failing ranks as `[r] ...` from the rank wrapper), the MPI's own banners (Open MPI's
 help messages framed by dashed rules, `[host:pid] ***` lines, "N more processes have
 sent help message"), and stray NUL bytes Open MPI writes after a help message. This
@@ -13,10 +13,12 @@ losing a host) or never ends (it waits for a host it cannot reach).
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import IO
 
 _RULE = re.compile(rb"-{40,}\s*\Z")
@@ -55,18 +57,34 @@ def _failure_in(line: bytes) -> str | None:
     return None
 
 
-class StarterOutput:
-    """Filters the starter's stderr into `sink`; remembers the first sign of failure."""
+@dataclass
+class _Stream:
+    """One output stream of the starter and what is held back from it."""
 
-    def __init__(self, sink: IO[bytes], verbose: bool = False) -> None:
+    sink: IO[bytes]
+    banner: list[bytes] | None = None
+    tracebacks: dict[bytes, list[bytes]] = field(default_factory=dict)  # rank prefix -> lines
+
+    @property
+    def holding(self) -> bool:
+        return self.banner is not None or bool(self.tracebacks)
+
+
+class StarterOutput:
+    """Filters the starter's stderr into `sink` (and its stdout into `out_sink`, when
+    given); remembers the first sign of failure on either."""
+
+    def __init__(self, sink: IO[bytes], verbose: bool = False,
+                 out_sink: IO[bytes] | None = None) -> None:
         self.sink = sink
         self.verbose = verbose
         self.failure: str | None = None
         self.failure_at: float | None = None  # time.monotonic() of the first sign
         self.rank_error_shown = False
         self.hidden: list[list[bytes]] = []
-        self._banner: list[bytes] | None = None
-        self._tracebacks: dict[bytes, list[bytes]] = {}  # rank prefix -> open traceback
+        self._err = _Stream(sink)
+        self._out = _Stream(out_sink) if out_sink is not None else self._err
+        self._stream = self._err  # the one being routed (under the lock)
         self._seen_tracebacks: set[tuple[bytes, ...]] = set()
         self._lock = threading.Lock()
 
@@ -75,32 +93,53 @@ class StarterOutput:
         return len(self.hidden)
 
     # -- input -------------------------------------------------------------------
-    def consume(self, stream: Iterable[bytes]) -> None:
-        """Feed every line of `stream` (run in a thread), then flush what is held."""
-        for line in stream:
-            self.feed(line)
-        self.close()
+    def consume(self, lines: Iterable[bytes], stdout: bool = False) -> None:
+        """Feed every line (run in a thread), then flush what is held."""
+        for line in lines:
+            self.feed(line, stdout)
+        self.close(stdout)
 
-    def feed(self, raw: bytes) -> None:
+    def consume_fd(self, fd: int, stdout: bool = False) -> None:
+        """Read a pipe as data arrives: whole lines are filtered; a partial line (a
+        prompt, a progress bar) is passed on at once unless a block is being held."""
+        stream = self._out if stdout else self._err
+        pending = b""
+        while chunk := os.read(fd, 65536):
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                self.feed(line + b"\n", stdout)
+            with self._lock:
+                if pending and not stream.holding and not pending.startswith((b"-", b"[", b"T")):
+                    self._stream = stream
+                    self._write([pending.replace(b"\0", b"")])
+                    pending = b""
+        if pending:
+            self.feed(pending, stdout)
+        self.close(stdout)
+
+    def feed(self, raw: bytes, stdout: bool = False) -> None:
         line = raw.replace(b"\0", b"")
         if not line.endswith(b"\n"):
             line += b"\n"
         with self._lock:
+            self._stream = self._out if stdout else self._err
             self._note_failure(line)
             self._route(line)
 
-    def close(self) -> None:
-        """End of the stream: whatever is still held back is shown as it is."""
+    def close(self, stdout: bool = False) -> None:
+        """End of a stream: whatever is still held back is shown as it is."""
         with self._lock:
-            if self._banner is not None:
-                self._write(self._banner)
-                self._banner = None
-            for prefix in list(self._tracebacks):
-                self._write([prefix + body for body in self._tracebacks.pop(prefix)])
+            stream = self._stream = self._out if stdout else self._err
+            if stream.banner is not None:
+                self._write(stream.banner)
+                stream.banner = None
+            for prefix in list(stream.tracebacks):
+                self._write([prefix + body for body in stream.tracebacks.pop(prefix)])
 
     def explain(self) -> None:
         """After a failure with no rank error on screen: the hidden banners explain it."""
         with self._lock:
+            self._stream = self._err
             if self.rank_error_shown or not self.hidden:
                 return
             for banner in self.hidden:
@@ -123,7 +162,7 @@ class StarterOutput:
         if not prefix and _MPI_LINE.match(body):
             self._hide([line])
             return
-        if prefix in self._tracebacks or body.startswith(_TRACEBACK):
+        if prefix in self._stream.tracebacks or body.startswith(_TRACEBACK):
             self._traceback(prefix, body)
             return
         if _RANK_ERROR.search(body):
@@ -132,28 +171,30 @@ class StarterOutput:
 
     def _in_banner(self, body: bytes) -> bool:
         """Collect an MPI help banner (between dashed rules); True if `body` was taken."""
-        if self._banner is None:
+        stream = self._stream
+        if stream.banner is None:
             if not _RULE.match(body):
                 return False
-            self._banner = [body]
+            stream.banner = [body]
             return True
-        self._banner.append(body)
+        stream.banner.append(body)
         if _RULE.match(body):
-            banner, self._banner = self._banner, None
+            banner, stream.banner = stream.banner, None
             self._hide(banner)
-        elif len(self._banner) > _MAX_BANNER_LINES:  # not a banner after all
-            banner, self._banner = self._banner, None
+        elif len(stream.banner) > _MAX_BANNER_LINES:  # not a banner after all
+            banner, stream.banner = stream.banner, None
             self._write(banner)
         return True
 
     def _traceback(self, prefix: bytes, body: bytes) -> None:
         """Hold a traceback until its exception line; show it unless shown already."""
-        block = self._tracebacks.setdefault(prefix, [])
+        tracebacks = self._stream.tracebacks
+        block = tracebacks.setdefault(prefix, [])
         block.append(body)
         ended = len(block) > 1 and not body[:1].isspace() and not body.startswith(_TRACEBACK)
         if not ended and len(block) < _MAX_TRACEBACK_LINES:
             return
-        del self._tracebacks[prefix]
+        del tracebacks[prefix]
         self.rank_error_shown = True
         key = tuple(block)
         if key in self._seen_tracebacks:
@@ -171,7 +212,7 @@ class StarterOutput:
 
     def _write(self, lines: list[bytes]) -> None:
         try:
-            self.sink.write(b"".join(lines))
-            self.sink.flush()
+            self._stream.sink.write(b"".join(lines))
+            self._stream.sink.flush()
         except (OSError, ValueError):  # the terminal went away; keep draining the pipe
             pass

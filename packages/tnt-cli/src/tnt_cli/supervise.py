@@ -183,16 +183,18 @@ def run(
     already_running = frozenset(descendants(me))  # not ours to clean up (library use)
     full_env = {**os.environ, **env}
     try:
+        pipe = subprocess.PIPE if output is not None else None
         proc = subprocess.Popen(list(argv), env=full_env, preexec_fn=_starter_dies_with_us,
-                                stderr=subprocess.PIPE if output is not None else None)
+                                stdout=pipe, stderr=pipe)
     except OSError as exc:
         raise EnvironmentProblem(f"cannot start {argv[0]}: {exc.strerror or exc}") from exc
-    reader = None
+    readers = []
     if output is not None:
-        assert proc.stderr is not None
-        reader = threading.Thread(target=output.consume, args=(iter(proc.stderr.readline, b""),),
-                                  daemon=True)
-        reader.start()
+        assert proc.stdout is not None and proc.stderr is not None
+        for stdout, pipe_file in ((True, proc.stdout), (False, proc.stderr)):
+            readers.append(threading.Thread(target=output.consume_fd,
+                                            args=(pipe_file.fileno(), stdout), daemon=True))
+            readers[-1].start()
     stopper = _Stopper(proc)
     stopped_after_failure = False
     try:
@@ -217,8 +219,8 @@ def run(
             proc.kill()
             proc.wait()
         kill_tree(me, spare=already_running)  # whatever the starter left behind here
-        if reader is not None:
-            reader.join(timeout=LEFTOVER_GRACE_S)  # a leftover may hold the pipe open
+        for reader in readers:
+            reader.join(timeout=LEFTOVER_GRACE_S)  # a leftover may hold a pipe open
     if stopper.signum is not None:
         return Outcome(128 + stopper.signum, stopper.signum)
     return Outcome(128 - returncode if returncode < 0 else returncode,
