@@ -22,8 +22,8 @@ import tnt_comm  # noqa: E402
 #: (model kind, optimizer, global batch B, samples, epochs, weighted, shuffle seed,
 #:  tolerance on losses/metrics, on weights) -- B % N != 0 for N = 3 and 4.
 CASES = {
-    "dense_adam_B11_last2": ("dense", "adam", 11, 11 * 3 + 2, 2, False, None, 1e-5, 2e-5),
-    "cnn_momentum_B10_last3": ("cnn", "sgd_momentum", 10, 10 * 2 + 3, 2, False, None, 1e-4, 1e-3),
+    "dense_adam_B11_last2": ("dense", "adam", 11, 11 * 2 + 2, 1, False, None, 1e-5, 2e-5),
+    "cnn_momentum_B10_last3": ("cnn", "sgd_momentum", 10, 10 * 2 + 3, 1, False, None, 1e-4, 1e-3),
 }
 
 
