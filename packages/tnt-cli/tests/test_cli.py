@@ -236,3 +236,39 @@ def test_console_scripts_installed() -> None:
                           text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert done.stderr.startswith("tarantella: error: No such option: --bogus")
+
+
+def test_np_is_n_and_module_works_before_double_dash(fake_mpirun, prog) -> None:
+    """mpirun's `-np` and python's `-m MODULE` (before `--`; its arguments after `--`)."""
+    fake_mpirun("openmpi5")
+    argv, _, _ = dry(["-np", "2", "--", prog])
+    assert argv[1:3] == ["-n", "2"]
+    argv, _, _ = dry(["-np", "3", "-m", "json.tool", "--", "-n", "5"])
+    assert argv[1:3] == ["-n", "3"]
+    assert argv[argv.index("--") + 1:] == [PY, "-m", "json.tool", "-n", "5"]
+    assert dry(["-n", "1", "-m", "json.tool"])[0][-3:] == [PY, "-m", "json.tool"]
+
+
+def test_default_interpreter_ignores_python_on_path(fake_mpirun, prog, tmp_path, monkeypatch):
+    fake_mpirun("openmpi5")
+    write_executable(tmp_path / "python", "#!/bin/sh\nexit 9\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    argv, _, _ = dry(["-n", "1", "--", prog])
+    assert argv[argv.index("--") + 1:] == [PY, prog]
+
+
+def test_only_tensorflows_tf_variables_pass_through(fake_mpirun, prog, monkeypatch) -> None:
+    fake_mpirun("openmpi5")
+    for name, value in [("TF_CLI_CONFIG_FILE", "/home/u/.terraformrc"), ("TF_CONFIG", "{}"),
+                        ("TF_CPP_MIN_LOG_LEVEL", "1"), ("TF_DETERMINISTIC_OPS", "1"),
+                        ("TF_XLA_FLAGS", "--tf_xla_auto_jit=2"), ("TF_WORKSPACE", "prod")]:
+        monkeypatch.setenv(name, value)
+    _, env, _ = dry(["-n", "2", "-x", "TF_WORKSPACE=dev", "--", prog])
+    assert env == {"TF_CPP_MIN_LOG_LEVEL": "1", "TF_DETERMINISTIC_OPS": "1",
+                   "TF_XLA_FLAGS": "--tf_xla_auto_jit=2", "TF_WORKSPACE": "dev"}
+
+
+def test_job_id_cannot_be_set_with_x(fake_mpirun, prog, capsys) -> None:
+    fake_mpirun("openmpi5")
+    assert main(["-n", "2", "-x", "TNT_JOB_ID=mine", "--", prog]) == 2
+    assert "the launcher sets TNT_JOB_ID itself" in capsys.readouterr().err
