@@ -13,11 +13,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "packages" / "tnt-keras" / "tests" / "jobs"))
 
-import _job  # noqa: E402  (determinism and threads, set on import)
-import exactness  # noqa: E402
+import _job  # determinism and threads are set on import
+import exactness
 
-import tarantella as tnt  # noqa: E402
-import tnt_comm  # noqa: E402
+import tarantella as tnt
+import tnt_comm
 
 #: (model kind, optimizer, global batch B, samples, epochs, weighted, shuffle seed,
 #:  tolerance on losses/metrics, on weights) -- B % N != 0 for N = 3 and 4.
