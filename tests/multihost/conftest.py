@@ -146,7 +146,9 @@ def start_job(made: testbed.TestBed, folder: Path, args: list[str], **env: str) 
     return Job(proc, folder, time.time())
 
 
-def record(scenario: str, seconds: float, code: int, extra: str = "") -> None:
-    line = f"{scenario}: ended {seconds:.1f} s after the event, exit code {code}{extra}"
+def record(scenario: str, seconds: float | None, code: int | None, extra: str = "") -> None:
+    """A measured outcome for the end-of-session table (and the test's own output)."""
+    ended = "" if seconds is None else f": ended {seconds:.1f} s after the event, exit code {code}"
+    line = f"{scenario}{ended}{extra}"
     REPORT.append(line)
     print(line)

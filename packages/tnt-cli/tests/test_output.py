@@ -62,9 +62,10 @@ def test_verbose_shows_banners() -> None:
 def test_failure_seen_although_no_rank_error_is_shown_then_explained() -> None:
     """A lost host: Open MPI may end with exit code 0; the banner is the only cause."""
     lost = [BANNER[0], b"A daemon failed to report back after being spawned.\n", BANNER[0],
-            b"[host1:00000] *** An error occurred in Socket closed\n"]
+            b"[host1:00000] *** An error occurred in Socket closed\n",
+            b"[host1:25303] plm:ssh: Warning: setpgid(25306,25306) failed in parent\n"]
     text, output = shown(lost)
-    assert text == "" and output.hidden_count == 2
+    assert text == "" and output.hidden_count == 3
     assert output.failure == "the MPI daemon of another host ended or could not be reached"
     assert not output.rank_error_shown
     sink = output.sink

@@ -24,6 +24,7 @@ from typing import IO
 _RULE = re.compile(rb"-{40,}\s*\Z")
 _MPI_LINE = re.compile(
     rb"\[[^\]\s]+:\d+\] \*\*\* "  # [host:pid] *** An error occurred in ...
+    rb"|\[[^\]\s]+:\d+\] [a-z]+:[a-z_]+: "  # [host:pid] plm:ssh: Warning: ...
     rb"|\d+ more process(?:es)? ha(?:s|ve) sent help message"
     rb"|Set MCA parameter \S+ to 0 to see all help"
 )
