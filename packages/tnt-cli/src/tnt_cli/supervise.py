@@ -30,8 +30,9 @@ STOP_GRACE_S = 6.0
 LEFTOVER_GRACE_S = 2.0
 #: Once the starter's output shows the job failing, it normally ends within a second; it
 #: hangs when it waits for a host it cannot reach. After this long it gets SIGTERM, and
-#: SIGKILL as long again later.
+#: SIGKILL FAILURE_KILL_S later.
 FAILURE_GRACE_S = 3.0
+FAILURE_KILL_S = 2.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -208,7 +209,7 @@ def run(
                         and not stopped_after_failure and stopper.deadline is None
                         and now >= output.failure_at + FAILURE_GRACE_S):
                     stopped_after_failure = True
-                    stopper.deadline = now + FAILURE_GRACE_S
+                    stopper.deadline = now + FAILURE_KILL_S
                     _signal(proc.pid, signal.SIGTERM)
                 if stopper.deadline is not None and now >= stopper.deadline:
                     for pid in [proc.pid, *descendants(proc.pid)]:
