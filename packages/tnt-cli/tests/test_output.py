@@ -73,9 +73,12 @@ def test_failure_seen_although_no_rank_error_is_shown_then_explained() -> None:
     assert b"A daemon failed to report back" in sink.getvalue()  # type: ignore[attr-defined]
 
 
-def test_user_dashes_are_not_taken_for_a_banner_forever() -> None:
-    lines = [b"-" * 50 + b"\n", *(f"row {i}\n".encode() for i in range(100))]
-    text, output = shown(lines)
+def test_user_dashes_are_not_taken_for_a_banner() -> None:
+    table = [b"-" * 60 + b"\n", b"epoch 3: accuracy 0.91\n", b"-" * 60 + b"\n"]
+    text, output = shown(table)
+    assert text == b"".join(table).decode() and output.hidden_count == 0
+    unclosed = [b"-" * 74 + b"\n", *(f"row {i}\n".encode() for i in range(100))]
+    text, output = shown(unclosed)
     assert text.count("row ") == 100 and output.hidden_count == 0
 
 

@@ -21,7 +21,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import IO
 
-_RULE = re.compile(rb"-{40,}\s*\Z")
+#: Open MPI frames its help messages with 74 dashes, PRRTE with 60.
+_RULE = re.compile(rb"-{50,80}\s*\Z")
+#: ...and a framed block is taken for the MPI's only when it speaks of MPI things: a
+#: program's own table between dashed lines is shown.
+_MPI_WORDS = re.compile(rb"MPI|PRTE|prte|PMIx|daemon|mpirun|mpiexec|orted|ORTE|process rank")
 _MPI_LINE = re.compile(
     rb"\[[^\]\s]+:\d+\] \*\*\* "  # [host:pid] *** An error occurred in ...
     rb"|\[[^\]\s]+:\d+\] [a-z]+:[a-z_]+: "  # [host:pid] plm:ssh: Warning: ...
@@ -181,7 +185,10 @@ class StarterOutput:
         stream.banner.append(body)
         if _RULE.match(body):
             banner, stream.banner = stream.banner, None
-            self._hide(banner)
+            if any(_MPI_WORDS.search(line) for line in banner):
+                self._hide(banner)
+            else:
+                self._write(banner)
         elif len(stream.banner) > _MAX_BANNER_LINES:  # not a banner after all
             banner, stream.banner = stream.banner, None
             self._write(banner)
