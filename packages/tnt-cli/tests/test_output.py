@@ -84,6 +84,13 @@ def test_user_dashes_are_not_taken_for_a_banner() -> None:
 
 def test_failing_rank_report_starts_at_its_traceback() -> None:
     noise = [b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
-             b"I0000 00:00:1795424762.882742   15895 cudart_stub.cc:31] Could not find cuda drivers\n"]
+             b"I0000 00:00:1795424762.882742   15895 cudart_stub.cc:31] Could not find cuda drivers\n",
+             b"E0000 00:00:1795424787.444074   15893 cuda_platform.cc:52] failed call to cuInit: "
+             b"INTERNAL: CUDA error\n"]
     assert worth_showing([*noise, *TRACEBACK]) == TRACEBACK
     assert worth_showing([*noise, b"Killed\n"]) == [b"Killed\n"]
+
+
+def test_other_errors_are_not_noise() -> None:
+    line = b"E0000 00:00:1.5   42 op_kernel.cc:1830] OP_REQUIRES failed: OOM\n"
+    assert worth_showing([line]) == [line]

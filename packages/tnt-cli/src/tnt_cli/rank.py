@@ -38,11 +38,13 @@ _MAX_LINE = 4096
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
 #: Start-up noise of TensorFlow (absl/glog info and warning lines, absl's pre-init
-#: notice) that TF_CPP_MIN_LOG_LEVEL does not silence; left out of a failing rank's
+#: notice, cuInit failing on a machine without GPU) that TF_CPP_MIN_LOG_LEVEL does not
+#: silence; left out of a failing rank's
 #: report and of non-master ranks' output unless --verbose.
 _STARTUP_NOISE = re.compile(
     rb"[IW]\d{4} [\d:.]+\s+\d+ \S+:\d+\] "
     rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
+    rb"|E\d{4} [\d:.]+\s+\d+ \S+:\d+\] failed call to cuInit"  # no GPU here: expected
 )
 _TRACEBACK = b"Traceback (most recent call last):"
 
