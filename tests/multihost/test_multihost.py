@@ -162,7 +162,7 @@ def test_link_down_then_cleanup_on_every_host(bed, tmp_path: Path) -> None:
     assert named and {2, 3} <= {int(r) for r in ",".join(named).split(",") if r.strip()}, job.output()
     assert "did not complete within 5 s" in job.stderr and "TNT_COMM_TIMEOUT" in job.stderr
 
-    env = job_env(bed, TNT_JOB_ID="crashed-job")
+    env = job_env(bed, TARANTELLA_JOB_ID="crashed-job")
     leftovers = {h: subprocess.Popen(bed.on(h, [sys.executable, STEPS, "--out", str(tmp_path),
                                                 "--scenario", "sleep"]), env=env)
                  for h in bed.names}

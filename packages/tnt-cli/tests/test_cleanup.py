@@ -1,5 +1,5 @@
 """`--cleanup`: finds the program's processes started by a launch (marked with
-TNT_JOB_ID), never our own ancestors or unmarked processes naming it, and stops them."""
+TARANTELLA_JOB_ID), never our own ancestors or unmarked processes naming it, and stops them."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def leftover(tmp_path: Path):
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
             + f"open({str(ready)!r}, 'w').close()\ntime.sleep(300)\n"
         )
-        proc = subprocess.Popen([PY, str(prog)], env={**os.environ, "TNT_JOB_ID": "test-job"})
+        proc = subprocess.Popen([PY, str(prog)], env={**os.environ, "TARANTELLA_JOB_ID": "test-job"})
         started.append(proc)
         wait_for(ready.exists, 30, "the leftover program to start")
         return prog, proc
@@ -97,18 +97,18 @@ def test_cleanup_spares_its_own_ancestors(tmp_path: Path) -> None:
 
 def test_launched_ranks_carry_one_job_id(tmp_path: Path) -> None:
     """What cleanup relies on: every rank of a launch, and its children, have the same
-    TNT_JOB_ID, new for each launch (a caller's own TNT_JOB_ID is not inherited)."""
+    TARANTELLA_JOB_ID, new for each launch (a caller's own TARANTELLA_JOB_ID is not inherited)."""
     prog = tmp_path / "ids.py"
     prog.write_text(
         "import os, subprocess, sys\n"
-        "child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"TNT_JOB_ID\"])'],"
+        "child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"TARANTELLA_JOB_ID\"])'],"
         " capture_output=True, text=True).stdout.strip()\n"
-        "print('ids', os.environ['OMPI_COMM_WORLD_RANK'], os.environ['TNT_JOB_ID'], child)\n")
+        "print('ids', os.environ['OMPI_COMM_WORLD_RANK'], os.environ['TARANTELLA_JOB_ID'], child)\n")
     ids = []
     for _ in range(2):
         done = subprocess.run([PY, "-m", "tnt_cli", "-n", "2", "--output-on-all-devices", "--",
                                str(prog)], capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "TNT_JOB_ID": "outer"}, check=False)
+                              env={**os.environ, "TARANTELLA_JOB_ID": "outer"}, check=False)
         assert done.returncode == 0, done.stderr
         rows = sorted(line.split()[2:] for line in done.stdout.splitlines() if " ids " in line)
         assert [r[0] for r in rows] == ["0", "1"], done.stdout

@@ -43,8 +43,8 @@ def dry(args: list[str]) -> tuple[list[str], dict[str, str], str]:
         name, _, value = line[:-2].partition("=")
         env[name] = shlex.split(value)[0] if value else ""
     argv = shlex.split(lines[-1])
-    assert list(env)[-1] == "TNT_JOB_ID" and env.pop("TNT_JOB_ID").count("-") >= 2
-    for form in (["-x", "TNT_JOB_ID"], ["-genv", "TNT_JOB_ID"]):
+    assert list(env)[-1] == "TARANTELLA_JOB_ID" and env.pop("TARANTELLA_JOB_ID").count("-") >= 2
+    for form in (["-x", "TARANTELLA_JOB_ID"], ["-genv", "TARANTELLA_JOB_ID"]):
         if form[0] in argv:
             at = next(i for i in range(len(argv)) if argv[i:i + 2] == form)
             del argv[at:at + (2 if form[0] == "-x" else 3)]
@@ -270,5 +270,5 @@ def test_only_tensorflows_tf_variables_pass_through(fake_mpirun, prog, monkeypat
 
 def test_job_id_cannot_be_set_with_x(fake_mpirun, prog, capsys) -> None:
     fake_mpirun("openmpi5")
-    assert main(["-n", "2", "-x", "TNT_JOB_ID=mine", "--", prog]) == 2
-    assert "the launcher sets TNT_JOB_ID itself" in capsys.readouterr().err
+    assert main(["-n", "2", "-x", "TARANTELLA_JOB_ID=mine", "--", prog]) == 2
+    assert "the launcher sets TARANTELLA_JOB_ID itself" in capsys.readouterr().err

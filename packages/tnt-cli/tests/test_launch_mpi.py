@@ -223,7 +223,7 @@ def test_cleanup_on_the_hosts_of_a_hostfile(script, tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     prog = script("stray.py", f"import time\nopen({str(ready)!r}, 'w').close()\ntime.sleep(300)\n")
     stray = subprocess.Popen([sys.executable, str(prog)],
-                             env={**os.environ, "TNT_JOB_ID": "crashed-job"})
+                             env={**os.environ, "TARANTELLA_JOB_ID": "crashed-job"})
     try:
         wait_for(ready.exists, 30, "the stray program to start")
         hosts = tmp_path / "hosts"

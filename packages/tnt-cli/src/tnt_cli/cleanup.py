@@ -1,7 +1,7 @@
 """`--cleanup`: stop leftover processes of a program on this host.
 
 Only processes a launch started are candidates: every rank (and whatever it starts)
-carries `TNT_JOB_ID` in its environment, so `tail -f train.py` or an editor on the
+carries `TARANTELLA_JOB_ID` in its environment, so `tail -f train.py` or an editor on the
 script is never touched.
 
 Run on every host of a hostfile through the MPI starter (one process per host):
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 GRACE_S = 5.0
-_MARK = b"TNT_JOB_ID="
+_MARK = b"TARANTELLA_JOB_ID="
 
 
 def _started_by_launcher(environ: bytes) -> bool:
@@ -52,7 +52,7 @@ def _matches(args: list[str], program: str, real: str | None, cwd: str) -> bool:
 
 
 def find_program_processes(program: str, proc_dir: Path = Path("/proc")) -> list[tuple[int, str]]:
-    """Processes of the current user, started by a launch (marked with TNT_JOB_ID), whose
+    """Processes of the current user, started by a launch (marked with TARANTELLA_JOB_ID), whose
     command line names `program` (never us or our ancestors)."""
     real = os.path.realpath(program) if os.path.exists(program) else None
     skip = _ancestors(os.getpid(), proc_dir)

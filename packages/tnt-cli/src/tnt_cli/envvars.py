@@ -30,13 +30,14 @@ TENSORFLOW_NAMES = frozenset({
     "TF_DUMP_GRAPH_PREFIX", "TF_AUTOTUNE_THRESHOLD",
 })
 
-#: Every rank of one launch carries the same `TNT_JOB_ID` (and so does anything it
-#: starts): `--cleanup` stops only processes marked with it.
-JOB_ID = "TNT_JOB_ID"
+#: Every rank of one launch carries the same `TARANTELLA_JOB_ID` (and so does anything it
+#: starts): `--cleanup` stops only processes marked with it. Not a `TNT_*` name: those
+#: are settings, and tnt-keras warns about `TNT_*` variables it does not read. A
+#: caller's own value (an outer job's) is replaced: each launch gets its own.
+JOB_ID = "TARANTELLA_JOB_ID"
 
-#: The launcher's own settings: read by the launcher, not sent to the ranks (a caller's
-#: TNT_JOB_ID belongs to an outer job; the launch gets its own).
-LAUNCHER_ONLY = frozenset({"TNT_MPIRUN", JOB_ID})
+#: The launcher's own settings: read by the launcher, not sent to the ranks.
+LAUNCHER_ONLY = frozenset({"TNT_MPIRUN"})
 
 
 def new_job_id() -> str:
