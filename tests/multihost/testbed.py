@@ -99,8 +99,10 @@ def remove_stale(all_of_them: bool = False) -> list[str]:
         if name.startswith(PREFIX) and (all_of_them or not _owner_alive(name)):
             _kill_and_delete(name)
             removed.append(name)
-    if ETC_NETNS.is_dir():
-        for entry in ETC_NETNS.iterdir():
+    for folder in (ETC_NETNS, Path(tempfile.gettempdir())):
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
             if entry.name.startswith(PREFIX) and (all_of_them or not _owner_alive(entry.name)):
                 shutil.rmtree(entry, ignore_errors=True)
     return removed
@@ -126,10 +128,11 @@ class TestBed:
 
     hosts: int
     run: str = field(default_factory=lambda: f"{os.getpid()}-{os.urandom(2).hex()}")
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix=PREFIX)))
+    workdir: Path = field(init=False)  # agent script and hostfiles (a new temporary folder)
 
     def __post_init__(self) -> None:
         self.names = [f"host{i}" for i in range(1, self.hosts + 1)]
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{self.run}-"))
         self.keepers: dict[str, subprocess.Popen[bytes]] = {}
         self.init_pids: dict[str, int] = {}
 
