@@ -22,6 +22,8 @@ JOBS = Path(__file__).parent / "jobs"
 TARANTELLA = str(Path(sys.executable).parent / "tarantella")
 #: Measured scenario outcomes, printed at the end of the session (never asserted there).
 REPORT: list[str] = []
+#: Launches of the current test (stopped at its end if a failure or Ctrl+C left them).
+STARTED: list[subprocess.Popen[bytes]] = []
 
 
 def _availability() -> str | None:
@@ -72,18 +74,27 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 @pytest.fixture(autouse=True)
 def nothing_left_running(request) -> Iterator[None]:
-    """After every test: no process on any host (a leftover fails the test)."""
+    """After every test: no process on any host (a leftover fails the test).
+
+    A launch still running here belongs to a test that failed or was interrupted: it
+    is killed (with everything on the hosts) without a second error.
+    """
+    STARTED.clear()
     yield
     if "bed" not in request.fixturenames:
         return
     made: testbed.TestBed = request.getfixturevalue("bed")
-    deadline = time.monotonic() + 10
+    abandoned = [proc for proc in STARTED if proc.poll() is None]
+    for proc in abandoned:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + (0 if abandoned else 10)
     while any(made.processes().values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = {h: [_cmdline(p) for p in pids] for h, pids in made.processes().items() if pids}
     for host in left:
         made.kill_host(host)
-    assert not left, f"processes left running on the hosts: {left}"
+    assert abandoned or not left, f"processes left running on the hosts: {left}"
 
 
 def _cmdline(pid: int) -> str:
@@ -143,6 +154,7 @@ def start_job(made: testbed.TestBed, folder: Path, args: list[str], **env: str) 
     argv = made.on("host1", [TARANTELLA, *args])
     with (folder / "stdout").open("wb") as out, (folder / "stderr").open("wb") as err:
         proc = subprocess.Popen(argv, env=job_env(made, **env), stdout=out, stderr=err)
+    STARTED.append(proc)
     return Job(proc, folder, time.time())
 
 
