@@ -72,7 +72,9 @@ def keras_array_dataset(x, y, sample_weight, batch_size: int, shuffle: bool) -> 
         raise _missing("keras.src.trainers.data_adapters.ArrayDataAdapter", err) from err
     adapter = ArrayDataAdapter(x, y, sample_weight=sample_weight, batch_size=batch_size,
                                shuffle=shuffle)
-    return adapter.get_tf_dataset()
+    # Keras passes the step count to its loop; a dataset carries it as its cardinality
+    # (unknown otherwise, and Keras' loop then ends epochs on OutOfRange).
+    return adapter.get_tf_dataset().apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
 
 
 def backup_paths(callback: keras.callbacks.BackupAndRestore) -> tuple[str, str]:

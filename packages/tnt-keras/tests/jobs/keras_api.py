@@ -401,7 +401,8 @@ def check_export(tmp: Path) -> None:
         serial.fit(x, y, batch_size=5, epochs=1, verbose=0, shuffle=False)
         path = tmp / "exported"
         model.export(str(path), verbose=False)
-        served = tf.saved_model.load(str(path)).serve(tf.constant(x))
+        loaded = tf.saved_model.load(str(path))  # keep a reference while serving
+        served = loaded.serve(tf.constant(x))
         close("export_serves_serial_outputs", _job.max_abs_diff(serial.predict(x, verbose=0), served),
               TOL_WEIGHTS, f"written by master only: {sorted(p.name for p in tmp.iterdir())}")
 
