@@ -82,9 +82,8 @@ def test_three_hosts_one_rank_each_and_slots(bed, tmp_path: Path) -> None:
                                   (2, 3, 0, 1, "host2")]
 
 
-# 3 hosts x 1 rank only: the 2 x 2 layout (4 TensorFlow processes on this 2-core machine)
-# takes 1.5-3 minutes more; its placement and communication are covered above.
-@pytest.mark.parametrize(("hosts", "layout"), [(3, ["-n", "3"])], ids=["3x1"])
+@pytest.mark.parametrize(("hosts", "layout"), [(2, ["--n-per-node", "2"]), (3, ["-n", "3"])],
+                         ids=["2x2", "3x1"])
 def test_exactness_across_hosts(bed, tmp_path: Path, hosts: int, layout: list[str]) -> None:
     """tnt.Model on ranks of several hosts equals serial Keras (dense and CNN, B % N != 0)."""
     hostfile = bed.hostfile(f"exact{hosts}", [None] * hosts)
