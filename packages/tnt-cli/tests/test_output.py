@@ -94,3 +94,10 @@ def test_failing_rank_report_starts_at_its_traceback() -> None:
 def test_other_errors_are_not_noise() -> None:
     line = b"E0000 00:00:1.5   42 op_kernel.cc:1830] OP_REQUIRES failed: OOM\n"
     assert worth_showing([line]) == [line]
+
+
+def test_a_programs_own_words_are_no_sign_of_failure() -> None:
+    _, output = shown([b"lost connection to the database, retrying\n",
+                       b"*** An error occurred in my parser (recovered)\n",
+                       b"[0] peer has unexpectedly disconnected\n"])
+    assert output.failure is None and output.failure_at is None

@@ -36,7 +36,9 @@ _PREFIX = re.compile(rb"\[\d+\] ")
 _TRACEBACK = b"Traceback (most recent call last):"
 #: Lines by which a failing rank explains itself (its error is then on screen).
 _RANK_ERROR = re.compile(rb"tarantella: rank \d+ |Traceback \(most recent call last\)|tnt_comm: ")
-#: Lines that mean the job is failing, and how to name the cause in one line.
+#: Lines that mean the job is failing, and how to name the cause in one line: only the
+#: MPI's, tnt_comm's and the rank wrapper's own words (a program's "lost connection,
+#: retrying" must not stop its job).
 _FAILURES: tuple[tuple[re.Pattern[bytes], str], ...] = (
     (re.compile(rb"tarantella: (rank \d+ (?:failed with exit code \d+|was killed by signal \w+))"), ""),
     (re.compile(rb"uncaught (\w+ on rank \d+); aborting all ranks"), ""),
@@ -45,9 +47,10 @@ _FAILURES: tuple[tuple[re.Pattern[bytes], str], ...] = (
     (re.compile(rb"(detected that one or more processes exited with non-zero status)"), "a rank failed"),
     (re.compile(rb"A daemon failed to report back"),
      "the MPI daemon of another host ended or could not be reached"),
-    (re.compile(rb"lost (?:communication|connection)"), "a host was lost"),
-    (re.compile(rb"has unexpectedly disconnected"), "a rank lost the connection to a peer"),
-    (re.compile(rb"\*\*\* An error occurred in (.*)"), "an MPI error ({})"),
+    (re.compile(rb"(?:PRTE|ORTE|prterun|mpirun) has lost communication"), "a host was lost"),
+    (re.compile(rb"MPI communication peer process has unexpectedly disconnected"),
+     "a rank lost the connection to a peer"),
+    (re.compile(rb"\[[^\]\s]+:\d+\] \*\*\* An error occurred in (.*)"), "an MPI error ({})"),
 )
 _MAX_BANNER_LINES = 60
 _MAX_TRACEBACK_LINES = 400
