@@ -76,7 +76,7 @@ class CustomSteps:
         local_n = _first_rows(data)
         has_data = local_n > 0
         data = _nonempty(data, local_n)
-        begun = exchange.begin()
+        begun = exchange.begin(tf.nest.flatten(data)[0])
         with exchange.watch(), _grad_sync.step_scope(local_n, start_token()) as scope:
             logs = step(data)
         before, contribution = exchange.contributions(begun, local_n, has_data)

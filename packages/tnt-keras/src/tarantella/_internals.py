@@ -45,6 +45,33 @@ def loss_tracker(model: keras.Model) -> keras.metrics.Metric:
         raise _missing("keras.Model._loss_tracker", err) from err
 
 
+def optimizer_variables_built_on(optimizer: keras.optimizers.Optimizer) -> list:
+    """The trainable variables an optimizer was built with (``apply(grads)`` without them)."""
+    if not optimizer.built:
+        return []
+    try:
+        return list(optimizer._trainable_variables)
+    except AttributeError as err:
+        raise _missing("Optimizer._trainable_variables", err) from err
+
+
+def has_compiled_loss(model: keras.Model) -> bool:
+    """True when ``compile`` gave the model a loss (``compute_loss`` then needs targets)."""
+    return getattr(model, "_compile_loss", None) is not None
+
+
+def flatten_logs(model: keras.Model, logs: dict):
+    """Logs as ``train_on_batch``/``test_on_batch`` return them without ``return_dict``.
+
+    Keras' order: the model's metrics by name, then the remaining keys sorted; one value
+    alone is returned as a scalar.
+    """
+    names = [m.name for m in model.metrics]
+    results = [logs[n] for n in names if n in logs]
+    results += [logs[k] for k in sorted(logs) if k not in names]
+    return results[0] if len(results) == 1 else results
+
+
 def is_cached_eval_call(kwargs: dict[str, Any]) -> bool:
     """True when Keras' fit calls evaluate() for validation (data already prepared)."""
     return bool(kwargs.get("_use_cached_eval_dataset"))

@@ -248,10 +248,11 @@ class Model(keras.Model):
 
     # -- training loop entry points -----------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
-            validation_batch_size=None, initial_epoch=0, class_weight=None, *,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1, *,
             tnt_micro_batch_size=None, tnt_validation_micro_batch_size=None,
-            tnt_distribute_dataset=True, tnt_distribute_validation_dataset=True, **kwargs):
+            tnt_distribute_dataset=True, tnt_distribute_validation_dataset=True):
         """Keras' ``fit`` on every rank; ``x`` is split into per-rank micro-batches.
 
         ``x`` is a ``tf.data.Dataset`` batched with the global batch size (recommended),
@@ -281,9 +282,9 @@ class Model(keras.Model):
                 shuffle=False, method="fit(validation_data)",
                 sharding=self._sharding(tnt_distribute_validation_dataset, tnt_validation_micro_batch_size),
             )
-        if not kwargs.get("steps_per_epoch"):
+        if not steps_per_epoch:
             _inputs.check_same_length(train, "training", "fit")
-        if val is not None and not kwargs.get("validation_steps"):
+        if val is not None and not validation_steps:
             _inputs.check_same_length(val, "validation", "fit")
         self._prepare(train, with_metrics=True)
         if isinstance(x, tf.data.Dataset):
@@ -296,13 +297,14 @@ class Model(keras.Model):
             if restored is not None:
                 initial_epoch = restored
         if initial_epoch > 0:
-            train = _inputs.at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
+            train = _inputs.at_epoch(train, x, initial_epoch, steps_per_epoch)
         with self._rank_callbacks(callbacks) as rank_callbacks:
             try:
                 return super().fit(
                     train, epochs=epochs, verbose=self._verbose(verbose),
                     callbacks=rank_callbacks, validation_data=val,
-                    shuffle=False, initial_epoch=initial_epoch, **kwargs,
+                    shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps, validation_freq=validation_freq,
                 )
             finally:
                 self._average_moving_statistics()
@@ -379,7 +381,7 @@ class Model(keras.Model):
 
         logs = function(one())
         logs = {k: float(v) if tf.is_tensor(v) and v.shape.rank == 0 else v for k, v in logs.items()}
-        return logs if return_dict else self._flatten_metrics_in_order(logs)
+        return logs if return_dict else _internals.flatten_logs(self, logs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """One training step on the global batch ``x`` (the same on every rank, as in a

@@ -40,9 +40,13 @@ def split_sizes(data):
     return data, None
 
 
+def _first(x) -> tf.Tensor:
+    """The first tensor of an input structure: what ops wait on to wait for the data."""
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
 def _local_batch_size(x) -> tf.Tensor:
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]
+    return tf.shape(_first(x))[0]
 
 
 def _nonempty(structure, local_n: tf.Tensor):
@@ -176,7 +180,7 @@ class DistributedSteps:
         the values to SUM over ranks (``b_r``, metric contributions, weighted gradients)."""
         local_n = _local_batch_size(x) if sizes is None else tf.cast(sizes.local, tf.int32)
         x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        begun = self._train_metrics.begin()
+        begun = self._train_metrics.begin(_first(x))
         weight = None if sizes is None else tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
         with self._train_metrics.watch():
             grads = self._gradients(x, y, sample_weight, local_n, weight)
@@ -233,7 +237,7 @@ class DistributedSteps:
             return model.get_metrics_result()
         start = start_token()
         x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        begun = self._test_metrics.begin()
+        begun = self._test_metrics.begin(_first(x))
         with self._test_metrics.watch():
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
