@@ -90,6 +90,10 @@ def _kill_and_delete(namespace: str) -> None:
         time.sleep(0.1)
     _ip("netns", "delete", namespace, check=False)
     shutil.rmtree(ETC_NETNS / namespace, ignore_errors=True)
+    try:
+        ETC_NETNS.rmdir()  # only if empty: it may have been made for us
+    except OSError:
+        pass
 
 
 def remove_stale(all_of_them: bool = False) -> list[str]:
