@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _runtime
-from ._collectives import Op
+from ._comm import Communicator, Op
 from ._dtypes import as_dtype, check_reducible
 
 _core = _runtime._core
@@ -61,13 +61,24 @@ def plan_buckets(specs: Sequence[TensorSpec], threshold_bytes: int) -> list[list
 class FusedAllreduce:
     """Allreduce of a fixed, ordered list of tensors, fused into buckets.
 
-    Construction is collective (every rank passes the same specs, threshold and op;
-    checked). Each round: ``submit`` every tensor once (any thread, any order; returns
-    at once), then ``wait`` returns all reduced tensors. Buckets are reduced in plan
-    order as soon as they are complete, overlapping the remaining submissions.
+    Construction is collective over ``comm`` (every member passes the same specs,
+    threshold and op; checked). Each round: ``submit`` every tensor once (any thread,
+    any order; returns at once), then ``wait`` returns all reduced tensors. Buckets are
+    reduced in plan order as soon as they are complete, overlapping the remaining
+    submissions, several in flight at once.
+
+    ``comm``: the ranks to reduce over (e.g. a replica group from ``world().split``);
+    default: the world. Either way the engine works on its own duplicate of it, so two
+    engines used at the same time can never mix up their buckets.
     """
 
-    def __init__(self, specs: Sequence[TensorSpec], threshold_bytes: int, op: Op = Op.SUM) -> None:
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        threshold_bytes: int,
+        op: Op = Op.SUM,
+        comm: Communicator | None = None,
+    ) -> None:
         self._specs = tuple(specs)
         raw = _raw(self._specs)
         op = Op(op)
@@ -78,8 +89,12 @@ class FusedAllreduce:
                         f"FusedAllreduce: Op.AVG is not defined for integer tensor {s.name!r} "
                         f"({s.dtype.name}); use Op.SUM"
                     )
+        if comm is not None and not isinstance(comm, Communicator):
+            raise TypeError(f"FusedAllreduce: comm must be a tnt_comm.Communicator, got {type(comm).__name__}")
         _runtime.ensure()
-        self._core = _core.FusedAllreduce(raw, int(threshold_bytes), int(op), [s.dtype for s in self._specs])
+        self._core = _core.FusedAllreduce(
+            raw, int(threshold_bytes), int(op), [s.dtype for s in self._specs], None if comm is None else comm._core
+        )
         self._plan = [list(b) for b in self._core.plan]
         self._op = op
 

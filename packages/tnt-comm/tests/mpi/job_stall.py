@@ -3,6 +3,7 @@ after TNT_COMM_TIMEOUT, naming the collective, the missing rank and the variable
 
 MODE=plain: an allreduce is skipped. MODE=fused: rank N-1 never submits tensor 'late',
 so the other ranks' bucket stalls and rank N-1's own wait() reports the unsubmitted tensor.
+MODE=recv: rank 0 waits for a message rank N-1 never sends.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ mode = os.environ["MODE"]
 t.barrier()
 start = time.perf_counter()
 try:
-    if mode == "plain":
+    if mode == "recv":
+        if R == 0:
+            t.world().recv(N - 1, (3, 0, 0), np.float32, (4,))
+        else:
+            time.sleep(float(os.environ["TNT_COMM_TIMEOUT"]) + 4)  # idle, still answering
+    elif mode == "plain":
         if R != N - 1:
             t.allreduce(np.ones(10, np.float32))
         else:
