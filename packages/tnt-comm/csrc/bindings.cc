@@ -330,6 +330,7 @@ PYBIND11_MODULE(_core, m) {
     runtime_abort(code);
   });
 
+  m.def("reducible_dtypes", &dtype_names);
   m.def("world", [] { return PyComm(runtime_engine().world_comm()); });
   m.def("begin_local_work", [] { runtime_engine().begin_local_work(); });
   m.def("end_local_work", [] { runtime_engine().end_local_work(); });

@@ -195,16 +195,20 @@ void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
 }
 
 // Note [Polling]
-// An in-flight request only progresses when MPI is called (MPI_Test). While a caller
-// is blocked in await() nothing else needs this core: the thread tests without pause.
-// Otherwise (backprop still computing, buckets in flight) a thread spinning on MPI_Test
-// would take a core from the compute threads: it spins TNT_COMM_POLL_SPIN_US after the
-// last progress, then sleeps between tests (woken at once by a new task or a waiting
-// caller), doubling from kPollMinSleepUs up to TNT_COMM_POLL_MAX_SLEEP_US; its timer
-// slack is 1 ns so a short sleep stays short. benchmarks/allreduce.py measures it.
+// An in-flight request only progresses when MPI is called (MPI_Test), but a thread
+// spinning on MPI_Test takes a whole core from the compute threads (and, on a loaded or
+// oversubscribed host, from the very rank it waits for). So the thread spins for
+// TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within it),
+// and again as soon as a caller starts waiting (woken at once, not after its sleep);
+// past that it sleeps between tests. While a caller waits, the sleeps stay at
+// kPollMinSleepUs, so each protocol round of a long transfer loses little; otherwise
+// (backprop still computing) they double up to TNT_COMM_POLL_MAX_SLEEP_US. A new task
+// wakes the thread at once. Its timer slack is 1 ns so a short sleep stays short.
+// benchmarks/allreduce.py measures the latency this gives.
 void Engine::loop() {
   auto last_progress = Clock::now();
   auto last_serve = last_progress;
+  bool was_waiting = false;
   double sleep_us = kPollMinSleepUs;
   std::vector<std::shared_ptr<Task>> starting;
   for (;;) {
@@ -263,16 +267,17 @@ void Engine::loop() {
     active_.erase(std::remove_if(active_.begin(), active_.end(),
                                  [](const Active& a) { return a.task == nullptr; }),
                   active_.end());
-    if (waiting || now - last_progress < Micros(config_.poll_spin_us)) {
-      // Give the core away if another thread wants it (more ranks than cores, or the
-      // ranks' own compute threads): MPI's progress happens in the other processes too.
-      std::this_thread::yield();
-      continue;
+    if (waiting && !was_waiting) {  // a caller just started waiting: spin again
+      last_progress = now;
+      sleep_us = kPollMinSleepUs;
     }
+    was_waiting = waiting;
+    if (now - last_progress < Micros(config_.poll_spin_us)) continue;
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, Micros(sleep_us),
-                 [this] { return !queue_.empty() || waiting_ > 0 || stopping_ || abort_code_ >= 0; });
-    sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
+    cv_.wait_for(lock, Micros(sleep_us), [this, waiting] {
+      return !queue_.empty() || (waiting_ > 0 && !waiting) || stopping_ || abort_code_ >= 0;
+    });
+    if (!waiting) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
   }
   finish_shutdown();
 }

@@ -90,6 +90,10 @@ class BucketTask final : public Task {
     if (issued_) return nullptr;
     issued_ = true;
     const BucketLayout& bl = s_->layout.buckets[b_];
+    if (s_->op == ReduceOp::kAvg && avg_scales_first(bl.dtype)) {  // Note [AVG scaling]
+      divide_inplace(buf_->data(), bl.count, bl.dtype, s_->comm->size);
+      return t.iallreduce(buf_->data(), buf_->data(), bl.count, bl.dtype, ReduceOp::kSum);
+    }
     return t.iallreduce(buf_->data(), buf_->data(), bl.count, bl.dtype, s_->op);
   }
 
@@ -188,7 +192,8 @@ FusedAllreduce::FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm,
   s.op = op;
   if (op == ReduceOp::kAvg) {
     for (const auto& b : s.layout.buckets) {
-      if (!dtype_is_float(b.dtype)) divide_inplace(nullptr, 0, b.dtype, 1);  // throws: AVG on ints
+      check_avg(b.dtype, "FusedAllreduce: integer tensor '" +
+                             s.specs[static_cast<std::size_t>(b.tensors.front())].name + "'");
     }
   }
   s.buckets.resize(s.plan.size());
@@ -357,7 +362,9 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
   std::vector<std::pair<std::shared_ptr<FusionBuffer>, const BucketLayout*>> to_scale;
   if (s.op == ReduceOp::kAvg) {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      to_scale.emplace_back(s.buckets[b].buffer, &s.layout.buckets[b]);
+      if (!avg_scales_first(s.layout.buckets[b].dtype)) {
+        to_scale.emplace_back(s.buckets[b].buffer, &s.layout.buckets[b]);
+      }
     }
   }
   s.arm_round();

@@ -141,12 +141,54 @@ MPI_Datatype mpi_type(DType d) {
   throw std::logic_error("bad dtype");
 }
 
+// Note [libnbc ring]
+// Open MPI's non-blocking allreduce (coll/libnbc) picks a binomial tree for fewer than 4
+// ranks and for every in-place call (our buckets are in place): for megabyte buckets
+// its ring algorithm is 1.5-2x faster here, but for a few KiB the tree's fewer rounds
+// win. So each call above kRingMinBytes asks for the ring through the MPI_T control
+// variable coll_libnbc_iallreduce_algorithm (read by libnbc at every call), and smaller
+// ones get libnbc's own choice. All ranks choose by the same size, so they agree. A
+// value the user set (OMPI_MCA_coll_libnbc_iallreduce_algorithm) is left alone; other
+// MPIs have no such variable and are left alone too. (Setting the environment variable
+// instead would mean setenv() while other threads may call getenv().)
+class AllreduceAlgorithm {
+ public:
+  static constexpr std::int64_t kRingMinBytes = 64 * 1024;
+
+  void init() {
+    if (std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm") != nullptr) return;
+    int provided = 0, index = -1, count = 0;
+    if (MPI_T_init_thread(MPI_THREAD_SINGLE, &provided) != MPI_SUCCESS) return;
+    tools_ = true;
+    if (MPI_T_cvar_get_index("coll_libnbc_iallreduce_algorithm", &index) != MPI_SUCCESS) return;
+    if (MPI_T_cvar_handle_alloc(index, nullptr, &handle_, &count) != MPI_SUCCESS || count != 1) return;
+    ok_ = true;
+  }
+  void choose(std::int64_t nbytes, std::int64_t count, int size) {
+    if (!ok_) return;
+    int want = nbytes >= kRingMinBytes && count >= size ? 1 : 0;  // 1 = ring, 0 = libnbc's choice
+    if (want != current_ && MPI_T_cvar_write(handle_, &want) == MPI_SUCCESS) current_ = want;
+  }
+  void free() {
+    if (ok_) MPI_T_cvar_handle_free(&handle_);
+    if (tools_) MPI_T_finalize();
+    ok_ = tools_ = false;
+  }
+
+ private:
+  bool tools_ = false, ok_ = false;
+  int current_ = 0;
+  MPI_T_cvar_handle handle_{};
+};
+
 // The reduction operators, created once per process (after MPI_Init).
 struct Ops {
+  AllreduceAlgorithm algorithm;
   MPI_Op h_sum = MPI_OP_NULL, h_min = MPI_OP_NULL, h_max = MPI_OP_NULL;
   MPI_Op b_sum = MPI_OP_NULL, b_min = MPI_OP_NULL, b_max = MPI_OP_NULL;
 
   void create() {
+    algorithm.init();
     check(MPI_Op_create(&reduce16<Half, AddF>, 1, &h_sum), "MPI_Op_create");
     check(MPI_Op_create(&reduce16<Half, MinF>, 1, &h_min), "MPI_Op_create");
     check(MPI_Op_create(&reduce16<Half, MaxF>, 1, &h_max), "MPI_Op_create");
@@ -155,6 +197,7 @@ struct Ops {
     check(MPI_Op_create(&reduce16<BFloat16, MaxF>, 1, &b_max), "MPI_Op_create");
   }
   void free() {
+    algorithm.free();
     for (MPI_Op* op : {&h_sum, &h_min, &h_max, &b_sum, &b_min, &b_max}) {
       if (*op != MPI_OP_NULL) MPI_Op_free(op);
     }
@@ -169,7 +212,7 @@ struct Ops {
 
 class MpiDataPlane final : public DataPlane {
  public:
-  MpiDataPlane(MPI_Comm comm, const Ops* ops) : comm_(comm), ops_(ops) {
+  MpiDataPlane(MPI_Comm comm, Ops* ops) : comm_(comm), ops_(ops) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
     check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
@@ -197,6 +240,7 @@ class MpiDataPlane final : public DataPlane {
       void* out = static_cast<char*>(recv) + off * static_cast<std::int64_t>(es);
       const void* in = (send == recv) ? MPI_IN_PLACE
                                       : static_cast<const char*>(send) + off * static_cast<std::int64_t>(es);
+      ops_->algorithm.choose(n * static_cast<std::int64_t>(es), n, size_);
       check(MPI_Iallreduce(in, out, n, mpi_type(dtype), ops_->get(dtype, op), comm_, r->add()),
             "MPI_Iallreduce");
     });
@@ -278,7 +322,7 @@ class MpiDataPlane final : public DataPlane {
   std::unique_ptr<Request> idup(std::unique_ptr<DataPlane>* out) override {
     class DupRequest final : public Request {
      public:
-      DupRequest(std::unique_ptr<DataPlane>* out, const Ops* ops) : out_(out), ops_(ops) {}
+      DupRequest(std::unique_ptr<DataPlane>* out, Ops* ops) : out_(out), ops_(ops) {}
       MpiRequest inner;
       MPI_Comm comm = MPI_COMM_NULL;
       bool test() override {
@@ -289,7 +333,7 @@ class MpiDataPlane final : public DataPlane {
 
      private:
       std::unique_ptr<DataPlane>* out_;
-      const Ops* ops_;
+      Ops* ops_;
     };
     auto r = std::make_unique<DupRequest>(out, ops_);
     check(MPI_Comm_idup(comm_, &r->comm, r->inner.handle()), "MPI_Comm_idup");
@@ -310,7 +354,7 @@ class MpiDataPlane final : public DataPlane {
   }
 
   MPI_Comm comm_;
-  const Ops* ops_;
+  Ops* ops_;  // shared by every communicator; used on the communication thread only
   int rank_ = 0, size_ = 1;
   std::vector<int> world_ranks_;
 };

@@ -54,6 +54,29 @@ def test_recv_from_a_rank_that_never_sends_raises_stall(run_job) -> None:
     assert "rank 0: THEN tnt_comm is unusable after an earlier error" in proc.stdout, explain(proc)
 
 
+def test_long_local_work_on_one_rank_is_not_a_stall(run_job) -> None:
+    proc = run_job("job_stall.py", 2, env={"MODE": "busy", "TNT_COMM_TIMEOUT": "1.5"}, timeout=60)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.count("BUSY OK") == 2, explain(proc)
+
+
+def test_rank_that_never_starts_fails_start_up(run_job) -> None:
+    t0 = time.perf_counter()
+    proc = run_job("job_stall.py", 2, env={"MODE": "init", "TNT_COMM_TIMEOUT": "2"}, timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode != 0, explain(proc)
+    line = next((x for x in proc.stdout.splitlines() if "INIT STALL" in x), "")
+    assert "start-up (MPI_Init and the world communicator) did not complete within 2 s" in line, explain(proc)
+    assert "TNT_COMM_TIMEOUT" in line and "NO ERROR" not in proc.stdout, explain(proc)
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+
+
+def test_broadcast_and_allgather_above_2_gib(run_job) -> None:
+    proc = run_job("job_large.py", 2, timeout=180)
+    assert proc.returncode == 0, explain(proc)
+    assert proc.stdout.count("BROADCAST OK") == 2 and proc.stdout.count("ALLGATHER OK") == 2, explain(proc)
+
+
 def test_uncaught_exception_aborts_the_job(run_job) -> None:
     t0 = time.perf_counter()
     proc = run_job("job_uncaught.py", 2, env={"TNT_COMM_TIMEOUT": "100"}, timeout=60)
