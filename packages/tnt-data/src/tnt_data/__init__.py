@@ -21,7 +21,7 @@ from tnt_data.errors import DistributionError
 if TYPE_CHECKING:  # imported lazily below; listed here for type checkers and the API docs
     from tnt_data._distribute import DEFAULT_SHUFFLE_SEED, Strategy, distribute, split_strategy
     from tnt_data._inspect import PipelineInfo, inspect
-    from tnt_data._slicing import StepSizes
+    from tnt_data._slicing import StepSizes, split_batches
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,7 @@ __all__ = [
     "micro_batch_size",
     "micro_batch_sizes",
     "micro_batch_slice",
+    "split_batches",
     "split_strategy",
 ]
 
@@ -51,6 +52,7 @@ _NEEDS_TENSORFLOW = {
     "inspect": "_inspect",
     "PipelineInfo": "_inspect",
     "StepSizes": "_slicing",
+    "split_batches": "_slicing",
 }
 
 
