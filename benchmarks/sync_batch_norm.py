@@ -42,7 +42,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="2 rounds of 1 epoch")
     args = p.parse_args()
+    if args.quick:
+        args.rounds, args.epochs = 2, 1
     n, name = tnt.get_size(), "resnet"
     cfg = bl.MODELS[name]
     steps = cfg["steps"]
