@@ -9,7 +9,7 @@ Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run
 
 from __future__ import annotations
 
-from . import keras, models
+from . import keras, models, pipelining
 from ._inputs import InputError
 from ._model import Model, ParallelStrategy
 from ._runtime import get_master_rank, get_rank, get_size, is_master_rank, setup
@@ -33,4 +33,5 @@ __all__ = [
     "is_master_rank",
     "keras",
     "models",
+    "pipelining",
 ]

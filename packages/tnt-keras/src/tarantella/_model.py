@@ -32,9 +32,11 @@ _BATCH_NORM_MIN_LOCAL_BATCH = 16
 
 
 class ParallelStrategy(enum.Enum):
-    """How the model is parallelised. Only data parallelism exists today."""
+    """How the model is parallelised: DATA, PIPELINING (N == p stages), ALL (N/p pipelines)."""
 
     DATA = "data"
+    PIPELINING = "pipelining"
+    ALL = "all"
 
 
 class Model(keras.Model):
@@ -45,6 +47,13 @@ class Model(keras.Model):
         parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the only one supported).
     """
 
+    def __new__(cls, *args, **kwargs):
+        # PIPELINING / ALL on several ranks and stages build a pipelined model instead.
+        from .pipelining import pipelined_model
+
+        pipelined = pipelined_model(*args, strategies=ParallelStrategy, **kwargs)
+        return pipelined if pipelined is not None else super().__new__(cls, *args, **kwargs)
+
     def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
@@ -53,8 +62,8 @@ class Model(keras.Model):
             )
         if isinstance(model, Model):
             raise TypeError("This model is already a tnt.Model; wrap the Keras model only once.")
-        if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:
-            raise ValueError(f"Unsupported parallel_strategy {parallel_strategy!r}; use DATA.")
+        if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:  # 1 rank or 1 stage
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("num_pipeline", "num_micro", "pipeline_"))}
         super().__init__(name=f"tnt_{model.name}", **kwargs)
         self._tnt_settings = _runtime.setup()
         self._model = model

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from ._errors import PipelineError
 from ._local import LocalPipeline
+from ._model import PipelinedModel, pipelined_model
 from ._plan import Boundary, Plan, Stage, plan
+from ._saving import load_model
 from ._schedule import SCHEDULES, Action, actions, compute_order, micro_batch_sizes, peak_in_flight
 from ._stages import StageModel, build_stage
 
@@ -22,13 +24,16 @@ __all__ = [
     "Boundary",
     "LocalPipeline",
     "PipelineError",
+    "PipelinedModel",
     "Plan",
     "Stage",
     "StageModel",
     "actions",
     "build_stage",
     "compute_order",
+    "load_model",
     "micro_batch_sizes",
     "peak_in_flight",
+    "pipelined_model",
     "plan",
 ]

@@ -94,7 +94,7 @@ def _functional_of(model: keras.Model):
                 "before pipelining it."
             )
         return functional
-    if not hasattr(model, "_nodes_by_depth") or not getattr(model, "_inputs_struct", None):
+    if not hasattr(model, "_nodes_by_depth") or getattr(model, "_inputs_struct", None) is None:
         raise PipelineError(
             f"{type(model).__name__} {model.name!r} is a subclassed model: its call() is Python "
             "code whose layer graph cannot be cut into pipeline stages. Build it with the "

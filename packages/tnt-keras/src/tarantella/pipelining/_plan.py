@@ -231,8 +231,13 @@ class Plan:
 
 
 # -- ways to assign stages -------------------------------------------------------------------
-def _stages_from_markers(graph: ModelGraph) -> list[int]:
-    """Stage of a call = the most SplitLayers on any path from the inputs to it."""
+def stages_from_markers(graph: ModelGraph) -> list[int]:
+    """Stage of a call = the most SplitLayers on any path from the inputs to it.
+
+    A call feeding no SplitLayer then moves as late as its consumers allow (a branch that
+    starts at a model input and joins on stage 2 runs on stage 2, not on stage 0 with its
+    result sent over).
+    """
     tensor_stage = {t: 0 for t in graph.inputs}
     stage_of_call = []
     for call in graph.calls:
@@ -240,7 +245,18 @@ def _stages_from_markers(graph: ModelGraph) -> list[int]:
         stage_of_call.append(s)
         for t in call.outputs:
             tensor_stage[t] = s + 1 if call.is_split else s
-    # A SplitLayer whose output nobody reads after it would open an empty last stage.
+    last = max(stage_of_call, default=0)
+    consumers = graph.consumers()
+    outputs = set(graph.outputs)
+    for call in reversed(graph.calls):
+        if call.is_split:
+            continue
+        users = [graph.calls[d] for t in call.outputs for d in consumers.get(t, [])]
+        if any(u.is_split for u in users):
+            continue
+        late = min([stage_of_call[u.index] for u in users]
+                   + ([last] if outputs.intersection(call.outputs) else []), default=last)
+        stage_of_call[call.index] = max(stage_of_call[call.index], late)
     return stage_of_call
 
 
@@ -359,19 +375,19 @@ def _auto_stages(graph: ModelGraph, p: int, optimizer_slots: int) -> list[int]:
 
 
 def plan(model, num_pipeline_stages: int | None = None, *, split_after: Sequence[str] | None = None,
-         optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS) -> Plan:
+         optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS, use_markers: bool = True) -> Plan:
     """The pipeline plan of ``model`` (functional or Sequential Keras model).
 
     With ``SplitLayer`` markers the stages follow them (``num_pipeline_stages``, if given,
     must agree). ``split_after`` lists layer names after which a new stage starts. Without
-    either, ``num_pipeline_stages`` contiguous stages balancing weights + gradients +
+    either (or with ``use_markers=False``), ``num_pipeline_stages`` contiguous stages balancing weights + gradients +
     ``optimizer_slots`` slots per trainable weight are chosen.
     """
     if num_pipeline_stages is not None and (
             not isinstance(num_pipeline_stages, int | np.integer) or num_pipeline_stages < 1):
         raise PipelineError(f"num_pipeline_stages must be a positive integer, got {num_pipeline_stages!r}.")
     graph = model_graph(model)
-    markers = [c.layer.name for c in graph.calls if c.is_split]
+    markers = [c.layer.name for c in graph.calls if c.is_split] if use_markers else []
     if split_after is not None:
         stage_of_call = _stages_from_split_after(graph, list(split_after))
         source = "split_after"
@@ -380,7 +396,7 @@ def plan(model, num_pipeline_stages: int | None = None, *, split_after: Sequence
             raise PipelineError(f"split_after names {len(split_after)} split points ({given} stages) "
                                 f"but num_pipeline_stages={num_pipeline_stages}; make them agree.")
     elif markers:
-        stage_of_call = _stages_from_markers(graph)
+        stage_of_call = stages_from_markers(graph)
         source = "markers"
         found = max(stage_of_call) + 1
         if graph.outputs and all(t in {o for c in graph.calls if c.is_split for o in c.outputs}

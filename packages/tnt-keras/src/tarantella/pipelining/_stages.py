@@ -49,21 +49,23 @@ def build_stage(plan: Plan, s: int, *, copy_weights: bool = True) -> StageModel:
     stage = plan.stages[s]
     last = s == plan.num_stages - 1
     values: dict[int, object] = {}  # id(original KerasTensor) -> new KerasTensor
-    by_name: dict[str, object] = {}
     inputs = []
     for j in stage.data_inputs:
         t = graph.keras_tensors[graph.inputs[j]]
         new = keras.Input(shape=t.shape[1:], dtype=t.dtype, name=graph.input_layer_names[j])
         values[id(t)] = new
-        by_name[graph.inputs[j]] = new
         inputs.append(new)
     for b in stage.inputs:
         bd = plan.boundaries[b]
         t = graph.keras_tensors[bd.tensor]
         new = keras.Input(shape=t.shape[1:], dtype=t.dtype, name=f"tnt_boundary_{b}")
         values[id(t)] = new
-        by_name[bd.tensor] = new
         inputs.append(new)
+    for call in graph.calls:  # SplitLayers of earlier stages: their outputs are our inputs
+        src, out = (graph.keras_tensors[call.inputs[0]], graph.keras_tensors[call.outputs[0]]) \
+            if call.is_split else (None, None)
+        if src is not None and id(src) in values:
+            values[id(out)] = values[id(src)]
     clones: dict[int, keras.layers.Layer] = {}
     originals: dict[int, keras.layers.Layer] = {}
     for c in stage.calls:
@@ -72,7 +74,6 @@ def build_stage(plan: Plan, s: int, *, copy_weights: bool = True) -> StageModel:
             src = graph.keras_tensors[call.inputs[0]]
             out = graph.keras_tensors[call.outputs[0]]
             values[id(out)] = values[id(src)]
-            by_name[call.outputs[0]] = values[id(src)]
             continue
         key = id(call.layer)
         if key not in clones:
@@ -81,7 +82,6 @@ def build_stage(plan: Plan, s: int, *, copy_weights: bool = True) -> StageModel:
         result = keras.tree.flatten(_call(call, clones[key], values))
         for name, new in zip(call.outputs, result):
             values[id(graph.keras_tensors[name])] = new
-            by_name[name] = new
 
     def resolve(name: str):
         return values[id(graph.keras_tensors[name])]
