@@ -138,6 +138,6 @@ def model_graph(model: keras.Model) -> ModelGraph:
                 f"SplitLayer {c.layer.name!r} takes {len(c.inputs)} tensors; a SplitLayer marks "
                 "one tensor. Put one SplitLayer on each tensor that crosses the cut."
             )
-    layer_order = [layer.name for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    layer_order = [layer.name for layer in model.layers if layer.weights]
     return ModelGraph(model.name, calls, tensors, inputs, input_layer_names, outputs,
                       output_struct, keras_tensors, layer_order)
