@@ -17,11 +17,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import tnt_comm
 import tnt_data
 
 from .. import _io, _runtime
-from .._inputs import Sharding, rank_dataset
+from .._inputs import Sharding, common_seed, rank_dataset
 from .._rank_callbacks import callbacks_for_rank
 from ._errors import PipelineError
 from ._plan import Plan, plan as make_plan
@@ -196,8 +195,7 @@ class PipelinedModel(keras.Model):
     # -- data ----------------------------------------------------------------------------------------
     def _common_seed(self) -> int:
         if self._tnt_seed is None:
-            seed = int(np.random.SeedSequence().entropy % (2**31 - 1))
-            self._tnt_seed = int(tnt_comm.broadcast_object(seed, _runtime.MASTER_RANK))
+            self._tnt_seed = common_seed()
         return self._tnt_seed
 
     def _replica_data(self, x, y, sample_weight, *, batch_size, shuffle, method, with_sizes=False):
