@@ -162,7 +162,7 @@ def test_subclassed_model_is_refused_with_the_fix():
 
     model = Sub()
     model(np.zeros((1, 3), "float32"))
-    with pytest.raises(PipelineError, match="subclassed model.*functional API"):
+    with pytest.raises(PipelineError, match=r"subclassed model.*functional API"):
         plan(model, 2)
 
 
@@ -200,7 +200,7 @@ def test_model_options_are_checked_on_one_rank_too():
     with pytest.raises(PipelineError, match="pipeline_schedule='zigzag' is unknown"):
         tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2,
                   pipeline_schedule="zigzag")
-    with pytest.raises(PipelineError, match="only apply to ParallelStrategy.PIPELINING"):
+    with pytest.raises(PipelineError, match=r"only apply to ParallelStrategy\.PIPELINING"):
         tnt.Model(model, num_micro_batches=4)
     # One rank: the data-parallel path runs the model (markers are identities).
     assert isinstance(tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from ._plan import Plan, plan as make_plan
+from ._plan import Plan
+from ._plan import plan as make_plan
 from ._schedule import check_schedule
 from ._stage_runtime import StageRuntime
 from ._stages import serial_weights
@@ -23,7 +24,7 @@ def _in_threads(fns):
     def run(k):
         try:
             results[k] = fns[k]()
-        except BaseException as err:  # noqa: BLE001 - re-raised below, in the caller's thread
+        except BaseException as err:
             errors[k] = err
 
     threads = [threading.Thread(target=run, args=(k,), name=f"tnt-stage-{k}") for k in range(len(fns))]

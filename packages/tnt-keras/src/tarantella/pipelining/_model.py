@@ -23,7 +23,8 @@ from .. import _io, _runtime
 from .._inputs import Sharding, common_seed, rank_dataset
 from .._rank_callbacks import callbacks_for_rank
 from ._errors import PipelineError
-from ._plan import Plan, plan as make_plan
+from ._plan import Plan
+from ._plan import plan as make_plan
 from ._saving import (
     assign_optimizer_state,
     load_pipelined_weights,

@@ -23,10 +23,11 @@ import pickle
 import keras
 import numpy as np
 
-from .. import _io
+from .. import _io, _runtime
 from ..keras.layers import SplitLayer
 from ._graph import model_graph
-from ._plan import plan as make_plan, stages_from_markers
+from ._plan import plan as make_plan
+from ._plan import stages_from_markers
 from ._stage_runtime import clone_optimizer
 
 #: Header "step" of save messages (never a training step number).
@@ -153,12 +154,16 @@ def load_pipelined_weights(pm, local_path: str) -> None:
 def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_micro_batches=None,
                pipeline_schedule: str = "1f1b", custom_objects=None, compile: bool = True, **kwargs):
     """Load a ``.keras`` file (pipelined or serial save) into ``num_pipeline_stages`` stages."""
-    from ._model import PipelinedModel  # noqa: PLC0415 - _model imports this module
+    from .._model import Model
+    from ._model import PipelinedModel
 
+    strategy = getattr(parallel_strategy, "value", parallel_strategy)
     with _io.master_file(filepath) as local:
         full = keras.saving.load_model(local, custom_objects=custom_objects, compile=compile, **kwargs)
     pipeline_plan = make_plan(full, num_pipeline_stages, use_markers=_markers_agree(full, num_pipeline_stages))
-    model = PipelinedModel(full, parallel_strategy=parallel_strategy, num_micro_batches=num_micro_batches,
+    if _runtime.get_size() == 1 or pipeline_plan.num_stages == 1:
+        return Model(full)  # one rank or one stage: data parallelism
+    model = PipelinedModel(full, parallel_strategy=strategy, num_micro_batches=num_micro_batches,
                            pipeline_schedule=pipeline_schedule, pipeline_plan=pipeline_plan)
     del full
     return model
