@@ -14,6 +14,7 @@ accumulated in micro-batch order, whatever order the schedule ran the backward p
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import keras
@@ -36,6 +37,8 @@ class StepResult:
     grads: list | None = None  # accumulated weighted gradients (train), None if no micro-batch
     predictions: list = field(default_factory=list)  # last stage, predict: one output per micro-batch
     peak_live: int = 0  # the most micro-batches held in tapes at once
+    seconds: float = 0.0  # wall time of the schedule
+    busy_seconds: float = 0.0  # of which computing forward/backward passes (the rest is waiting)
 
 
 def _slice(structure, lo: int, hi: int):
@@ -133,6 +136,7 @@ class StageExecutor:
         pending: dict[int, list] = {}
         next_to_add = 0
         variables = self.model.trainable_variables
+        started = time.perf_counter()
 
         for a in actions(plan, self.schedule, len(sizes), st.index, training=training):
             i = a.micro_batch
@@ -146,8 +150,10 @@ class StageExecutor:
                 inputs = [x_flat[j][lo:hi] for j in st.data_inputs]
                 inputs += [received[i].pop(b) for b in st.inputs]
                 received.pop(i, None)
+                t0 = time.perf_counter()
                 live[i] = self._run_forward(mode, i, inputs, y, sample_weight, lo, hi, total, result,
                                             outputs_np)
+                result.busy_seconds += time.perf_counter() - t0
                 result.peak_live = max(result.peak_live, len(live))
                 if not training:
                     live.pop(i)
@@ -162,7 +168,10 @@ class StageExecutor:
                 got[a.boundary] = arr if a.boundary not in got else got[a.boundary] + arr
             elif a.kind == "B":
                 outputs_np.pop(i, None)
+                t0 = time.perf_counter()
                 d_inputs, grads = self._run_backward(live.pop(i), out_grads.pop(i, {}), variables)
+                d_inputs = [np.asarray(d) for d in d_inputs]
+                result.busy_seconds += time.perf_counter() - t0
                 in_grads[i] = d_inputs
                 pending[i] = grads
                 while next_to_add in pending:  # accumulate in micro-batch order
@@ -177,6 +186,7 @@ class StageExecutor:
                     in_grads.pop(i, None)
         for request in sends:
             request.wait()
+        result.seconds = time.perf_counter() - started
         return result
 
     def _run_forward(self, mode, i, inputs, y, sample_weight, lo, hi, total, result, outputs_np):

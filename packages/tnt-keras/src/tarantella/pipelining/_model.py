@@ -125,6 +125,17 @@ class PipelinedModel(keras.Model):
     def peak_micro_batches_in_flight(self) -> int:
         return self._tnt_stage.peak_live
 
+    def pipeline_stats(self, reset: bool = False) -> dict:
+        """This rank's schedule time, compute time and idle fraction over the train steps so far."""
+        st = self._tnt_stage
+        stats = {"stage": self.stage, "replica": self.replica, "schedule_seconds": st.schedule_seconds,
+                 "busy_seconds": st.busy_seconds,
+                 "idle_fraction": 1.0 - st.busy_seconds / st.schedule_seconds if st.schedule_seconds else None,
+                 "peak_micro_batches_in_flight": st.peak_live}
+        if reset:
+            st.schedule_seconds = st.busy_seconds = 0.0
+        return stats
+
     @property
     def metrics(self):
         return []  # logs come from the last stage, global and identical on every rank

@@ -59,6 +59,8 @@ class StageRuntime:
         self.optimizer: keras.optimizers.Optimizer | None = None
         self.global_clipnorm: float | None = None
         self.peak_live = 0
+        self.schedule_seconds = 0.0  # wall time in schedules (train steps) ...
+        self.busy_seconds = 0.0  # ... of which computing: 1 - busy/wall is the idle fraction
         self._others_regularized = any(st.has_regularizer for st in plan.stages[:-1])
         self._apply = None
         self._metric_names: list[str] | None = None
@@ -110,6 +112,8 @@ class StageRuntime:
         total = n if total is None else int(total)
         result = self.executor.run(TRAIN, x_flat, y, sample_weight, sizes, max(total, 1))
         self.peak_live = max(self.peak_live, result.peak_live)
+        self.schedule_seconds += result.seconds
+        self.busy_seconds += result.busy_seconds
         variables = self.model.trainable_variables
         grads = result.grads if result.grads is not None else [tf.zeros_like(v) for v in variables]
         self._add_other_stages_regularization(n)
