@@ -63,6 +63,14 @@ def _check_micro_batches(m) -> int:
     return int(m)
 
 
+def _live(value):
+    """A compile argument as ``compile`` takes it: a loaded file holds serialised configs."""
+    try:
+        return keras.saving.deserialize_keras_object(value)
+    except (TypeError, ValueError):
+        return value
+
+
 def _split_sizes(data):
     if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], tnt_data.StepSizes):
         return data
@@ -94,7 +102,8 @@ class PipelinedModel(keras.Model):
         self.pipeline_schedule = pipeline_schedule
         transport = CommTransport(plan.num_stages)
         self._tnt_check_same_plan(transport)
-        self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m)
+        self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m,
+                                       fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes)
         self._tnt_serial_config = (type(model), model.get_config())
         self._tnt_compile_args: dict | None = None
         self._tnt_synced = False
@@ -174,7 +183,8 @@ class PipelinedModel(keras.Model):
         self._tnt_synced = False
 
     def _compile_from(self, model: keras.Model) -> None:
-        config = model._compile_config.config if getattr(model, "_compile_config", None) else {}
+        compile_config = getattr(model, "_compile_config", None)
+        config = {k: _live(v) for k, v in compile_config.config.items()} if compile_config else {}
         self.compile(optimizer=model.optimizer, loss=config.get("loss", model.loss),
                      metrics=config.get("metrics"), loss_weights=config.get("loss_weights"),
                      weighted_metrics=config.get("weighted_metrics"))
@@ -210,7 +220,7 @@ class PipelinedModel(keras.Model):
             self._tnt_seed = common_seed()
         return self._tnt_seed
 
-    def _replica_data(self, x, y, sample_weight, *, batch_size, shuffle, method, with_sizes=False):
+    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method, with_sizes=False):
         sharding = Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
         return rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method=method,
                             sharding=sharding, with_sizes=with_sizes)
@@ -266,7 +276,8 @@ class PipelinedModel(keras.Model):
                                     callbacks=rank_callbacks, return_dict=True, **kwargs)
         if return_dict:
             return logs
-        values = list(logs.values())  # the last stage's order: loss first, as serial Keras
+        order = [k for k in self._tnt_stage.log_names if k in logs] or list(logs)
+        values = [logs[k] for k in order]  # the last stage's order: loss first, as serial Keras
         return values[0] if len(values) == 1 else values
 
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):

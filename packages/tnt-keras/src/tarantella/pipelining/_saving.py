@@ -46,8 +46,9 @@ def optimizer_state(optimizer, model: keras.Model) -> dict[str, np.ndarray]:
     """The optimizer's variables by model-independent key (see module docstring)."""
     if optimizer is None or not optimizer.built:
         return {}
-    prefixes = sorted(((v.path.replace("/", "_"), key) for v in model.trainable_variables
-                       if (key := _variable_keys(model).get(id(v)))), key=lambda p: -len(p[0]))
+    keys = _variable_keys(model)
+    prefixes = sorted(((v.path.replace("/", "_"), keys[id(v)]) for v in model.trainable_variables
+                       if id(v) in keys), key=lambda p: -len(p[0]))
     out = {}
     for var in optimizer.variables:
         name = var.name

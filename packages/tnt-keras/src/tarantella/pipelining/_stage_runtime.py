@@ -48,7 +48,7 @@ class StageRuntime:
     """Stage ``stage_index`` of ``plan`` on this rank, talking through ``transport``."""
 
     def __init__(self, plan: Plan, transport: Transport, schedule: str, num_micro_batches: int,
-                 stage_model: StageModel | None = None) -> None:
+                 stage_model: StageModel | None = None, fusion_threshold_bytes: int = 8 << 20) -> None:
         self.plan = plan
         self.transport = transport
         self.num_micro_batches = num_micro_batches
@@ -63,7 +63,9 @@ class StageRuntime:
         self.busy_seconds = 0.0  # ... of which computing: 1 - busy/wall is the idle fraction
         self._others_regularized = any(st.has_regularizer for st in plan.stages[:-1])
         self._apply = None
-        self._metric_names: list[str] | None = None
+        self._engine = None  # fused allreduce over the replica group, made at the first step
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self.log_names: list[str] = []
 
     # -- set-up ----------------------------------------------------------------------------------
     def compile(self, optimizer, loss=None, metrics=None, loss_weights=None, weighted_metrics=None) -> None:
@@ -158,16 +160,19 @@ class StageRuntime:
             tracker.total.assign_add(tf.cast(total * n, tracker.total.dtype))
 
     def _reduce_over_replicas(self, grads: list) -> list:
+        """SUM over the stage's replica group with the fused engine (buckets, in order)."""
         if self.transport.num_replicas == 1:
             return grads
+        import tnt_comm
+
+        if self._engine is None:
+            specs = [tnt_comm.TensorSpec(v.path, int(np.prod(v.shape)), np.dtype(v.dtype))
+                     for v in self.model.trainable_variables]
+            self._engine = self.transport.fused_allreduce(specs, self.fusion_threshold_bytes)
         arrays = [np.asarray(g) for g in grads]
-        flat = np.concatenate([a.reshape(-1) for a in arrays]) if arrays else np.zeros(0, np.float32)
-        summed = self.transport.replica_allreduce(flat)
-        out, offset = [], 0
-        for a in arrays:
-            out.append(tf.convert_to_tensor(summed[offset: offset + a.size].reshape(a.shape)))
-            offset += a.size
-        return out
+        self._engine.submit_many(list(range(len(arrays))), [a.reshape(-1) for a in arrays])
+        summed = self._engine.wait()
+        return [tf.convert_to_tensor(np.asarray(s).reshape(a.shape)) for s, a in zip(summed, arrays)]
 
     def _clip_over_pipeline(self, grads: list) -> list:
         local = float(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads])) \
@@ -181,7 +186,9 @@ class StageRuntime:
         logs = None
         if self.is_last:
             logs = self._global_metric_results()
-        return self.transport.pipeline_broadcast_object(logs, self.plan.num_stages - 1)
+        logs = self.transport.pipeline_broadcast_object(logs, self.plan.num_stages - 1)
+        self.log_names = list(logs)  # Keras' order (loss first): evaluate's list follows it
+        return logs
 
     def _global_metric_results(self) -> dict:
         model = self.model
