@@ -101,7 +101,8 @@ class StageRuntime:
         if self.optimizer is not None:
             variables += list(self.optimizer.variables)
         for var in variables:
-            var.assign(self.transport.replica_broadcast(np.asarray(var.numpy())))
+            value = np.asarray(var.numpy())
+            var.assign(self.transport.replica_broadcast(value.reshape(-1)).reshape(value.shape))
 
     # -- steps -------------------------------------------------------------------------------------
     def _sizes(self, x_flat) -> tuple[int, list[int]]:
