@@ -243,6 +243,12 @@ class PipelinedModel(keras.Model):
             initial_epoch=0, **kwargs):
         """Keras' ``fit``; ``x`` batched with the global batch size (or arrays + batch_size)."""
         self._assert_compiled("fit")
+        if any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in callbacks or []):
+            raise PipelineError(
+                "BackupAndRestore is not supported with pipelining yet. Save with "
+                "keras.callbacks.ModelCheckpoint (one .keras file, gathered from the stages) and "
+                "resume with tnt.models.load_model(path, parallel_strategy=..., "
+                "num_pipeline_stages=p) and fit(initial_epoch=...).")
         train = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
                                    method="fit", with_sizes=True)
         val = None
