@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from .._metric_states import metric_variables
 from ._executor import PREDICT, TEST, TRAIN, StageExecutor
 from ._plan import Plan
 from ._schedule import micro_batch_sizes
@@ -31,17 +32,6 @@ def clone_optimizer(optimizer) -> keras.optimizers.Optimizer:
     """A fresh optimizer with ``optimizer``'s configuration (strings accepted)."""
     optimizer = keras.optimizers.get(optimizer)
     return optimizer.__class__.from_config(optimizer.get_config())
-
-
-def metric_variables(model: keras.Model) -> list:
-    seen: set[int] = set()
-    out = []
-    for metric in model.metrics:
-        for var in metric.variables:
-            if id(var) not in seen:
-                seen.add(id(var))
-                out.append(var)
-    return out
 
 
 class StageRuntime:
