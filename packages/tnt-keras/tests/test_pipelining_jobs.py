@@ -75,6 +75,9 @@ def test_1f1b_holds_at_most_min_p_minus_s_m_micro_batches(report):
 
 
 def test_save_gathers_one_plain_keras_file_and_loads_into_any_stage_count(report):
+    if report["ranks"] == 3:  # by design: the 2- and 4-rank jobs save and load (q = 2, 4)
+        assert "save_load" not in report
+        return
     sl = report["save_load"]
     assert sl["plain_keras_weight_diff"] <= 2e-5 and sl["plain_keras_has_optimizer_state"], sl
     assert sl["plain_keras_optimizer_diff"] <= 2e-5, sl
