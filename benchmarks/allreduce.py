@@ -7,7 +7,11 @@
 2. ResNet-50 gradient set (214 float32 tensors, 25.6 M values; shapes stored in
    benchmarks/data): FusedAllreduce vs one contiguous MPI_Allreduce of the same bytes
    (the floor) vs one allreduce per tensor.
-3. 1000 tensors of 256 float32: fused vs one allreduce per tensor.
+3. 1000 tensors of 256 float32: fused vs one allreduce per tensor, and vs its physical
+   bound (one contiguous MPI_Allreduce + one memcpy of the same bytes).
+4. Latency: a 4 KiB fused bucket round (submit + wait) vs one MPI_Allreduce of 4 KiB,
+   also with the last rank arriving 1 ms late (the communication thread is asleep by
+   then); and a 4-byte tnt_comm.allreduce vs mpi4py's.
 
 "fused" is a round as tnt-keras runs it (submit_many per bucket, wait_buckets); the
 same round with one submit() call and one result array per tensor is reported beside it.
@@ -41,6 +45,7 @@ t.init()
 HERE = Path(__file__).parent
 COMM = MPI.COMM_WORLD
 DEFAULT_THRESHOLD = 4 << 20  # bytes per fusion bucket (see the sweep in the JSON)
+LATE_S = 1e-3  # how late the last rank arrives in the late-peer latency rounds
 
 
 def timed(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
@@ -83,6 +88,38 @@ def busbw(max_bytes: int, quick: bool) -> list[dict[str, float]]:
     return rows
 
 
+def small_bucket_latency(reps: int) -> dict[str, float]:
+    """4 KiB bucket (1024 float32): one fused round vs one MPI_Allreduce of the bytes;
+    with the last rank late by LATE_S, that delay is subtracted from both."""
+    x = np.ones(1024, np.float32)
+    out = np.empty_like(x)
+    late = COMM.rank == COMM.size - 1
+
+    def delayed(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            if late:
+                time.sleep(LATE_S)
+            return fn()
+        return run
+
+    with t.FusedAllreduce([t.TensorSpec("g", 1024, "float32")], 1 << 20) as f:
+        def fused() -> object:
+            f.submit(0, x)
+            return f.wait_buckets()
+
+        def mpi() -> object:
+            return COMM.Allreduce(x, out)
+
+        res = {"fused_s": timed(fused, reps), "mpi4py_s": timed(mpi, reps)}
+        res["fused_late_peer_s"] = timed(delayed(fused), reps // 2) - LATE_S
+        res["mpi4py_late_peer_s"] = timed(delayed(mpi), reps // 2) - LATE_S
+    one = np.ones(1, np.float32)
+    one_out = np.empty_like(one)
+    res["plain_4B_s"] = timed(lambda: t.allreduce(one), reps)
+    res["mpi4py_4B_s"] = timed(lambda: COMM.Allreduce(one, one_out), reps)
+    return res
+
+
 def fused_round(engine: t.FusedAllreduce, grads: list[np.ndarray]) -> list[np.ndarray]:
     """One round as tnt-keras runs it: each bucket's tensors in one submit_many call,
     results one flat array per bucket (split into tensors by the caller, here by views)."""
@@ -114,6 +151,7 @@ def gradient_set(shapes: list[list[int]], threshold: int, reps: int) -> dict[str
             "fused_per_call_s": timed(lambda: fused_round_per_call(fused, grads), reps),
             "floor_s": timed(lambda: COMM.Allreduce(flat, flat_out), reps),
             "per_tensor_engine_s": timed(lambda: fused_round_per_call(per_tensor, grads), reps),
+            "memcpy_s": timed(lambda: np.copyto(flat_out, flat), reps),
         }
         check = fused_round(fused, grads)
         assert all(np.all(c == 0.5 * COMM.size) for c in check), "wrong fused result"
@@ -146,6 +184,7 @@ def main() -> None:
     bw = busbw(max_bytes, args.quick)
     resnet = gradient_set(shapes, args.threshold, reps)
     small = gradient_set([[256]] * 1000, args.threshold, reps * 3)
+    latency = small_bucket_latency(200 if args.quick else 1000)
     sweep = []
     for thr in (1 << 20, 16 << 20, 64 << 20):
         r = gradient_set(shapes, thr, max(3, reps // 2))
@@ -162,8 +201,13 @@ def main() -> None:
                   for r in bw],
         "resnet50_set": resnet,
         "small_tensors": small,
+        "latency": latency,
         "resnet50_threshold_sweep": sweep,
         "targets": {
+            "small_bucket_latency_vs_mpi": latency["fused_s"] / latency["mpi4py_s"],
+            "small_bucket_latency_late_peer_vs_mpi": latency["fused_late_peer_s"] / latency["mpi4py_late_peer_s"],
+            "small_tensors_fused_vs_floor_plus_memcpy": small["fused_s"] / (small["floor_s"] + small["memcpy_s"]),
+            "plain_allreduce_4B_vs_mpi4py": latency["plain_4B_s"] / latency["mpi4py_4B_s"],
             "resnet50_fused_over_floor": resnet["fused_s"] / resnet["floor_s"],
             "resnet50_within_15pct": resnet["fused_s"] <= 1.15 * resnet["floor_s"],
             "small_speedup_vs_per_tensor": small["per_tensor_s"] / small["fused_s"],
@@ -188,6 +232,11 @@ def main() -> None:
             print(f"  floor (1 contiguous mpi4py Allreduce)   {res['floor_s'] * 1e3:9.2f} ms")
             print(f"  per tensor (mpi4py Allreduce each)      {res['per_tensor_s'] * 1e3:9.2f} ms")
             print(f"  per tensor (tnt engine, threshold 0)    {res['per_tensor_engine_s'] * 1e3:9.2f} ms")
+        lat = latency
+        print(f"\nlatency (us): 4 KiB fused round {lat['fused_s'] * 1e6:.1f} vs MPI_Allreduce "
+              f"{lat['mpi4py_s'] * 1e6:.1f}; last rank {LATE_S * 1e3:.0f} ms late (delay subtracted): "
+              f"{lat['fused_late_peer_s'] * 1e6:.1f} vs {lat['mpi4py_late_peer_s'] * 1e6:.1f}; "
+              f"4 B tnt_comm.allreduce {lat['plain_4B_s'] * 1e6:.1f} vs mpi4py {lat['mpi4py_4B_s'] * 1e6:.1f}")
         print("\nResNet-50 set, other thresholds (fused / floor):")
         for r in sweep:
             print(f"  {r['threshold_bytes'] >> 20:4d} MiB, {r['buckets']:3d} buckets: "

@@ -101,6 +101,13 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
             f"rank, {tnt2['wait_per_step_s'] * 1e3:.2f} ms/step (step {tnt2['step_s'] * 1e3:.0f} ms) vs "
             f"floor: contiguous MPI_Allreduce {f['allreduce_s'] * 1e3:.2f} ms, memcpy {f['memcpy_s'] * 1e3:.2f} ms "
             f"of the {f['bytes'] / 1e6:.2f} MB gradients; submit copies {100 * tnt2['submit_fraction']:.1f}%"))
+    if tnt2 and "tnt_syncbn" in c:
+        sb = c["tnt_syncbn"]
+        rows.append(row(
+            "sync_batch_norm_step_cost_2ranks_resnet", paired("tnt_syncbn"), None, False,
+            "x step time of tnt without sync BN",
+            f"ResNet-20 with tnt.Model(sync_batch_norm=True) vs without, median of per-round ratios; "
+            f"step {sb.get('step_s', 0) * 1e3:.0f} ms vs {tnt2['step_s'] * 1e3:.0f} ms"))
     if tnt2 and "tnt_nocomm" in c:
         rows.append(row(
             "tnt_nocomm_vs_keras_2ranks_resnet", per_round("tnt_nocomm", "keras_independent"),
@@ -172,6 +179,23 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
                         f"mpi4py Allreduce per tensor {s['per_tensor_s'] * 1e3:.2f} ms; floor (one "
                         f"contiguous Allreduce) {s['floor_s'] * 1e3:.2f} ms; with one submit/result "
                         f"per tensor {s.get('fused_per_call_s', float('nan')) * 1e3:.2f} ms (allreduce.py)"))
+    if ar and "latency" in ar:  # tnt-comm targets of issue 12 (allreduce.py)
+        lat, tg, s = ar["latency"], ar["targets"], ar["small_tensors"]
+        rows.append(row("small_bucket_latency_vs_mpi", tg["small_bucket_latency_vs_mpi"], 1.5, False,
+                        "x MPI_Allreduce time",
+                        f"4 KiB bucket: fused round (submit + wait) {lat['fused_s'] * 1e6:.1f} us vs mpi4py "
+                        f"Allreduce {lat['mpi4py_s'] * 1e6:.1f} us; last rank 1 ms late (delay subtracted): "
+                        f"{lat['fused_late_peer_s'] * 1e6:.1f} vs {lat['mpi4py_late_peer_s'] * 1e6:.1f} us"))
+        rows.append(row("small_tensors_fused_vs_floor_plus_memcpy", tg["small_tensors_fused_vs_floor_plus_memcpy"],
+                        1.25, False, "x (contiguous MPI_Allreduce + memcpy) (time)",
+                        f"{s['tensors']} x {s['values'] // s['tensors']} float32: fused {s['fused_s'] * 1e3:.2f} ms "
+                        f"vs floor {s['floor_s'] * 1e3:.2f} ms + memcpy {s['memcpy_s'] * 1e3:.2f} ms"))
+        rows.append(row("plain_allreduce_4B_vs_mpi4py", tg["plain_allreduce_4B_vs_mpi4py"], 3.0, False,
+                        "x mpi4py Allreduce time",
+                        f"tnt_comm.allreduce of one float32 {lat['plain_4B_s'] * 1e6:.1f} us vs mpi4py "
+                        f"{lat['mpi4py_4B_s'] * 1e6:.1f} us"))
+        rows.append(row("busbw_vs_mpi4py_ge_1MB", tg["busbw_worst_ratio_ge_1MB"], 0.95, True,
+                        "x mpi4py bus bandwidth (worst size >= 1 MB)", "tnt_comm.allreduce vs mpi4py Allreduce"))
     if dp:
         r2 = next((r for r in dp["summary"] if r["ranks"] == 2 and r["split"] == "early"), None)
         if r2:

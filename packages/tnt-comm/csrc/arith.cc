@@ -20,6 +20,15 @@ void divide16(std::uint16_t* p, std::int64_t n, float d) {
 
 }  // namespace
 
+bool avg_scales_first(DType dtype) { return dtype == DType::kFloat16 || dtype == DType::kBFloat16; }
+
+void check_avg(DType dtype, const std::string& what) {
+  if (dtype_is_float(dtype)) return;
+  throw std::invalid_argument(what + ": Op.AVG is not defined for integer dtype " + dtype_name(dtype) +
+                              " (the mean is not an integer); use Op.SUM and divide yourself, "
+                              "or convert to a float dtype");
+}
+
 void divide_inplace(void* data, std::int64_t count, DType dtype, int divisor) {
   switch (dtype) {
     case DType::kFloat16: return divide16<Half>(static_cast<std::uint16_t*>(data), count, static_cast<float>(divisor));
@@ -29,8 +38,7 @@ void divide_inplace(void* data, std::int64_t count, DType dtype, int divisor) {
     case DType::kInt32:
     case DType::kInt64: break;
   }
-  throw std::invalid_argument(std::string("Op.AVG is not defined for integer dtype ") +
-                              dtype_name(dtype) + "; use Op.SUM and divide yourself");
+  check_avg(dtype, "divide");
 }
 
 }  // namespace tnt

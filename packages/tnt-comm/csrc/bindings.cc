@@ -12,6 +12,7 @@
 #include "collectives.h"
 #include "errors.h"
 #include "fused.h"
+#include "p2p.h"
 #include "plan.h"
 #include "runtime.h"
 
@@ -46,16 +47,144 @@ void raise_as(const char* cls, const CommError& e) {
   PyErr_SetObject(type.ptr(), inst.ptr());
 }
 
+// Note [Buffers outlive requests] for the caller's arrays: when a call fails because
+// the engine broke (a stall), its request may still be posted inside MPI, which may
+// later read or write the arrays. Their references are then leaked: never freed.
+template <class Fn>
+void guarded(Engine& engine, std::initializer_list<py::handle> arrays, Fn&& fn) {
+  std::vector<py::object> keep;
+  for (py::handle a : arrays) keep.push_back(py::reinterpret_borrow<py::object>(a));
+  try {
+    py::gil_scoped_release release;
+    fn();
+  } catch (...) {
+    if (!engine.broken().empty()) {
+      for (auto& k : keep) (void)k.release();
+    }
+    throw;
+  }
+}
+
+py::array as_array(const py::dtype& dt, const std::vector<std::int64_t>& shape,
+                   std::shared_ptr<FusionBuffer> buf) {
+  std::vector<py::ssize_t> dims(shape.begin(), shape.end());
+  void* data = buf->data();
+  return py::array(dt, dims, data, owner(std::move(buf)));
+}
+
+// A send or receive in flight (tnt_comm.Request wraps it).
+class PyMessage {
+ public:
+  PyMessage(std::shared_ptr<Message> m, py::object dtype, std::vector<std::int64_t> shape)
+      : m_(std::move(m)), dtype_(std::move(dtype)), shape_(std::move(shape)) {}
+
+  // None for a send; the received array for a receive.
+  py::object wait() {
+    {
+      py::gil_scoped_release release;
+      m_->wait();
+    }
+    if (dtype_.is_none()) return py::none();
+    return as_array(py::dtype::from_args(dtype_), shape_, m_->buffer());
+  }
+  bool test() {
+    py::gil_scoped_release release;
+    return m_->test();
+  }
+
+ private:
+  std::shared_ptr<Message> m_;
+  py::object dtype_;  // None for a send
+  std::vector<std::int64_t> shape_;
+};
+
+// A communicator (tnt_comm.Communicator wraps it).
+class PyComm {
+ public:
+  explicit PyComm(CommPtr c) : c_(std::move(c)) {}
+  const CommPtr& ptr() const { return c_; }
+  int rank() const { return c_->rank; }
+  int size() const { return c_->size; }
+  std::string name() const { return c_->name; }
+
+  void barrier() {
+    Engine& e = runtime_engine();
+    py::gil_scoped_release release;
+    tnt::barrier(e, c_);
+  }
+  py::array allreduce(const py::array& in, int op) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(in);
+    py::array out(in.dtype(), std::vector<py::ssize_t>(in.shape(), in.shape() + in.ndim()));
+    const void* src = in.data();
+    void* dst = out.mutable_data();
+    guarded(e, {in, out}, [&] { tnt::allreduce(e, c_, src, dst, d, static_cast<ReduceOp>(op)); });
+    return out;
+  }
+  void broadcast(py::array& buf, int root) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(buf);
+    void* p = buf.mutable_data();
+    guarded(e, {buf}, [&] { tnt::broadcast(e, c_, p, d, root); });
+  }
+  py::array allgather(const py::array& in) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(in);
+    const void* src = in.data();
+    Gathered g;
+    guarded(e, {in}, [&] { g = tnt::allgather(e, c_, src, d); });
+    return as_array(in.dtype(), g.shape, std::move(g.data));
+  }
+  PyComm split(int color, int key) {
+    Engine& e = runtime_engine();
+    py::gil_scoped_release release;
+    return PyComm(tnt::split(e, c_, color, key));
+  }
+  PyComm dup() {
+    Engine& e = runtime_engine();
+    py::gil_scoped_release release;
+    return PyComm(tnt::dup(e, c_));
+  }
+  PyMessage isend(const py::array& a, int dest, const std::vector<std::int64_t>& header) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(a);
+    const void* src = a.data();
+    std::shared_ptr<Message> m;
+    {
+      py::gil_scoped_release release;  // copies the array
+      m = tnt::isend(e, c_, src, d, dest, header);
+    }
+    return PyMessage(std::move(m), py::none(), {});
+  }
+  PyMessage irecv(int source, const std::vector<std::int64_t>& header, py::object dtype,
+                  const std::vector<std::int64_t>& shape) {
+    Engine& e = runtime_engine();
+    const py::dtype dt = py::dtype::from_args(dtype);
+    ArrayDesc d;
+    d.dtype = py::str(dt.attr("name"));
+    d.itemsize = dt.itemsize();
+    d.shape = shape;
+    std::shared_ptr<Message> m = tnt::irecv(e, c_, source, d, header);
+    return PyMessage(std::move(m), dt, shape);
+  }
+
+ private:
+  CommPtr c_;
+};
+
 class PyFused {
  public:
+  // Reduces over a private duplicate of `comm` (nullptr: the world), Note [One
+  // communicator per engine].
   PyFused(const std::vector<std::tuple<std::string, std::int64_t, std::string>>& specs,
-          std::int64_t threshold, int op, std::vector<py::object> dtypes)
+          std::int64_t threshold, int op, std::vector<py::object> dtypes, const PyComm* comm)
   {
     for (auto& d : dtypes) dtypes_.push_back(py::dtype::from_args(d));
     auto parsed = to_specs(specs);
     Engine& engine = runtime_engine();
+    CommPtr over = comm != nullptr ? comm->ptr() : engine.world_comm();
     py::gil_scoped_release release;
-    impl_ = std::make_unique<FusedAllreduce>(engine, std::move(parsed), threshold,
+    impl_ = std::make_unique<FusedAllreduce>(engine, dup(engine, over), std::move(parsed), threshold,
                                              static_cast<ReduceOp>(op));
   }
 
@@ -201,40 +330,27 @@ PYBIND11_MODULE(_core, m) {
     runtime_abort(code);
   });
 
-  m.def("barrier", [] {
-    Engine& e = runtime_engine();
-    py::gil_scoped_release release;
-    barrier(e);
-  });
-  m.def("allreduce", [](const py::array& in, py::array& out, int op) {
-    Engine& e = runtime_engine();
-    const ArrayDesc d = describe(in);
-    const void* src = in.data();
-    void* dst = out.mutable_data();
-    py::gil_scoped_release release;
-    allreduce(e, src, dst, d, static_cast<ReduceOp>(op));
-  });
-  m.def("broadcast", [](py::array& buf, int root) {
-    Engine& e = runtime_engine();
-    const ArrayDesc d = describe(buf);
-    void* p = buf.mutable_data();
-    py::gil_scoped_release release;
-    broadcast(e, p, d, root);
-  });
-  m.def("allgather", [](const py::array& in) {
-    Engine& e = runtime_engine();
-    const ArrayDesc d = describe(in);
-    const void* src = in.data();
-    Gathered g;
-    {
-      py::gil_scoped_release release;
-      g = allgather(e, src, d);
-    }
-    const py::dtype dt = in.dtype();
-    std::vector<py::ssize_t> shape(g.shape.begin(), g.shape.end());
-    void* data = g.data->data();
-    return py::array(dt, shape, data, owner(std::move(g.data)));
-  });
+  m.def("reducible_dtypes", &dtype_names);
+  m.def("world", [] { return PyComm(runtime_engine().world_comm()); });
+  m.def("begin_local_work", [] { runtime_engine().begin_local_work(); });
+  m.def("end_local_work", [] { runtime_engine().end_local_work(); });
+
+  py::class_<PyComm>(m, "Comm")
+      .def_property_readonly("rank", &PyComm::rank)
+      .def_property_readonly("size", &PyComm::size)
+      .def_property_readonly("name", &PyComm::name)
+      .def("barrier", &PyComm::barrier)
+      .def("allreduce", &PyComm::allreduce)
+      .def("broadcast", &PyComm::broadcast)
+      .def("allgather", &PyComm::allgather)
+      .def("split", &PyComm::split)
+      .def("dup", &PyComm::dup)
+      .def("isend", &PyComm::isend)
+      .def("irecv", &PyComm::irecv);
+
+  py::class_<PyMessage>(m, "Message")
+      .def("wait", &PyMessage::wait)
+      .def("test", &PyMessage::test);
 
   m.def("plan_buckets",
         [](const std::vector<std::tuple<std::string, std::int64_t, std::string>>& specs,
@@ -242,7 +358,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PyFused>(m, "FusedAllreduce")
       .def(py::init<const std::vector<std::tuple<std::string, std::int64_t, std::string>>&,
-                    std::int64_t, int, std::vector<py::object>>())
+                    std::int64_t, int, std::vector<py::object>, const PyComm*>())
       .def_property_readonly("plan", &PyFused::plan)
       .def("submit", &PyFused::submit)
       .def("submit_many", &PyFused::submit_many)

@@ -1,6 +1,8 @@
 #include "collectives.h"
 
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 
@@ -10,16 +12,110 @@
 namespace tnt {
 namespace {
 
-// Exchanged by every rank before each plain collective.
-constexpr std::uint32_t kMetaMagic = 0x746E7431;  // "tnt1": tells our Meta from other bytes
-struct Meta {
-  std::uint32_t magic;
-  char dtype[24];
-  std::int32_t op;  // ReduceOp, root, or -1
-  std::int32_t ndim;
-  std::int64_t itemsize;
-  std::int64_t shape[kMaxDims];
+// Gathers every rank's Meta; `check` then runs on the gathered table (same on all ranks).
+struct MetaExchange {
+  Meta mine{};
+  std::vector<Meta> all;
+  std::int64_t check_in[4] = {}, check_out[4] = {};
+  bool differ = false;
 };
+
+
+StepTask::Step exchange_step(const std::shared_ptr<MetaExchange>& x) {
+  return [x](DataPlane& t) {
+    x->all.resize(static_cast<std::size_t>(t.size()));
+    return t.iallgather(&x->mine, sizeof(Meta), x->all.data());
+  };
+}
+
+// When another rank runs a different collective, MPI may match it against this exchange
+// and hand us bytes that are no Meta: say so (never decode them).
+StepTask::Step in_step_check(const std::shared_ptr<MetaExchange>& x, const char* what) {
+  return [x, what](DataPlane&) -> std::unique_ptr<Request> {
+    std::string ranks;
+    for (std::size_t r = 0; r < x->all.size(); ++r) {
+      if (!meta_valid(x->all[r])) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (!ranks.empty()) {
+      throw OutOfStepError(
+          std::string("tnt_comm: ") + what + ": rank(s) " + ranks +
+          " ran a different collective at this point (what they sent does not describe "
+          "arguments of " + what + "), so the ranks ran different collectives: a rank skipped a "
+          "collective or ran an extra one (e.g. a collective inside `if rank == 0:`); every "
+          "rank must issue the same collectives in the same order.");
+    }
+    return nullptr;
+  };
+}
+
+std::string table(const std::vector<Meta>& all, bool with_op, const char* op_label) {
+  std::ostringstream s;
+  for (std::size_t r = 0; r < all.size(); ++r) {
+    s << (r ? "; " : "") << "rank " << r << ": " << from_meta(all[r]).str();
+    if (with_op) s << " " << op_label << "=" << op_name(static_cast<ReduceOp>(all[r].op));
+  }
+  return s.str();
+}
+
+// Note [Description check]
+// Before a plain allreduce or broadcast every rank must agree on dtype, shape and op or
+// root, or the data collective would hang or mix garbage. Exchanging the full
+// descriptions costs ~300 B x ranks before every call (a 4 B allreduce took 20x MPI's
+// time); instead one MAX-allreduce of four int64 carries (magic, -magic, hash, -hash):
+// afterwards max == -max(-x) == min, so every rank knows at once whether all sent the
+// magic (else another rank runs a different collective here: out of step, never
+// decoded) and whether all hashes agree. Only on disagreement are the full
+// descriptions gathered, to name every rank's arguments in the error. All ranks see
+// the same reduced values, so they take the same branch.
+std::int64_t description_hash(const Meta& m) {
+  std::uint64_t h = 14695981039346656037ull;
+  const auto* p = reinterpret_cast<const unsigned char*>(&m);
+  for (std::size_t i = 0; i < sizeof(Meta); ++i) {
+    h ^= p[i];
+    h *= 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(h >> 2);  // 62 bits: its negation cannot overflow
+}
+
+// The steps of the check; `verdict` runs on the gathered table (only when hashes differ)
+// and throws the error naming every rank's arguments.
+void add_description_check(std::vector<StepTask::Step>& steps, const std::shared_ptr<MetaExchange>& x,
+                           const char* what, std::function<void(const std::vector<Meta>&)> verdict) {
+  steps.push_back([x](DataPlane& t) {
+    const std::int64_t h = description_hash(x->mine);
+    const std::int64_t in[4] = {kMetaMagic, -static_cast<std::int64_t>(kMetaMagic), h, -h};
+    std::copy(in, in + 4, x->check_in);
+    return t.iallreduce(x->check_in, x->check_out, 4, DType::kInt64, ReduceOp::kMax);
+  });
+  steps.push_back([x, what](DataPlane& t) -> std::unique_ptr<Request> {
+    const std::int64_t* o = x->check_out;
+    if (o[0] != kMetaMagic || -o[1] != kMetaMagic) {
+      throw OutOfStepError(
+          std::string("tnt_comm: ") + what + ": another rank ran a different collective at this "
+          "point (what it sent does not describe arguments of " + what + "), so the ranks ran "
+          "different collectives: a rank skipped a collective or ran an extra one (e.g. a "
+          "collective inside `if rank == 0:`); every rank must issue the same collectives in the "
+          "same order.");
+    }
+    x->differ = o[2] != -o[3];
+    return x->differ ? exchange_step(x)(t) : nullptr;
+  });
+  steps.push_back([x, what, verdict = std::move(verdict)](DataPlane& t) -> std::unique_ptr<Request> {
+    if (!x->differ) return nullptr;
+    in_step_check(x, what)(t);
+    verdict(x->all);
+    throw std::logic_error(std::string(what) + ": descriptions hash differently but compare equal");
+  });
+}
+
+void run_blocking(Engine& engine, std::shared_ptr<StepTask> task) {
+  auto done = task->future();
+  const std::string what = task->describe();
+  engine.enqueue(std::move(task));
+  engine.await(done, what);  // rethrows the task's error
+}
+
+}  // namespace
 
 Meta to_meta(const ArrayDesc& d, std::int32_t op) {
   if (d.shape.size() > static_cast<std::size_t>(kMaxDims)) {
@@ -47,58 +143,10 @@ ArrayDesc from_meta(const Meta& m) {
   return d;
 }
 
-// Gathers every rank's Meta; `check` then runs on the gathered table (same on all ranks).
-struct MetaExchange {
-  Meta mine{};
-  std::vector<Meta> all;
-};
-
-StepTask::Step exchange_step(const std::shared_ptr<MetaExchange>& x) {
-  return [x](Transport& t) {
-    x->all.resize(static_cast<std::size_t>(t.size()));
-    return t.iallgather(&x->mine, sizeof(Meta), x->all.data());
-  };
+bool meta_valid(const Meta& m) {
+  return m.magic == kMetaMagic && m.ndim >= 0 && m.ndim <= kMaxDims &&
+         strnlen(m.dtype, sizeof m.dtype) < sizeof m.dtype;
 }
-
-// When another rank runs a different collective, MPI may match it against this exchange
-// and hand us bytes that are no Meta: say so (never decode them).
-StepTask::Step in_step_check(const std::shared_ptr<MetaExchange>& x, const char* what) {
-  return [x, what](Transport&) -> std::unique_ptr<Request> {
-    std::string ranks;
-    for (std::size_t r = 0; r < x->all.size(); ++r) {
-      const Meta& m = x->all[r];
-      const bool ok = m.magic == kMetaMagic && m.ndim >= 0 && m.ndim <= kMaxDims &&
-                      strnlen(m.dtype, sizeof m.dtype) < sizeof m.dtype;
-      if (!ok) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-    }
-    if (!ranks.empty()) {
-      throw OutOfStepError(
-          std::string("tnt_comm: ") + what + ": rank(s) " + ranks +
-          " ran a different collective at this point (what they sent does not describe "
-          "arguments of " + what + "), so the ranks ran different collectives: a rank skipped a "
-          "collective or ran an extra one (e.g. a collective inside `if rank == 0:`); every "
-          "rank must issue the same collectives in the same order.");
-    }
-    return nullptr;
-  };
-}
-
-std::string table(const std::vector<Meta>& all, bool with_op, const char* op_label) {
-  std::ostringstream s;
-  for (std::size_t r = 0; r < all.size(); ++r) {
-    s << (r ? "; " : "") << "rank " << r << ": " << from_meta(all[r]).str();
-    if (with_op) s << " " << op_label << "=" << op_name(static_cast<ReduceOp>(all[r].op));
-  }
-  return s.str();
-}
-
-void run_blocking(Engine& engine, std::shared_ptr<StepTask> task) {
-  auto done = task->future();
-  engine.enqueue(std::move(task));
-  done.get();  // rethrows the task's error
-}
-
-}  // namespace
 
 std::int64_t ArrayDesc::count() const {
   std::int64_t n = 1;
@@ -114,80 +162,78 @@ std::string ArrayDesc::str() const {
   return s.str();
 }
 
-void allreduce(Engine& engine, const void* in, void* out, const ArrayDesc& desc, ReduceOp op) {
+void allreduce(Engine& engine, const CommPtr& comm, const void* in, void* out,
+               const ArrayDesc& desc, ReduceOp op) {
   const DType dtype = parse_dtype(desc.dtype);
-  if (op == ReduceOp::kAvg && !dtype_is_float(dtype)) divide_inplace(nullptr, 0, dtype, 1);  // throws
+  if (op == ReduceOp::kAvg) check_avg(dtype, "allreduce");
   auto x = std::make_shared<MetaExchange>();
   x->mine = to_meta(desc, static_cast<std::int32_t>(op));
   const std::int64_t count = desc.count();
-  const int size = engine.world().size;
+  const int size = comm->size;
+  const bool scale_first = op == ReduceOp::kAvg && avg_scales_first(dtype);
   std::vector<StepTask::Step> steps;
-  steps.push_back(exchange_step(x));
-  steps.push_back(in_step_check(x, "allreduce"));
-  steps.push_back([x](Transport&) -> std::unique_ptr<Request> {
-    for (const Meta& m : x->all) {
-      if (std::memcmp(&m, &x->all.front(), sizeof(Meta)) != 0) {
-        throw std::invalid_argument(
-            "allreduce: the arrays or ops differ across ranks (" + table(x->all, true, "op") +
-            "). Every rank must pass an array of the same shape and dtype, with the same op.");
-      }
-    }
-    return nullptr;
+  add_description_check(steps, x, "allreduce", [](const std::vector<Meta>& all) {
+    throw std::invalid_argument(
+        "allreduce: the arrays or ops differ across ranks (" + table(all, true, "op") +
+        "). Every rank must pass an array of the same shape and dtype, with the same op.");
   });
-  steps.push_back([=](Transport& t) { return t.iallreduce(in, out, count, dtype, op); });
-  if (op == ReduceOp::kAvg) {
-    steps.push_back([=](Transport&) -> std::unique_ptr<Request> {
+  if (scale_first) {  // Note [AVG scaling]: out = in / size, then summed in place
+    steps.push_back([=](DataPlane& t) {
+      std::memcpy(out, in, static_cast<std::size_t>(desc.nbytes()));
+      divide_inplace(out, count, dtype, size);
+      return t.iallreduce(out, out, count, dtype, ReduceOp::kSum);
+    });
+  } else {
+    steps.push_back([=](DataPlane& t) { return t.iallreduce(in, out, count, dtype, op); });
+  }
+  if (op == ReduceOp::kAvg && !scale_first) {
+    steps.push_back([=](DataPlane&) -> std::unique_ptr<Request> {
       divide_inplace(out, count, dtype, size);
       return nullptr;
     });
   }
   run_blocking(engine, std::make_shared<StepTask>(
-                           "allreduce(" + desc.str() + ", " + op_name(op) + ")", std::move(steps)));
+                           comm, "allreduce(" + desc.str() + ", " + op_name(op) + ")", std::move(steps)));
 }
 
-void broadcast(Engine& engine, void* buf, const ArrayDesc& desc, int root) {
+void broadcast(Engine& engine, const CommPtr& comm, void* buf, const ArrayDesc& desc, int root) {
   auto x = std::make_shared<MetaExchange>();
   x->mine = to_meta(desc, root);
   const std::int64_t nbytes = desc.nbytes();
   std::vector<StepTask::Step> steps;
-  steps.push_back(exchange_step(x));
-  steps.push_back(in_step_check(x, "broadcast"));
-  // Checked after the exchange, on the gathered table: every rank reaches the same verdict.
-  steps.push_back([x, root](Transport& t) -> std::unique_ptr<Request> {
-    for (const Meta& m : x->all) {
+  add_description_check(steps, x, "broadcast", [root](const std::vector<Meta>& all) {
+    for (const Meta& m : all) {
       if (m.op != root) {
         std::string roots;
-        for (std::size_t r = 0; r < x->all.size(); ++r) {
+        for (std::size_t r = 0; r < all.size(); ++r) {
           roots += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + ": root=" +
-                   std::to_string(x->all[r].op);
+                   std::to_string(all[r].op);
         }
         throw std::invalid_argument("broadcast: ranks disagree on the root (" + roots +
                                     "). Pass the same root on every rank.");
       }
     }
+    throw std::invalid_argument(
+        "broadcast(root=" + std::to_string(root) + "): shape/dtype differ across ranks (" +
+        table(all, false, "") +
+        "). Every rank must pass an array of the root's shape and dtype, e.g. "
+        "np.empty(shape, dtype) on the non-root ranks.");
+  });
+  // Same root everywhere now (it is part of the description): the same verdict everywhere.
+  steps.push_back([root](DataPlane& t) -> std::unique_ptr<Request> {
     if (root < 0 || root >= t.size()) {
       throw std::invalid_argument("broadcast: root=" + std::to_string(root) +
                                   " is not a rank (ranks are 0.." + std::to_string(t.size() - 1) + ")");
     }
-    const Meta& r = x->all.at(static_cast<std::size_t>(root));
-    for (const Meta& m : x->all) {
-      if (std::memcmp(&m, &r, sizeof(Meta)) != 0) {
-        throw std::invalid_argument(
-            "broadcast(root=" + std::to_string(root) + "): shape/dtype differ across ranks (" +
-            table(x->all, false, "") +
-            "). Every rank must pass an array of the root's shape and dtype, e.g. "
-            "np.empty(shape, dtype) on the non-root ranks.");
-      }
-    }
     return nullptr;
   });
-  steps.push_back([=](Transport& t) { return t.ibcast(buf, nbytes, root); });
+  steps.push_back([=](DataPlane& t) { return t.ibcast(buf, nbytes, root); });
   run_blocking(engine, std::make_shared<StepTask>(
-                           "broadcast(" + desc.str() + ", root=" + std::to_string(root) + ")",
+                           comm, "broadcast(" + desc.str() + ", root=" + std::to_string(root) + ")",
                            std::move(steps)));
 }
 
-Gathered allgather(Engine& engine, const void* in, const ArrayDesc& desc) {
+Gathered allgather(Engine& engine, const CommPtr& comm, const void* in, const ArrayDesc& desc) {
   if (desc.shape.empty()) {
     throw std::invalid_argument(
         "allgather needs an array with at least one dimension (it concatenates along axis 0); "
@@ -200,7 +246,7 @@ Gathered allgather(Engine& engine, const void* in, const ArrayDesc& desc) {
   std::vector<StepTask::Step> steps;
   steps.push_back(exchange_step(x));
   steps.push_back(in_step_check(x, "allgather"));
-  steps.push_back([x, out, counts](Transport& t) -> std::unique_ptr<Request> {
+  steps.push_back([x, out, counts](DataPlane& t) -> std::unique_ptr<Request> {
     const ArrayDesc first = from_meta(x->all.front());
     std::int64_t rows = 0;
     for (const Meta& m : x->all) {
@@ -225,17 +271,70 @@ Gathered allgather(Engine& engine, const void* in, const ArrayDesc& desc) {
     (void)t;
     return nullptr;
   });
-  steps.push_back([in, out, counts](Transport& t) {
+  steps.push_back([in, out, counts](DataPlane& t) {
     return t.iallgatherv(in, out->data->data(), *counts);
   });
-  run_blocking(engine, std::make_shared<StepTask>("allgather(" + desc.str() + ")", std::move(steps)));
+  run_blocking(engine, std::make_shared<StepTask>(comm, "allgather(" + desc.str() + ")", std::move(steps)));
   return std::move(*out);
 }
 
-void barrier(Engine& engine) {
+void barrier(Engine& engine, const CommPtr& comm) {
   std::vector<StepTask::Step> steps;
-  steps.push_back([](Transport& t) { return t.ibarrier(); });
-  run_blocking(engine, std::make_shared<StepTask>("barrier()", std::move(steps)));
+  steps.push_back([](DataPlane& t) { return t.ibarrier(); });
+  run_blocking(engine, std::make_shared<StepTask>(comm, "barrier()", std::move(steps)));
+}
+
+CommPtr split(Engine& engine, const CommPtr& parent, int color, int key) {
+  if (color < 0) {
+    throw std::invalid_argument("split: color=" + std::to_string(color) +
+                                " must be >= 0 (every rank must belong to one new communicator)");
+  }
+  auto child = std::make_shared<Comm>();
+  child->name = "split(color=" + std::to_string(color) + ", key=" + std::to_string(key) + ") of " +
+                parent->name;
+  struct Arrival {
+    std::int32_t color, key;
+  };
+  auto mine = std::make_shared<Arrival>(Arrival{color, key});
+  auto all = std::make_shared<std::vector<Arrival>>();
+  std::vector<StepTask::Step> steps;
+  steps.push_back([mine, all](DataPlane& t) {  // timed: every member has arrived after it
+    all->resize(static_cast<std::size_t>(t.size()));
+    return t.iallgather(mine.get(), sizeof(Arrival), all->data());
+  });
+  steps.push_back([&engine, parent, child, color, key](DataPlane& t) -> std::unique_ptr<Request> {
+    child->id = child_comm_id(parent->id, parent->derived++, color);
+    child->data = t.split(color, key);
+    child->rank = child->data->rank();
+    child->size = child->data->size();
+    child->world_ranks = child->data->world_ranks();
+    engine.adopt(child);
+    return nullptr;
+  });
+  run_blocking(engine, std::make_shared<StepTask>(
+                           parent, "split(color=" + std::to_string(color) + ", key=" +
+                                       std::to_string(key) + ") of " + parent->name,
+                           std::move(steps)));
+  return child;
+}
+
+CommPtr dup(Engine& engine, const CommPtr& parent) {
+  auto child = std::make_shared<Comm>();
+  child->name = "dup of " + parent->name;
+  auto plane = std::make_shared<std::unique_ptr<DataPlane>>();
+  std::vector<StepTask::Step> steps;
+  steps.push_back([plane](DataPlane& t) { return t.idup(plane.get()); });
+  steps.push_back([&engine, parent, child, plane](DataPlane&) -> std::unique_ptr<Request> {
+    child->id = child_comm_id(parent->id, parent->derived++, -1);
+    child->data = std::move(*plane);
+    child->rank = child->data->rank();
+    child->size = child->data->size();
+    child->world_ranks = child->data->world_ranks();
+    engine.adopt(child);
+    return nullptr;
+  });
+  run_blocking(engine, std::make_shared<StepTask>(parent, "dup of " + parent->name, std::move(steps)));
+  return child;
 }
 
 }  // namespace tnt

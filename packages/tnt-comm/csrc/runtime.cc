@@ -3,6 +3,9 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
+
+#include <unistd.h>
 
 #include "errors.h"
 #include "mpi_transport.h"
@@ -14,21 +17,48 @@ std::mutex g_mu;
 std::unique_ptr<Engine> g_engine;
 bool g_finalized = false;
 
+// Note [Fork]: a forked child inherits the engine's memory but not its thread, so any
+// call would wait forever for a thread that does not exist; and MPI cannot be used in
+// the child either. Every entry point checks the process id first.
+void check_not_forked(const Engine& engine) {
+  if (engine.pid() != ::getpid()) {
+    throw CommError(
+        "tnt_comm was initialised in process " + std::to_string(engine.pid()) +
+        " and this is a forked child (pid " + std::to_string(::getpid()) +
+        "): MPI and tnt_comm's communication thread do not survive fork(). Communicate only "
+        "from the parent process; for worker processes use multiprocessing's 'spawn' or "
+        "'forkserver' start method, or fork before the first tnt_comm call.");
+  }
+}
+
 }  // namespace
 
 void runtime_init() {
   std::lock_guard<std::mutex> lock(g_mu);
-  if (g_engine) return;
+  if (g_engine) {
+    check_not_forked(*g_engine);
+    return;
+  }
   if (g_finalized) {
     throw CommError("tnt_comm.finalize() was already called; MPI cannot be restarted in this process");
   }
-  g_engine = std::make_unique<Engine>(load_config(), &make_mpi_transport);
+  auto engine = std::make_unique<Engine>(load_config(), &make_mpi_control);
+  try {
+    engine->wait_started();
+  } catch (const StallError&) {
+    (void)engine.release();  // its thread is stuck inside MPI start-up: never free it
+    throw;
+  }
+  g_engine = std::move(engine);
 }
 
 Engine& runtime_engine() {
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (g_engine) return *g_engine;
+    if (g_engine) {
+      check_not_forked(*g_engine);
+      return *g_engine;
+    }
   }
   runtime_init();
   std::lock_guard<std::mutex> lock(g_mu);
@@ -40,6 +70,10 @@ void runtime_finalize() {
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (!g_engine) return;
+    if (g_engine->pid() != ::getpid()) {  // a forked child: its copy has no thread to stop
+      (void)g_engine.release();
+      return;
+    }
     engine = std::move(g_engine);
     g_finalized = true;
   }
@@ -61,7 +95,7 @@ void runtime_abort(int code) {
     std::lock_guard<std::mutex> lock(g_mu);
     engine = g_engine.get();
   }
-  if (engine != nullptr) engine->abort(code);
+  if (engine != nullptr && engine->pid() == ::getpid()) engine->abort(code);
   std::_Exit(code);
 }
 

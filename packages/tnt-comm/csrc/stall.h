@@ -13,12 +13,16 @@
 #include <string>
 #include <vector>
 
+#include "comm.h"
+#include "transport.h"
+
 namespace tnt {
 
 // The StallError message: collective, rank, limit, which ranks did not arrive, likely
 // causes, and the variable that moves the limit.
-std::string stall_message(const std::string& what, double timeout_s, int rank,
-                          std::uint64_t seq,
-                          const std::vector<std::optional<std::uint64_t>>& progress);
+// `progress` holds the answer of every member of `comm`, in its rank order; `seq` is the
+// stalled collective's number on `comm`.
+std::string stall_message(const std::string& what, const Comm& comm, double timeout_s,
+                          std::uint64_t seq, const std::vector<std::optional<Progress>>& progress);
 
 }  // namespace tnt

@@ -1,6 +1,7 @@
-// A unit of work for the communication thread: one logical collective, made of one or
-// more non-blocking steps (e.g. a metadata exchange, then the data). Tasks run strictly
-// in enqueue order, one at a time, so every rank issues its collectives in one order.
+// A unit of work for the communication thread: one logical operation (a collective, a
+// send, a receive) on one communicator, made of one or more non-blocking steps (e.g. a
+// metadata exchange, then the data). Tasks start in enqueue order; several may be in
+// flight at once (Note [Lanes] in engine.cc).
 #pragma once
 
 #include <exception>
@@ -11,39 +12,78 @@
 #include <utility>
 #include <vector>
 
+#include "comm.h"
 #include "transport.h"
 
 namespace tnt {
 
+enum class Lane {
+  kCollective,  // started in one order on every member; counted in Comm::seq
+  kPointToPoint,  // ordered only among this rank's own messages
+};
+
 class Task {
  public:
+  explicit Task(std::shared_ptr<Comm> comm) : comm_(std::move(comm)) {}
   virtual ~Task() = default;
   // Names the operation in error messages, e.g. "allreduce(float32[1000], SUM)".
   virtual std::string describe() const = 0;
+  virtual Lane lane() const { return Lane::kCollective; }
   // Issues the next non-blocking step; nullptr once the task is complete. May throw.
-  virtual std::unique_ptr<Request> next(Transport& transport) = 0;
+  virtual std::unique_ptr<Request> next(DataPlane& data) = 0;
+  // True while next() may still start a collective on the communicator: later
+  // collectives of that communicator wait until it is false.
+  virtual bool more_collective_steps() const = 0;
   // Called exactly once on the communication thread: nullptr on success.
   virtual void finish(std::exception_ptr error) noexcept = 0;
+  // For stall messages about point-to-point tasks: the peer's rank, or -1.
+  virtual int peer() const { return -1; }
+
+  Comm& comm() const { return *comm_; }
+  const std::shared_ptr<Comm>& comm_ptr() const { return comm_; }
+
+ private:
+  std::shared_ptr<Comm> comm_;
+};
+
+// Two requests completed together (e.g. a message's envelope and its payload).
+class BothRequest final : public Request {
+ public:
+  BothRequest(std::unique_ptr<Request> a, std::unique_ptr<Request> b)
+      : a_(std::move(a)), b_(std::move(b)) {}
+  bool test() override {
+    const bool a = a_->test();
+    const bool b = b_->test();
+    return a && b;
+  }
+
+ private:
+  std::unique_ptr<Request> a_, b_;
 };
 
 // A task given as a list of steps, completed through a future. A step returns the
 // request it started, or nullptr if it did only local work.
 class StepTask final : public Task {
  public:
-  using Step = std::function<std::unique_ptr<Request>(Transport&)>;
+  using Step = std::function<std::unique_ptr<Request>(DataPlane&)>;
 
-  StepTask(std::string what, std::vector<Step> steps)
-      : what_(std::move(what)), steps_(std::move(steps)) {}
+  StepTask(std::shared_ptr<Comm> comm, std::string what, std::vector<Step> steps)
+      : Task(std::move(comm)), what_(std::move(what)), steps_(std::move(steps)) {}
 
   std::future<void> future() { return done_.get_future(); }
   std::string describe() const override { return what_; }
+  Lane lane() const override { return peer_ < 0 ? Lane::kCollective : Lane::kPointToPoint; }
+  int peer() const override { return peer_; }
+  // Makes it a point-to-point task with `peer` (its first step issues all its requests).
+  void set_peer(int peer) { peer_ = peer; }
 
-  std::unique_ptr<Request> next(Transport& transport) override {
+  std::unique_ptr<Request> next(DataPlane& data) override {
     while (next_step_ < steps_.size()) {
-      if (auto r = steps_[next_step_++](transport)) return r;
+      if (auto r = steps_[next_step_++](data)) return r;
     }
     return nullptr;
   }
+  bool more_collective_steps() const override { return next_step_ < steps_.size(); }
 
   void finish(std::exception_ptr error) noexcept override {
     if (error) {
@@ -57,6 +97,7 @@ class StepTask final : public Task {
   std::string what_;
   std::vector<Step> steps_;
   std::size_t next_step_ = 0;
+  int peer_ = -1;
   std::promise<void> done_;
 };
 

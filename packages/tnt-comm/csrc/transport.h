@@ -1,41 +1,49 @@
-// The transport under the engine: non-blocking collectives plus a small side channel
-// for stall diagnosis. MpiTransport implements it; another transport (GASPI, NCCL) can
-// be added beside it without touching the engine or the fusion logic.
+// The transport under the engine, in two planes (MpiDataPlane / MpiControlPlane implement
+// them; another transport, GASPI or NCCL, can be added beside them without touching the
+// engine or the fusion logic):
+//   DataPlane    - one communicator's traffic: non-blocking collectives, point-to-point,
+//                  and deriving communicators from it (dup, split).
+//   ControlPlane - the process: start-up, the private world DataPlane, the side channel
+//                  for stall diagnosis and leave notices, and abort.
 //
-// Threading: a Transport is created, used and destroyed on the communication thread
-// only (the engine guarantees it); abort() is the one call allowed from any thread.
+// Threading: both are created, used and destroyed on the communication thread only (the
+// engine guarantees it); hard_abort() is the one call allowed from any thread.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtype.h"
 
 namespace tnt {
 
-// An in-flight operation. test() advances it and returns true once complete.
+// An in-flight operation. test() advances it and returns true once complete. The
+// memory it reads or writes must stay valid until then (the engine keeps the owning
+// task alive, also after a stall: Note [Buffers outlive requests] in engine.cc).
 class Request {
  public:
   virtual ~Request() = default;
   virtual bool test() = 0;
 };
 
-class Transport {
+class DataPlane {
  public:
-  virtual ~Transport() = default;
+  virtual ~DataPlane() = default;
 
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual int local_rank() const = 0;
-  virtual int local_size() const = 0;
-  // Human-readable library name/version for diagnostics.
-  virtual std::string library() const = 0;
+  // World rank of every member, in this communicator's rank order.
+  virtual std::vector<int> world_ranks() const = 0;
 
-  // All element counts are elements of `dtype` (raw-byte collectives use kBytes below).
+  // All element counts are elements of `dtype` (raw-byte collectives count bytes).
+  // Counts above 2^31-1 are split into chunks (Note [Large counts] in mpi_transport.cc).
   // `send == recv` means in place.
   virtual std::unique_ptr<Request> iallreduce(const void* send, void* recv, std::int64_t count,
                                               DType dtype, ReduceOp op) = 0;
@@ -48,25 +56,70 @@ class Transport {
                                                const std::vector<std::int64_t>& counts) = 0;
   virtual std::unique_ptr<Request> ibarrier() = 0;
 
-  // Side channel (see Note [Stall diagnosis] in stall.h): answer pending progress
-  // queries of other ranks with `my_seq`, and ask every other rank for its sequence
-  // number, waiting at most `wait`. Entry r is empty if rank r did not answer.
-  virtual void serve_progress_queries(std::uint64_t my_seq) = 0;
-  virtual std::vector<std::optional<std::uint64_t>> query_progress(
-      std::uint64_t my_seq, std::chrono::milliseconds wait) = 0;
+  // Point-to-point on `tag`: messages between two ranks on one tag arrive in send order.
+  // A receive of a larger message than `capacity` completes with the first `capacity`
+  // bytes; *received holds the sender's size (so a mismatch can be reported, never a
+  // hang or an MPI error that would break the communicator).
+  virtual std::unique_ptr<Request> isend(const void* buf, std::int64_t nbytes, int dest,
+                                         int tag) = 0;
+  virtual std::unique_ptr<Request> irecv(void* buf, std::int64_t capacity, int source, int tag,
+                                         std::int64_t* received) = 0;
 
-  // Leave notices (Note [Leaving] in engine.cc): tell every other rank that this rank
-  // shuts down after starting `my_seq` collectives (once, just before the transport is
-  // destroyed); and, for every rank that announced its end, how many collectives it had
-  // started (entry r is empty while rank r has not left).
-  virtual void announce_leaving(std::uint64_t my_seq) = 0;
-  virtual const std::vector<std::optional<std::uint64_t>>& poll_departures() = 0;
+  // A private duplicate (non-blocking: poll the request; *out is set on completion).
+  virtual std::unique_ptr<Request> idup(std::unique_ptr<DataPlane>* out) = 0;
+  // MPI_Comm_split. Blocking: call it only once every member is known to have arrived.
+  virtual std::unique_ptr<DataPlane> split(int color, int key) = 0;
+};
 
-  // Ends the whole job. Callable from any thread.
-  [[noreturn]] virtual void abort(int code) = 0;
-  // Called instead of a clean shutdown when a collective can never complete (after a
+// A rank's answer to a progress query about one communicator.
+struct Progress {
+  std::uint64_t seq = 0;   // collectives it started on that communicator
+  bool busy = false;       // inside long_local_work(): slow on purpose, not stuck
+};
+
+class ControlPlane {
+ public:
+  virtual ~ControlPlane() = default;
+
+  virtual int world_rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual int local_rank() const = 0;
+  virtual int local_size() const = 0;
+  // Human-readable library name/version for diagnostics.
+  virtual std::string library() const = 0;
+  // A private duplicate of the world for tnt_comm's own traffic (called once).
+  virtual std::unique_ptr<DataPlane> make_world() = 0;
+
+  // Side channel (see Note [Stall diagnosis] in stall.h). Communicators are named by
+  // their id (same on every member). serve_progress_queries answers pending queries of
+  // other ranks through `answer`; query_progress asks the world ranks `peers` about
+  // communicator `comm_id`, waiting at most `wait`. Entry i is empty if peers[i] did not
+  // answer.
+  using Answer = std::function<Progress(std::uint64_t comm_id)>;
+  virtual void serve_progress_queries(const Answer& answer) = 0;
+  virtual std::vector<std::optional<Progress>> query_progress(
+      std::uint64_t comm_id, const std::vector<int>& peers, const Answer& answer,
+      std::chrono::milliseconds wait) = 0;
+
+  // Leave notices (Note [Leaving] in engine.cc): tell the world ranks `peers` that this
+  // rank shuts down after starting `seq` collectives on communicator `comm_id`; and,
+  // per (communicator id, world rank) that announced its end, that number.
+  struct Leaving {
+    std::uint64_t comm_id;
+    std::uint64_t seq;
+    std::vector<int> peers;
+  };
+  virtual void announce_leaving(const std::vector<Leaving>& comms) = 0;
+  using Departures = std::map<std::pair<std::uint64_t, int>, std::uint64_t>;
+  virtual const Departures& poll_departures() = 0;
+
+  // Called instead of a clean shutdown when a request can never complete (after a
   // stall): the destructor must then not wait for it (no MPI_Finalize).
   virtual void mark_unclean() = 0;
+  // Ends the whole job; callable from any thread, also while the communication thread
+  // is stuck inside the library.
+  using HardAbort = void (*)(int code);
+  virtual HardAbort hard_abort() const = 0;
 };
 
 }  // namespace tnt

@@ -79,3 +79,26 @@ def test_mpi4py_initialised_first() -> None:
     proc = _python(code)
     assert proc.returncode == 0, proc.stderr
     assert "SUM 1.0 1" in proc.stdout
+
+
+def test_forked_child_gets_a_clear_error_not_a_hang() -> None:
+    code = (
+        "import os, numpy as np, tnt_comm as t\n"
+        "t.allreduce(np.ones(1))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n"
+        "        t.allreduce(np.ones(1))\n"
+        "        print('CHILD NO ERROR', flush=True)\n"
+        "    except t.CommError as e:\n"
+        "        print('CHILD', e, flush=True)\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('PARENT', t.allreduce(np.ones(1))[0], flush=True)\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "CHILD NO ERROR" not in proc.stdout
+    assert "CHILD tnt_comm was initialised in process" in proc.stdout, proc.stdout
+    assert "forked child" in proc.stdout and "'spawn'" in proc.stdout
+    assert "PARENT 1.0" in proc.stdout

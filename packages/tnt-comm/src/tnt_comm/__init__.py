@@ -1,14 +1,14 @@
 """tnt_comm: Tarantella's MPI communication core.
 
-Collectives on numpy arrays (mpi4py-like names) and a fused, overlapped allreduce
-engine. One background thread per process owns every MPI call; all waits release the
+Communicators (the world, and groups split from it) with collectives and checked
+point-to-point messages on numpy arrays (mpi4py-like names), and a fused, overlapped
+allreduce engine. One background thread per process owns every MPI call; all waits release the
 GIL. See docs/comm.md.
 """
 
 from __future__ import annotations
 
 from ._collectives import (
-    Op,
     allgather,
     allgather_object,
     allreduce,
@@ -17,9 +17,11 @@ from ._collectives import (
     broadcast_object,
     local_rank,
     local_size,
+    long_local_work,
     rank,
     size,
 )
+from ._comm import Communicator, Op, Request, world
 from ._errors import CommError, StallError
 from ._fused import FusedAllreduce, TensorSpec, plan_buckets
 from ._runtime import abort, finalize, init, is_initialized
@@ -28,8 +30,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CommError",
+    "Communicator",
     "FusedAllreduce",
     "Op",
+    "Request",
     "StallError",
     "TensorSpec",
     "__version__",
@@ -45,7 +49,9 @@ __all__ = [
     "is_initialized",
     "local_rank",
     "local_size",
+    "long_local_work",
     "plan_buckets",
     "rank",
     "size",
+    "world",
 ]

@@ -6,8 +6,10 @@ from typing import Any
 
 import numpy as np
 
-#: Element types the reductions (allreduce, FusedAllreduce) accept.
-REDUCIBLE = ("float16", "bfloat16", "float32", "float64", "int32", "int64")
+from ._runtime import _core
+
+#: Element types the reductions (allreduce, FusedAllreduce) accept: the core's one list.
+REDUCIBLE: tuple[str, ...] = tuple(_core.reducible_dtypes())
 
 
 def as_dtype(dtype: Any) -> np.dtype:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from . import _runtime
-from ._collectives import Op
+from ._comm import Communicator, Op
 from ._dtypes import as_dtype, check_reducible
 
 _core = _runtime._core
@@ -61,25 +61,33 @@ def plan_buckets(specs: Sequence[TensorSpec], threshold_bytes: int) -> list[list
 class FusedAllreduce:
     """Allreduce of a fixed, ordered list of tensors, fused into buckets.
 
-    Construction is collective (every rank passes the same specs, threshold and op;
-    checked). Each round: ``submit`` every tensor once (any thread, any order; returns
-    at once), then ``wait`` returns all reduced tensors. Buckets are reduced in plan
-    order as soon as they are complete, overlapping the remaining submissions.
+    Construction is collective over ``comm`` (every member passes the same specs,
+    threshold and op; checked). Each round: ``submit`` every tensor once (any thread,
+    any order; returns at once), then ``wait`` returns all reduced tensors. Buckets are
+    reduced in plan order as soon as they are complete, overlapping the remaining
+    submissions, several in flight at once.
+
+    ``comm``: the ranks to reduce over (e.g. a replica group from ``world().split``);
+    default: the world. Either way the engine works on its own duplicate of it, so two
+    engines used at the same time can never mix up their buckets.
     """
 
-    def __init__(self, specs: Sequence[TensorSpec], threshold_bytes: int, op: Op = Op.SUM) -> None:
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        threshold_bytes: int,
+        op: Op = Op.SUM,
+        comm: Communicator | None = None,
+    ) -> None:
         self._specs = tuple(specs)
         raw = _raw(self._specs)
-        op = Op(op)
-        if op is Op.AVG:
-            for s in self._specs:
-                if s.dtype.kind in "iu":
-                    raise ValueError(
-                        f"FusedAllreduce: Op.AVG is not defined for integer tensor {s.name!r} "
-                        f"({s.dtype.name}); use Op.SUM"
-                    )
+        op = Op(op)  # AVG of integer tensors: refused by the core, naming the tensor
+        if comm is not None and not isinstance(comm, Communicator):
+            raise TypeError(f"FusedAllreduce: comm must be a tnt_comm.Communicator, got {type(comm).__name__}")
         _runtime.ensure()
-        self._core = _core.FusedAllreduce(raw, int(threshold_bytes), int(op), [s.dtype for s in self._specs])
+        self._core = _core.FusedAllreduce(
+            raw, int(threshold_bytes), int(op), [s.dtype for s in self._specs], None if comm is None else comm._core
+        )
         self._plan = [list(b) for b in self._core.plan]
         self._op = op
 
@@ -92,34 +100,12 @@ class FusedAllreduce:
         return self._specs
 
     def submit(self, index: int, array: np.ndarray) -> None:
-        """Copy ``array`` into its bucket; launches the buckets that became complete."""
-        try:
-            spec = self._specs[index]
-        except (IndexError, TypeError):
-            raise IndexError(
-                f"FusedAllreduce.submit: index {index!r} is not a tensor index "
-                f"(0..{len(self._specs) - 1})"
-            ) from None
-        if not isinstance(array, np.ndarray):
-            raise TypeError(
-                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) must be a numpy.ndarray, "
-                f"got {type(array).__name__}; convert it with np.asarray(...)"
-            )
-        if array.dtype != spec.dtype:
-            raise TypeError(
-                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) is {spec.dtype.name} in the "
-                f"specs but the array is {array.dtype.name}; convert with array.astype(...)"
-            )
-        if array.size != spec.count:
-            raise ValueError(
-                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) has {spec.count} elements "
-                f"in the specs but the array has {array.size} (shape {array.shape})"
-            )
-        if not array.flags.c_contiguous:
-            raise ValueError(
-                f"FusedAllreduce.submit: tensor {index} ({spec.name!r}) is not C-contiguous; "
-                "pass np.ascontiguousarray(array)"
-            )
+        """Copy ``array`` into its bucket; launches the buckets that became complete.
+
+        Errors name the tensor: an index out of range (IndexError), a dtype other than
+        its spec's (TypeError), another element count or a non-contiguous array
+        (ValueError); checked once, in the core.
+        """
         self._core.submit(index, array)
 
     def submit_many(self, indices: Sequence[int], arrays: Sequence[np.ndarray]) -> None:

@@ -12,9 +12,13 @@
 using namespace tnt;
 
 static Engine& engine() {
-  static Engine e(Config{}, &make_mpi_transport);
+  static Engine e(Config{}, &make_mpi_control);
+  static const bool started = (e.wait_started(), true);
+  (void)started;
   return e;
 }
+
+static const CommPtr& world() { return engine().world_comm(); }
 
 TNT_TEST(world_of_one) {
   CHECK(engine().world().size == 1);
@@ -24,20 +28,20 @@ TNT_TEST(world_of_one) {
 
 TNT_TEST(allreduce_and_mismatch) {
   std::vector<float> in = {1, 2, 3}, out(3, 0);
-  allreduce(engine(), in.data(), out.data(), {"float32", 4, {3}}, ReduceOp::kSum);
+  allreduce(engine(), world(), in.data(), out.data(), {"float32", 4, {3}}, ReduceOp::kSum);
   CHECK(out == in);
-  CHECK_THROWS(allreduce(engine(), in.data(), out.data(), {"uint8", 1, {3}}, ReduceOp::kSum),
+  CHECK_THROWS(allreduce(engine(), world(), in.data(), out.data(), {"uint8", 1, {3}}, ReduceOp::kSum),
                std::invalid_argument, "unsupported dtype 'uint8'");
-  barrier(engine());
+  barrier(engine(), world());
 }
 
 TNT_TEST(broadcast_and_allgather) {
   std::vector<double> v = {4, 5};
-  broadcast(engine(), v.data(), {"float64", 8, {2}}, 0);
+  broadcast(engine(), world(), v.data(), {"float64", 8, {2}}, 0);
   CHECK(v[0] == 4 && v[1] == 5);
-  CHECK_THROWS(broadcast(engine(), v.data(), {"float64", 8, {2}}, 3), std::invalid_argument,
+  CHECK_THROWS(broadcast(engine(), world(), v.data(), {"float64", 8, {2}}, 3), std::invalid_argument,
                "root=3 is not a rank");
-  const Gathered g = allgather(engine(), v.data(), {"float64", 8, {2}});
+  const Gathered g = allgather(engine(), world(), v.data(), {"float64", 8, {2}});
   CHECK(g.shape == std::vector<std::int64_t>{2});
   CHECK(reinterpret_cast<const double*>(g.data->data())[1] == 5);
 }
@@ -45,7 +49,7 @@ TNT_TEST(broadcast_and_allgather) {
 TNT_TEST(fused_rounds_out_of_order) {
   const std::vector<TensorSpec> specs = {{"a", 3, DType::kFloat32}, {"b", 2, DType::kFloat32},
                                          {"c", 4, DType::kFloat64}};
-  FusedAllreduce f(engine(), specs, 16, ReduceOp::kSum);
+  FusedAllreduce f(engine(), dup(engine(), world()), specs, 16, ReduceOp::kSum);
   CHECK((f.plan() == Plan{{0}, {1}, {2}}));
   for (int round = 0; round < 3; ++round) {
     const std::vector<float> a = {1, 2, 3}, b = {4, 5};

@@ -27,8 +27,11 @@ def watchdog(seconds: int = 150) -> None:
 def run_all(rank: int) -> None:
     t0 = time.perf_counter()
     for name, fn in CHECKS:
+        start = time.perf_counter()
         try:
             fn()
+            if rank == 0:
+                print(f"rank 0: check {name} took {time.perf_counter() - start:.2f}s", flush=True)
         except BaseException:
             print(f"rank {rank}: check {name} FAILED", file=sys.stderr, flush=True)
             raise

@@ -88,6 +88,21 @@ def allreduce_shapes_min_max_avg() -> None:
 
 
 @check
+def avg_of_16_bit_floats_scales_before_summing() -> None:
+    # The sum of N copies of 60000 overflows float16 (max 65504); the mean does not.
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        got = t.allreduce(np.full(5, 60000, dtype), t.Op.AVG).astype(np.float64)
+        assert np.allclose(got, 60000, rtol=1e-2), (dtype, got)
+    specs = [t.TensorSpec("h", 7, np.float16), t.TensorSpec("b", 3, ml_dtypes.bfloat16)]
+    with t.FusedAllreduce(specs, 1024, op=t.Op.AVG) as f:
+        f.submit(0, np.full(7, 60000, np.float16))
+        f.submit(1, np.full(3, 3e38, ml_dtypes.bfloat16))
+        h, b = f.wait()
+    assert np.allclose(h.astype(np.float64), 60000, rtol=1e-2), h
+    assert np.allclose(b.astype(np.float64), 3e38, rtol=2e-2), b
+
+
+@check
 def nan_and_inf_from_one_rank_propagate() -> None:
     for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
         x = np.ones(5, dtype)
@@ -314,6 +329,8 @@ def bad_input_errors() -> None:
     expect_raises(ValueError, "integer tensor 'i'", t.FusedAllreduce,
                   [t.TensorSpec("i", 3, "int32")], 0, t.Op.AVG)
 
+
+import checks_comm  # noqa: E402,F401  (registers the communicator/point-to-point checks)
 
 run_all(R)
 t.barrier()

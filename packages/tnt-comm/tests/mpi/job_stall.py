@@ -3,6 +3,10 @@ after TNT_COMM_TIMEOUT, naming the collective, the missing rank and the variable
 
 MODE=plain: an allreduce is skipped. MODE=fused: rank N-1 never submits tensor 'late',
 so the other ranks' bucket stalls and rank N-1's own wait() reports the unsubmitted tensor.
+MODE=recv: rank 0 waits for a message rank N-1 never sends.
+MODE=busy: rank 0 works alone inside long_local_work() for longer than the timeout while
+the others wait in a barrier: no StallError.
+MODE=init: rank N-1 starts tnt_comm only after the timeout: start-up fails with StallError.
 """
 
 from __future__ import annotations
@@ -19,16 +23,39 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _harness import watchdog
 
 watchdog(60)
-R, N = t.rank(), t.size()
 mode = os.environ["MODE"]
+limit = float(os.environ["TNT_COMM_TIMEOUT"])
+if mode == "init":
+    if os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
+        time.sleep(limit + 6)
+    try:
+        t.init()
+        print(f"rank {t.rank()}: NO ERROR", flush=True)
+    except t.StallError as e:
+        print(f"rank ?: INIT STALL: {e}", flush=True)
+    t.abort(3)
+R, N = t.rank(), t.size()
+if mode == "busy":
+    t.barrier()
+    if R == 0:
+        with t.long_local_work():
+            time.sleep(limit * 3)  # e.g. writing a large checkpoint
+    t.barrier()  # the others wait here for 3x the timeout, and must not give up
+    print(f"rank {R}: BUSY OK", flush=True)
+    sys.exit(0)
 t.barrier()
 start = time.perf_counter()
 try:
-    if mode == "plain":
+    if mode == "recv":
+        if R == 0:
+            t.world().recv(N - 1, (3, 0, 0), np.float32, (4,))
+        else:
+            time.sleep(limit + 4)  # idle, still answering
+    elif mode == "plain":
         if R != N - 1:
             t.allreduce(np.ones(10, np.float32))
         else:
-            time.sleep(float(os.environ["TNT_COMM_TIMEOUT"]) + 4)  # idle, still answering
+            time.sleep(limit + 4)  # idle, still answering
             print(f"rank {R}: SKIPPED", flush=True)
     else:
         specs = [t.TensorSpec("early", 10, "float32"), t.TensorSpec("late", 10, "float32")]

@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from . import _grad_sync
+from ._batch_norm import valid_rows
 from ._metric_states import MetricExchange, metric_variables
 from ._reducer import GraphReducer, Slot, start_token
 
@@ -76,8 +77,8 @@ class CustomSteps:
         local_n = _first_rows(data)
         has_data = local_n > 0
         data = _nonempty(data, local_n)
-        begun = exchange.begin()
-        with exchange.watch(), _grad_sync.step_scope(local_n, start_token()) as scope:
+        begun = exchange.begin(tf.nest.flatten(data)[0])
+        with exchange.watch(), valid_rows(local_n), _grad_sync.step_scope(local_n, start_token()) as scope:
             logs = step(data)
         before, contribution = exchange.contributions(begun, local_n, has_data)
         leaves = tf.nest.flatten(logs)

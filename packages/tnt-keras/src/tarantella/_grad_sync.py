@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
+from . import _internals
 from ._reducer import GraphReducer, Slot
 
 _state = threading.local()
@@ -127,7 +128,7 @@ def _distributed_apply(original):
         if getattr(_state, "inside", False) or (mode is not None and mode.weight is None):
             return original(self, grads, trainable_variables)
         variables = list(trainable_variables) if trainable_variables is not None else (
-            list(self._trainable_variables) if self.built else [])
+            _internals.optimizer_variables_built_on(self))
         from . import _runtime
 
         owner = _owner(variables) if _runtime.get_size() > 1 else None

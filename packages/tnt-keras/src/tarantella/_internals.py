@@ -45,6 +45,45 @@ def loss_tracker(model: keras.Model) -> keras.metrics.Metric:
         raise _missing("keras.Model._loss_tracker", err) from err
 
 
+def optimizer_variables_built_on(optimizer: keras.optimizers.Optimizer) -> list:
+    """The trainable variables an optimizer was built with (``apply(grads)`` without them)."""
+    if not optimizer.built:
+        return []
+    try:
+        return list(optimizer._trainable_variables)
+    except AttributeError as err:
+        raise _missing("Optimizer._trainable_variables", err) from err
+
+
+def has_compiled_loss(model: keras.Model) -> bool:
+    """True when ``compile`` gave the model a loss (``compute_loss`` then needs targets)."""
+    return getattr(model, "_compile_loss", None) is not None
+
+
+def flatten_logs(model: keras.Model, logs: dict):
+    """Logs as ``train_on_batch``/``test_on_batch`` return them without ``return_dict``.
+
+    Keras' order: the model's metrics by name, then the remaining keys sorted; one value
+    alone is returned as a scalar.
+    """
+    names = [m.name for m in model.metrics]
+    results = [logs[n] for n in names if n in logs]
+    results += [logs[k] for k in sorted(logs) if k not in names]
+    return results[0] if len(results) == 1 else results
+
+
+def batch_norm_reduction_axes(layer: keras.layers.BatchNormalization) -> list[int]:
+    """The axes a BatchNormalization layer reduces over (set when it is built).
+
+    ``SyncBatchNormalization`` also overrides the layer's private ``_moments`` hook, the
+    one place Keras computes batch statistics; tests/test_keras_api checks it still is.
+    """
+    try:
+        return list(layer._reduction_axes)
+    except AttributeError as err:
+        raise _missing("BatchNormalization._reduction_axes", err) from err
+
+
 def is_cached_eval_call(kwargs: dict[str, Any]) -> bool:
     """True when Keras' fit calls evaluate() for validation (data already prepared)."""
     return bool(kwargs.get("_use_cached_eval_dataset"))
@@ -72,7 +111,9 @@ def keras_array_dataset(x, y, sample_weight, batch_size: int, shuffle: bool) -> 
         raise _missing("keras.src.trainers.data_adapters.ArrayDataAdapter", err) from err
     adapter = ArrayDataAdapter(x, y, sample_weight=sample_weight, batch_size=batch_size,
                                shuffle=shuffle)
-    return adapter.get_tf_dataset()
+    # Keras passes the step count to its loop; a dataset carries it as its cardinality
+    # (unknown otherwise, and Keras' loop then ends epochs on OutOfRange).
+    return adapter.get_tf_dataset().apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
 
 
 def backup_paths(callback: keras.callbacks.BackupAndRestore) -> tuple[str, str]:

@@ -102,12 +102,20 @@ class MetricExchange:
                     with contextlib.suppress(AttributeError):
                         object.__delattr__(metric, name)
 
-    def begin(self) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
-        """Each state's value before the step, then reset: ``{id(var): (before, initial)}``."""
+    def begin(self, data_ready: tf.Tensor) -> dict[int, tuple[tf.Tensor, tf.Tensor]]:
+        """Each state's value before the step, then reset: ``{id(var): (before, initial)}``.
+
+        ``data_ready``: a tensor computed from the step's input. The reads and resets wait
+        for it: they depend on no data otherwise, and in a graph they would also run in
+        the call Keras makes past the last batch of a dataset of unknown length (which
+        fails in ``get_next``), leaving every metric reset — logs of 0.
+        """
         variables = metric_variables(self._model)
-        before = {id(v): tf.identity(v.value) for v in variables}
-        for metric in self._model.metrics:
-            metric.reset_state()
+        with tf.control_dependencies([data_ready]):
+            before = {id(v): tf.identity(v.value) for v in variables}
+        with tf.control_dependencies(list(before.values())):
+            for metric in self._model.metrics:
+                metric.reset_state()
         return {id(v): (before[id(v)], tf.identity(v.value)) for v in variables}
 
     def contributions(self, begun: dict, local_n: tf.Tensor, has_data: tf.Tensor) -> tuple[list, list]:

@@ -19,7 +19,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from . import _backup, _grad_sync, _inputs, _internals, _io, _runtime, _sync
+from . import _backup, _batch_norm, _grad_sync, _inputs, _internals, _io, _runtime, _sync
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
 from ._logging import logger
@@ -46,6 +46,9 @@ class Model(keras.Model):
         model: a built or unbuilt Keras 3 model (Sequential, functional or subclassed,
             with or without its own ``train_step``/``test_step``/``predict_step``).
         parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the only one supported).
+        sync_batch_norm: make every ``BatchNormalization`` layer normalise with the
+            statistics of the global batch (as ``tnt.keras.layers.SyncBatchNormalization``
+            does), so a model with batch normalisation trains as serial Keras does.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -55,7 +58,8 @@ class Model(keras.Model):
         pipelined = pipelined_model(*args, strategies=ParallelStrategy, **kwargs)
         return pipelined if pipelined is not None else super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, **kwargs):
+    def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
+                 sync_batch_norm: bool = False, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"tnt.Model wraps a keras.Model, got {type(model).__name__}. "
@@ -77,6 +81,8 @@ class Model(keras.Model):
         super().__init__(**kwargs)
         self._tnt_settings = _runtime.setup()
         self._model = model
+        if sync_batch_norm and _batch_norm.synchronise(model) == 0 and not _batch_norm.has_sync_batch_norm(model):
+            logger.warning("tnt.Model(sync_batch_norm=True): the model has no BatchNormalization layer.")
         self._tnt_steps = DistributedSteps(
             model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
         )
@@ -257,10 +263,11 @@ class Model(keras.Model):
 
     # -- training loop entry points -----------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
-            validation_batch_size=None, initial_epoch=0, class_weight=None, *,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1, *,
             tnt_micro_batch_size=None, tnt_validation_micro_batch_size=None,
-            tnt_distribute_dataset=True, tnt_distribute_validation_dataset=True, **kwargs):
+            tnt_distribute_dataset=True, tnt_distribute_validation_dataset=True):
         """Keras' ``fit`` on every rank; ``x`` is split into per-rank micro-batches.
 
         ``x`` is a ``tf.data.Dataset`` batched with the global batch size (recommended),
@@ -290,9 +297,9 @@ class Model(keras.Model):
                 shuffle=False, method="fit(validation_data)",
                 sharding=self._sharding(tnt_distribute_validation_dataset, tnt_validation_micro_batch_size),
             )
-        if not kwargs.get("steps_per_epoch"):
+        if not steps_per_epoch:
             _inputs.check_same_length(train, "training", "fit")
-        if val is not None and not kwargs.get("validation_steps"):
+        if val is not None and not validation_steps:
             _inputs.check_same_length(val, "validation", "fit")
         self._prepare(train, with_metrics=True)
         if isinstance(x, tf.data.Dataset):
@@ -305,13 +312,14 @@ class Model(keras.Model):
             if restored is not None:
                 initial_epoch = restored
         if initial_epoch > 0:
-            train = _inputs.at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
+            train = _inputs.at_epoch(train, x, initial_epoch, steps_per_epoch)
         with self._rank_callbacks(callbacks) as rank_callbacks:
             try:
                 return super().fit(
                     train, epochs=epochs, verbose=self._verbose(verbose),
                     callbacks=rank_callbacks, validation_data=val,
-                    shuffle=False, initial_epoch=initial_epoch, **kwargs,
+                    shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps, validation_freq=validation_freq,
                 )
             finally:
                 self._average_moving_statistics()
@@ -388,7 +396,7 @@ class Model(keras.Model):
 
         logs = function(one())
         logs = {k: float(v) if tf.is_tensor(v) and v.shape.rank == 0 else v for k, v in logs.items()}
-        return logs if return_dict else self._flatten_metrics_in_order(logs)
+        return logs if return_dict else _internals.flatten_logs(self, logs)
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """One training step on the global batch ``x`` (the same on every rank, as in a

@@ -29,6 +29,7 @@ import tensorflow as tf
 import tnt_data
 
 from . import _grad_sync, _internals
+from ._batch_norm import has_sync_batch_norm, valid_rows
 from ._metric_states import MetricExchange, metric_variables
 from ._reducer import GraphReducer, Slot, start_token
 
@@ -40,9 +41,13 @@ def split_sizes(data):
     return data, None
 
 
+def _first(x) -> tf.Tensor:
+    """The first tensor of an input structure: what ops wait on to wait for the data."""
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
 def _local_batch_size(x) -> tf.Tensor:
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]
+    return tf.shape(_first(x))[0]
 
 
 def _nonempty(structure, local_n: tf.Tensor):
@@ -149,7 +154,8 @@ class DistributedSteps:
         """
         if tf.executing_eagerly():  # run_eagerly=True: stay debuggable
             return fn
-        jit = bool(getattr(self._model, "jit_compile", False))
+        # Synchronised batch norm's collectives are graph ops XLA cannot compile.
+        jit = bool(getattr(self._model, "jit_compile", False)) and not has_sync_batch_norm(self._model)
         if (name, jit) not in self._compiled_fns:
             self._compiled_fns[(name, jit)] = tf.function(fn, jit_compile=jit, autograph=False)
         return self._compiled_fns[(name, jit)]
@@ -176,9 +182,9 @@ class DistributedSteps:
         the values to SUM over ranks (``b_r``, metric contributions, weighted gradients)."""
         local_n = _local_batch_size(x) if sizes is None else tf.cast(sizes.local, tf.int32)
         x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        begun = self._train_metrics.begin()
+        begun = self._train_metrics.begin(_first(x))
         weight = None if sizes is None else tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
-        with self._train_metrics.watch():
+        with self._train_metrics.watch(), valid_rows(local_n):
             grads = self._gradients(x, y, sample_weight, local_n, weight)
         has_data = local_n > 0
         b = tf.cast(local_n, tf.float32)
@@ -215,6 +221,11 @@ class DistributedSteps:
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
         before, to_reduce = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
+        if has_sync_batch_norm(model):
+            # Its collectives run inside backprop: no bucket may start before they end,
+            # or ranks could interleave the two kinds differently.
+            with tf.control_dependencies(to_reduce):
+                start = tf.identity(start)
         reduced = self.train_reducer().reduce(to_reduce, start=start)
         done = self._compiled("global", self._global_part)(before, reduced, sizes is None)
         with tf.control_dependencies([done]):  # read the metrics after they became global
@@ -233,7 +244,7 @@ class DistributedSteps:
             return model.get_metrics_result()
         start = start_token()
         x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        begun = self._test_metrics.begin()
+        begun = self._test_metrics.begin(_first(x))
         with self._test_metrics.watch():
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)

@@ -14,6 +14,7 @@ import numpy as np
 
 import tnt_comm
 
+from . import _internals
 from ._runtime import MASTER_RANK
 
 
@@ -98,7 +99,7 @@ def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metr
     if not wrapper.built:
         wrapper(x, training=False)
     if with_metrics and model.compiled:
-        if y is not None and getattr(model, "_compile_loss", None) is not None:
+        if y is not None and _internals.has_compiled_loss(model):
             model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         model.reset_metrics()

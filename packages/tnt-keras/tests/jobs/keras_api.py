@@ -47,7 +47,7 @@ def recorded(name: str):
     """Record an exception as a failed check instead of ending the job."""
     try:
         yield
-    except Exception as err:  # noqa: BLE001 - reported by name in the test
+    except Exception as err:
         check(name, False, f"{type(err).__name__}: {err}")
 
 
@@ -401,7 +401,8 @@ def check_export(tmp: Path) -> None:
         serial.fit(x, y, batch_size=5, epochs=1, verbose=0, shuffle=False)
         path = tmp / "exported"
         model.export(str(path), verbose=False)
-        served = tf.saved_model.load(str(path)).serve(tf.constant(x))
+        loaded = tf.saved_model.load(str(path))  # keep a reference while serving
+        served = loaded.serve(tf.constant(x))
         close("export_serves_serial_outputs", _job.max_abs_diff(serial.predict(x, verbose=0), served),
               TOL_WEIGHTS, f"written by master only: {sorted(p.name for p in tmp.iterdir())}")
 
@@ -425,6 +426,56 @@ def check_batch_norm(tmp: Path) -> None:
         close("batch_norm_saved_file_holds_common_statistics", _job.max_abs_diff(stats, saved), 0.0)
 
 
+def check_unknown_cardinality() -> None:
+    """A dataset whose length TensorFlow cannot tell (filter): logs must still be global."""
+    x, y = rng_data(29, 10, 15)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(6)
+    with recorded("unknown_cardinality_logs"):
+        serial = dense(23)
+        serial.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        h_serial = serial.fit(ds, epochs=2, verbose=0).history
+        e_serial = serial.evaluate(ds, verbose=0)
+        model = tnt.Model(dense(23))
+        model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        h = model.fit(ds, epochs=2, verbose=0).history
+        close("unknown_cardinality_logs", max(_job.history_diff(h_serial, h),
+              _job.max_abs_diff(e_serial, model.evaluate(ds, verbose=0))), TOL_LOSS, h)
+
+
+def bn_branches(seed: int, layer=keras.layers.BatchNormalization) -> keras.Model:
+    """Two normalised branches that could run in parallel (as in a ResNet shortcut)."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((10,))
+    a = layer()(keras.layers.Dense(8)(inp))
+    b = layer()(keras.layers.Dense(8)(inp))
+    h = keras.layers.Activation("tanh")(keras.layers.Add()([a, b]))
+    return keras.Model(inp, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def check_sync_batch_norm() -> None:
+    x, y = rng_data(45, 10, 16)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(11)  # 45 % 11 = 1
+    compile_args = dict(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    serial = bn_branches(24)
+    serial.compile(keras.optimizers.SGD(0.05, momentum=0.9), **compile_args)
+    h_serial = serial.fit(ds, epochs=2, verbose=0).history
+    e_serial = serial.evaluate(ds, verbose=0)
+    for name, make in (("option", lambda: tnt.Model(bn_branches(24), sync_batch_norm=True)),
+                       ("layer", lambda: tnt.Model(bn_branches(24, tnt.keras.layers.SyncBatchNormalization)))):
+        with recorded(f"sync_batch_norm_{name}_equal_serial"):
+            model = make()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), **compile_args)
+            h = model.fit(ds, epochs=2, verbose=0).history
+            diff = max(_job.history_diff(h_serial, h),
+                       _job.max_abs_diff(serial.get_weights(), model.get_weights()),
+                       _job.max_abs_diff(e_serial, model.evaluate(ds, verbose=0)))
+            close(f"sync_batch_norm_{name}_equal_serial", diff, TOL_WEIGHTS, h)
+    with recorded("sync_batch_norm_layer_loads_as_plain_bn"):
+        config = tnt.keras.layers.SyncBatchNormalization(momentum=0.9).get_config()
+        plain = keras.layers.BatchNormalization.from_config(config)
+        check("sync_batch_norm_layer_loads_as_plain_bn", plain.momentum == 0.9, config)
+
+
 def check_errors() -> None:
     try:
         tnt.Model(dense(1), tnt_micro_batch_size=4)
@@ -445,6 +496,8 @@ def main() -> None:
             "class_weight": check_class_weight, "on_batch": check_on_batch,
             "multi_output": check_multi_output, "export": lambda: check_export(tmp),
             "batch_norm": lambda: check_batch_norm(tmp), "errors": check_errors,
+            "unknown_cardinality": check_unknown_cardinality,
+            "sync_batch_norm": check_sync_batch_norm,
         }
         for name, fn in steps.items():
             with recorded(f"job_step_{name}"):

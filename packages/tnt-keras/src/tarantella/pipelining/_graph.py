@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from ..keras.layers import SplitLayer
+from ..keras._split_layer import SplitLayer
 from ._errors import PipelineError
 
 

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 from .. import _io, _runtime
-from ..keras.layers import SplitLayer
+from ..keras._split_layer import SplitLayer
 from ._graph import model_graph
 from ._plan import plan as make_plan
 from ._plan import stages_from_markers

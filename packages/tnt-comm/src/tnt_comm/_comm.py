@@ -1,0 +1,200 @@
+"""Communicators: the world and the groups split from it, each with the collectives and
+point-to-point messages (mpi4py-like names). Every call goes through the one
+communication thread; every wait releases the GIL."""
+
+from __future__ import annotations
+
+import enum
+import numbers
+import pickle
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _runtime
+from ._dtypes import as_dtype, check_array
+
+_core = _runtime._core
+
+#: Most ints a message header may carry (pipelining uses (step, micro_batch, boundary)).
+MAX_HEADER = 8
+
+
+class Op(enum.IntEnum):
+    """Reduction operator. AVG = SUM / size (scaled before summing), float dtypes only."""
+
+    SUM = 0
+    AVG = 1
+    MIN = 2
+    MAX = 3
+
+
+def _header(header: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(header, (tuple, list)) or not all(
+        isinstance(h, numbers.Integral) and not isinstance(h, bool) for h in header
+    ):
+        raise TypeError(f"{where}: header must be a tuple of ints, e.g. (step, micro_batch, boundary); got {header!r}")
+    if len(header) > MAX_HEADER:
+        raise ValueError(f"{where}: header {tuple(header)} has {len(header)} ints; at most {MAX_HEADER}")
+    return tuple(int(h) for h in header)
+
+
+def _rank_arg(value: Any, where: str, name: str) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be an int rank, got {value!r}")
+    return int(value)
+
+
+def _pickled(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+
+
+class Request:
+    """A non-blocking send or receive: ``wait()`` completes it (the received array for
+    ``irecv``, None for ``isend``); ``test()`` says whether ``wait()`` would return at once."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    def wait(self) -> np.ndarray | None:
+        return self._core.wait()
+
+    def test(self) -> bool:
+        return bool(self._core.test())
+
+
+class Communicator:
+    """A group of ranks: ``world()`` or one made by ``split``/``dup``.
+
+    Collectives are collective over the communicator's members (each calls them in the
+    same order); messages between two members arrive in send order.
+    """
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator."""
+        return int(self._core.rank)
+
+    @property
+    def size(self) -> int:
+        """Number of ranks in the communicator."""
+        return int(self._core.size)
+
+    def __repr__(self) -> str:
+        return f"<tnt_comm.Communicator {self._core.name}: rank {self.rank} of {self.size}>"
+
+    # --- new communicators ---------------------------------------------------------
+    def split(self, color: int, key: int = 0) -> Communicator:
+        """Ranks with the same ``color`` form a new communicator, ordered by ``key``
+        (then by rank here). Collective over this communicator (MPI_Comm_split)."""
+        color = _rank_arg(color, "split", "color")
+        key = _rank_arg(key, "split", "key")
+        return Communicator(self._core.split(color, key))
+
+    def dup(self) -> Communicator:
+        """A new communicator with the same ranks whose traffic never meets this one's."""
+        return Communicator(self._core.dup())
+
+    # --- collectives ------------------------------------------------------------------
+    def barrier(self) -> None:
+        """Wait until every rank has called barrier()."""
+        self._core.barrier()
+
+    def allreduce(self, array: np.ndarray, op: Op = Op.SUM) -> np.ndarray:
+        """A new array, same shape and dtype, holding the element-wise reduction over ranks."""
+        a = check_array(array, "allreduce", reducible=True)
+        op = Op(op)  # AVG of integers: refused by the core (one home for that check)
+        return self._core.allreduce(a, int(op))
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        """A new array holding the root's data on every rank.
+
+        Every rank passes an array of the root's shape and dtype (non-root contents are
+        ignored, e.g. ``np.empty_like``).
+        """
+        a = check_array(array, "broadcast", reducible=False)
+        root = _rank_arg(root, "broadcast", "root")
+        out = a.copy() if root == self.rank else np.empty_like(a)
+        self._core.broadcast(out, root)
+        return out
+
+    def allgather(self, array: np.ndarray) -> np.ndarray:
+        """Concatenation of every rank's array along axis 0, in rank order.
+
+        Lengths along axis 0 may differ (also 0); dtype and trailing dimensions must agree.
+        """
+        a = check_array(array, "allgather", reducible=False)
+        return self._core.allgather(a)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """The root's ``obj`` on every rank (pickled; for small metadata)."""
+        is_root = int(root) == self.rank
+        payload = _pickled(obj) if is_root else np.empty(0, np.uint8)
+        n = self.broadcast(np.array([payload.size], np.int64), root)
+        data = self.broadcast(payload if is_root else np.empty(int(n[0]), np.uint8), root)
+        return obj if is_root else pickle.loads(data.tobytes())
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (pickled; for small metadata)."""
+        payload = _pickled(obj)
+        lengths = self.allgather(np.array([payload.size], np.int64))
+        data = self.allgather(payload).tobytes()
+        out: list[Any] = []
+        start = 0
+        for n in lengths.tolist():
+            out.append(pickle.loads(data[start : start + n]))
+            start += n
+        return out
+
+    # --- point-to-point ------------------------------------------------------------
+    def isend(self, array: np.ndarray, dest: int, header: Sequence[int]) -> Request:
+        """Start sending ``array`` to rank ``dest`` with ``header`` (a short tuple of
+        ints the receiver checks, with dtype and shape). The array is copied at once: the
+        caller may change it on return. ``wait()`` returns when the message left."""
+        a = check_array(array, "send", reducible=False)
+        return Request(self._core.isend(a, _rank_arg(dest, "send", "dest"), _header(header, "send")))
+
+    def send(self, array: np.ndarray, dest: int, header: Sequence[int]) -> None:
+        """``isend(...).wait()``: blocks until the message left this rank's buffer."""
+        self.isend(array, dest, header).wait()
+
+    def irecv(self, source: int, header: Sequence[int], dtype: Any, shape: Sequence[int]) -> Request:
+        """Start receiving the next message from rank ``source``; ``wait()`` returns it as
+        a new array. Raises CommError if its header, dtype or shape differ from these."""
+        dt = as_dtype(dtype)
+        if dt.hasobject:
+            raise TypeError("recv: arrays of Python objects cannot be received; use a numeric dtype")
+        dims = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+        if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise ValueError(f"recv: shape must be a tuple of ints >= 0, got {shape!r}")
+        return Request(
+            self._core.irecv(
+                _rank_arg(source, "recv", "source"), _header(header, "recv"), dt, [int(d) for d in dims]
+            )
+        )
+
+    def recv(self, source: int, header: Sequence[int], dtype: Any, shape: Sequence[int]) -> np.ndarray:
+        """``irecv(...).wait()``: the next message from ``source``, checked, as a new array."""
+        out = self.irecv(source, header, dtype, shape).wait()
+        assert out is not None
+        return out
+
+
+_world: Communicator | None = None
+_world_lock = threading.Lock()
+
+
+def world() -> Communicator:
+    """The communicator of all ranks of the job."""
+    global _world
+    if _world is None:
+        _runtime.ensure()
+        with _world_lock:
+            if _world is None:
+                _world = Communicator(_core.world())
+    return _world
