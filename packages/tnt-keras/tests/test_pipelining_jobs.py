@@ -27,7 +27,7 @@ def report(request, tmp_path_factory):
         rows.append(f"{name:34} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
                     f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
     print(f"\npipelining, {layout} on {ranks} ranks (max abs difference to serial Keras)\n" + "\n".join(rows)
-          + f"\nsave/load: {result['save_load']}")
+          + f"\nsave/load: {result.get('save_load')}")
     return result
 
 
@@ -86,3 +86,10 @@ def test_save_gathers_one_plain_keras_file_and_loads_into_any_stage_count(report
     for key in loads:
         assert sl[key] <= 2e-5, (key, sl[key])
     assert sl["continue_history_diff"] <= 1e-5 and sl["continue_weight_diff"] <= 2e-5, sl
+
+
+def test_validation_split_and_class_weight_match_serial(report):
+    if report["ranks"] != 2:  # checked once, on the 2-rank job
+        assert "validation_split_history_diff" not in report
+        return
+    assert report["validation_split_history_diff"] <= 1e-5

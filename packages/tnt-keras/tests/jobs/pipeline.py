@@ -223,6 +223,26 @@ def save_load_checks(case: dict, strategy, p: int, tmp: Path, load_stages: list[
     return out
 
 
+def validation_split_check() -> float:
+    """fit(arrays, validation_split=, class_weight=) against serial Keras' History."""
+    x, y = data("mlp", 40, seed=31)
+    weights = {0: 1.0, 1: 2.0, 2: 0.5}
+
+    def serial():
+        model = mlp()
+        model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"])
+        return model.fit(x, y, batch_size=9, epochs=2, validation_split=0.25, shuffle=False,
+                         class_weight=weights, verbose=0).history
+
+    ref = on_master(serial)
+    model = tnt.Model(mlp(), parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2,
+                      num_micro_batches=3)
+    model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=9, epochs=2, validation_split=0.25, shuffle=False,
+                        class_weight=weights, verbose=0).history
+    return _job.history_diff(ref, history)
+
+
 def main() -> None:
     args = sys.argv[1:]
     layout = args[args.index("--layout") + 1] if "--layout" in args else "pipelining"
@@ -267,6 +287,8 @@ def main() -> None:
             load_stages = [size, 2] if layout == "all" else [size]
             extra["save_load"] = save_load_checks(results[first], strategy, p, tmp, load_stages)
         tnt_comm.barrier()
+    if layout == "pipelining" and size == 2:
+        extra["validation_split_history_diff"] = validation_split_check()
     for r in results.values():
         r.pop("model")
         r.pop("ref")

@@ -20,7 +20,7 @@ import tensorflow as tf
 import tnt_data
 
 from .. import _io, _runtime
-from .._inputs import Sharding, common_seed, rank_dataset
+from .._inputs import InputError, Sharding, common_seed, rank_dataset, split_arrays
 from .._rank_callbacks import callbacks_for_rank
 from ._errors import PipelineError
 from ._plan import Plan
@@ -220,10 +220,11 @@ class PipelinedModel(keras.Model):
             self._tnt_seed = common_seed()
         return self._tnt_seed
 
-    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method, with_sizes=False):
+    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method, with_sizes=False,
+                      class_weight=None):
         sharding = Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
         return rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method=method,
-                            sharding=sharding, with_sizes=with_sizes)
+                            sharding=sharding, with_sizes=with_sizes, class_weight=class_weight)
 
     def _prepare(self) -> None:
         if not self._tnt_synced:
@@ -239,8 +240,8 @@ class PipelinedModel(keras.Model):
 
     # -- loops ---------------------------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_data=None, shuffle=True, sample_weight=None, validation_batch_size=None,
-            initial_epoch=0, **kwargs):
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, validation_batch_size=None, **kwargs):
         """Keras' ``fit``; ``x`` batched with the global batch size (or arrays + batch_size)."""
         self._assert_compiled("fit")
         if any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in callbacks or []):
@@ -249,8 +250,12 @@ class PipelinedModel(keras.Model):
                 "keras.callbacks.ModelCheckpoint (one .keras file, gathered from the stages) and "
                 "resume with tnt.models.load_model(path, parallel_strategy=..., "
                 "num_pipeline_stages=p) and fit(initial_epoch=...).")
+        if validation_split:
+            if isinstance(x, tf.data.Dataset):
+                raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
+            (x, y, sample_weight), validation_data = split_arrays((x, y, sample_weight), validation_split)
         train = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                                   method="fit", with_sizes=True)
+                                   method="fit", with_sizes=True, class_weight=class_weight)
         val = None
         if validation_data is not None:
             if isinstance(validation_data, tf.data.Dataset):
