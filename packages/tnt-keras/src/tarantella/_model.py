@@ -19,6 +19,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+import tnt_comm
+
 from . import _backup, _batch_norm, _grad_sync, _inputs, _internals, _io, _runtime, _sync
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
@@ -448,10 +450,9 @@ class Model(keras.Model):
         """Export the wrapped model for serving (Keras' ``export``), written by the master."""
         self._average_moving_statistics()
         if _runtime.is_master_rank():
-            self._model.export(filepath, format=format, verbose=verbose, **kwargs)
+            with tnt_comm.long_local_work():  # the others wait in the barrier meanwhile
+                self._model.export(filepath, format=format, verbose=verbose, **kwargs)
         if _runtime.get_size() > 1:
-            import tnt_comm
-
             tnt_comm.barrier()
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
