@@ -23,6 +23,8 @@ import pickle
 import keras
 import numpy as np
 
+import tnt_comm
+
 from .. import _io, _runtime
 from ..keras._split_layer import SplitLayer
 from ._graph import model_graph
@@ -110,6 +112,11 @@ def gather_serial_model(pm, with_optimizer: bool = True) -> keras.Model | None:
             request.wait()
         return None
     payloads = [payload] + [_recv_object(transport, s, s) for s in range(1, transport.num_stages)]
+    with tnt_comm.long_local_work():  # the others wait in save_on_master's barrier meanwhile
+        return _filled_serial_model(pm, payloads, with_optimizer)
+
+
+def _filled_serial_model(pm, payloads: list[dict], with_optimizer: bool) -> keras.Model:
     cls, config = pm._tnt_serial_config
     full = cls.from_config(config)
     weights = {}
