@@ -120,18 +120,22 @@ class PipelinedModel(keras.Model):
 
     @property
     def stage(self) -> int:
+        """This rank's stage index."""
         return self._tnt_stage.transport.stage
 
     @property
     def replica(self) -> int:
+        """This rank's pipeline replica (0 with PIPELINING)."""
         return self._tnt_stage.transport.replica
 
     @property
     def num_replicas(self) -> int:
+        """How many pipelines train data-parallel (N / p)."""
         return self._tnt_stage.transport.num_replicas
 
     @property
     def peak_micro_batches_in_flight(self) -> int:
+        """The most micro-batches whose activations this stage held at once."""
         return self._tnt_stage.peak_live
 
     def pipeline_stats(self, reset: bool = False) -> dict:
@@ -198,20 +202,24 @@ class PipelinedModel(keras.Model):
 
     # -- Keras' steps -----------------------------------------------------------------------------
     def train_step(self, data):
+        """One pipelined step over the replica batch (Keras' loop calls it)."""
         data, sizes = _split_sizes(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         total = None if sizes is None else int(sizes.total)
         return self._tnt_stage.train_step(x, y, sample_weight, total)
 
     def test_step(self, data):
+        """Forward-only step: metrics on the last stage, logs on every rank."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         return self._tnt_stage.test_step(x, y, sample_weight)
 
     def predict_step(self, data):
+        """Forward-only step: the whole batch's outputs on every rank."""
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return keras.tree.map_structure(tf.convert_to_tensor, self._tnt_stage.predict_step(x))
 
     def reset_metrics(self):
+        """Reset the last stage's metric states (Keras calls it per epoch)."""
         self._tnt_stage.reset_metrics()
 
     # -- data ----------------------------------------------------------------------------------------
@@ -305,9 +313,11 @@ class PipelinedModel(keras.Model):
         save_pipelined(self, filepath, **kwargs)
 
     def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
+        """One ``.weights.h5`` of the whole model, gathered on the master."""
         save_pipelined_weights(self, filepath, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
+        """Load a serial weights file; this rank keeps its stage's layers."""
         with _io.master_file(filepath) as local:
             load_pipelined_weights(self, local)
         self._tnt_synced = False

@@ -39,6 +39,7 @@ class Boundary:
 
     @property
     def differentiable(self) -> bool:
+        """Whether a gradient flows back through this boundary (float tensors)."""
         return np.dtype(self.dtype).kind == "f"
 
 
@@ -190,6 +191,7 @@ class Plan:
         return names
 
     def stage_of_layer(self, name: str) -> int:
+        """The stage the layer ``name`` runs on."""
         for call in self.graph.calls:
             if call.layer.name == name:
                 return self.stage_of_call[call.index]

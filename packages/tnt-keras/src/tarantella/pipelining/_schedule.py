@@ -42,6 +42,7 @@ class Action:
 
 
 def check_schedule(name: str) -> str:
+    """``name`` if it is a known schedule, else a PipelineError listing them."""
     if name not in SCHEDULES:
         raise PipelineError(f"pipeline_schedule={name!r} is unknown; use one of {', '.join(SCHEDULES)}.")
     return name
