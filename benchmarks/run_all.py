@@ -55,6 +55,8 @@ BENCHMARKS: list[Benchmark] = [
     # (no MPI around it), as a cross-check: `run_all.py mwms_2`.
     *(Benchmark(f"mwms_{n}", "peer_mwms.py", args=["--ranks", str(n)], default=False)
       for n in SCALING_RANKS),
+    # Pipelining (issue 11): 2 stages pinned to a core each; rows come with the JSON.
+    Benchmark("pipeline", "pipeline.py", ranks=2, mpi_args=PINNED),
     Benchmark("summary", "summary.py", quick=False),
 ]
 

@@ -375,6 +375,10 @@ def main() -> int:
         if res[n] and scaling.exists() and (RESULTS / f"{n}.json").stat().st_mtime < scaling.stat().st_mtime:
             res[n] = None
     rows = rows_from(res)
+    # Benchmarks that state their own rows (pipeline.py) bring them in their JSON.
+    for extra in ("pipeline",):
+        res[extra] = load(extra)
+        rows.extend(res[extra]["rows"] if res[extra] else [])
     loads = loads_of(res)
     rows.append(row("machine_loadavg_1min", max(loads.values(), default=None), None, False,
                     "1-minute load average (max over jobs)",

@@ -9,7 +9,7 @@ Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run
 
 from __future__ import annotations
 
-from . import keras, models
+from . import keras, models, pipelining
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._inputs import InputError
 from ._internals import UnsupportedVersionError
@@ -38,6 +38,7 @@ __all__ = [
     "keras",
     "local_batch_size",
     "models",
+    "pipelining",
 ]
 
 # Errors show under their public names (tnt.InputError), not the private modules'.

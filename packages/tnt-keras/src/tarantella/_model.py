@@ -34,9 +34,11 @@ _KERAS_MODEL_KWARGS = frozenset({"name", "trainable", "dtype"})
 
 
 class ParallelStrategy(enum.Enum):
-    """How the model is parallelised. Only data parallelism exists today."""
+    """How the model is parallelised: DATA, PIPELINING (N == p stages), ALL (N/p pipelines)."""
 
     DATA = "data"
+    PIPELINING = "pipelining"
+    ALL = "all"
 
 
 class Model(keras.Model):
@@ -51,6 +53,13 @@ class Model(keras.Model):
             does), so a model with batch normalisation trains as serial Keras does.
     """
 
+    def __new__(cls, *args, **kwargs):
+        # PIPELINING / ALL on several ranks and stages build a pipelined model instead.
+        from .pipelining import pipelined_model
+
+        pipelined = pipelined_model(*args, strategies=ParallelStrategy, **kwargs)
+        return pipelined if pipelined is not None else super().__new__(cls, *args, **kwargs)
+
     def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
                  sync_batch_norm: bool = False, **kwargs):
         if not isinstance(model, keras.Model):
@@ -60,8 +69,8 @@ class Model(keras.Model):
             )
         if isinstance(model, Model):
             raise TypeError("This model is already a tnt.Model; wrap the Keras model only once.")
-        if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:
-            raise ValueError(f"Unsupported parallel_strategy {parallel_strategy!r}; use DATA.")
+        if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:  # 1 rank or 1 stage
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("num_pipeline", "num_micro", "pipeline_"))}
         unknown = sorted(set(kwargs) - _KERAS_MODEL_KWARGS)
         if unknown:
             raise TypeError(

@@ -12,7 +12,7 @@ from typing import Any
 import keras
 
 from . import _io
-from ._model import Model
+from ._model import Model, ParallelStrategy
 
 __all__ = ["clone_model", "load_model", "model_from_config", "model_from_json", "save_model"]
 
@@ -22,7 +22,16 @@ def _inner(model) -> keras.Model:
 
 
 def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) -> Model:
-    """Load a ``.keras`` file written by ``save``/``save_model`` (on all ranks)."""
+    """Load a ``.keras`` file written by ``save``/``save_model`` (on all ranks).
+
+    ``parallel_strategy=PIPELINING|ALL, num_pipeline_stages=q`` loads it into q stages
+    (any q, whatever the file was saved with; see tnt.pipelining.load_model).
+    """
+    if ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA)) is not ParallelStrategy.DATA:
+        from .pipelining import load_model as load_pipelined
+
+        return load_pipelined(filepath, custom_objects=custom_objects, compile=compile, **kwargs)
+    kwargs.pop("parallel_strategy", None)
     with _io.master_file(filepath) as local:
         inner = keras.models.load_model(local, custom_objects=custom_objects, compile=compile, **kwargs)
     return Model(inner)

@@ -1,0 +1,248 @@
+"""Pipelining benchmark (issue 11): memory per stage, bubble, speed-up over plain Keras.
+
+    mpirun -n 2 --bind-to core python benchmarks/pipeline.py [--quick]   (run_all.py: pipeline)
+
+Rows (results/pipeline.json -> summary.json through summary.py):
+
+- pipeline_memory_per_stage_p2 (and _p4): bytes of variables + gradients + optimizer
+  slots (Adam) of the largest stage / the serial model's, counted from the real
+  variables: p = 2 from the stage each rank trains; p = 4 from the four stages built one
+  after another in one process (the plan is a pure function, as on 4 ranks). Also the
+  stage balance max/min.
+- pipeline_bubble_error_p2: measured idle fraction of a stage (1 - compute time / schedule
+  time, over the timed steps) minus (p - 1)/(m + p - 1), m in {2, 4, 8}, GPipe on a
+  balanced dense stack; the row is the largest |error|.
+- pipeline_speedup_p2_m8: samples/s of 2 stages (1F1B, m = 8) / plain Keras on rank 0
+  alone, same global batch, one compute thread per rank, paired per round (median).
+  Beside it: one process running the same 8 micro-batches (gradient accumulation) and
+  data parallelism (tnt.Model DATA) on the same 2 ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import benchlib  # first: pins TensorFlow's threads
+import numpy as np
+import tensorflow as tf
+
+benchlib.pin_threads(tf)
+import keras  # noqa: E402
+
+import tarantella as tnt  # noqa: E402
+import tnt_comm  # noqa: E402
+from tarantella.pipelining import build_stage, plan  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+# Micro-batches of B / M = 512 rows: a 1-thread matmul at 64 rows runs at ~0.4 of its
+# 512-row speed here (measured), which would charge the pipeline for small matrices.
+WIDTH, DEPTH, CLASSES = 512, 8, 10
+B, M = 4096, 8
+STEPS = 3 if QUICK else 5
+ROUNDS = 1 if QUICK else 3
+
+
+def stack(seed: int = 0) -> keras.Model:
+    """A balanced dense stack: DEPTH layers of WIDTH x WIDTH, a small classifier."""
+    keras.utils.set_random_seed(seed)
+    x = inp = keras.Input((WIDTH,), name="x")
+    for k in range(DEPTH):
+        x = keras.layers.Dense(WIDTH, activation="relu", name=f"d{k}")(x)
+    return keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax", name="out")(x), name="stack")
+
+
+def dataset(steps: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B * 2, WIDTH)).astype("float32")
+    y = rng.integers(0, CLASSES, B * 2).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat().take(steps)
+
+
+def training_bytes(model: keras.Model, optimizer) -> int:
+    """Variables + gradients (one per trainable variable) + optimizer variables."""
+    def nbytes(vs):
+        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs)
+    return nbytes(model.weights) + nbytes(model.trainable_weights) + nbytes(optimizer.variables)
+
+
+def serial_bytes() -> int:
+    model = stack()
+    opt = keras.optimizers.Adam()
+    opt.build(model.trainable_variables)
+    return training_bytes(model, opt)
+
+
+def memory_in_process(p: int) -> list[int]:
+    """Training bytes of each of p stages, built one after the other in this process."""
+    pl = plan(stack(), p)
+    out = []
+    for s in range(p):
+        st = build_stage(pl, s)
+        opt = keras.optimizers.Adam()
+        opt.build(st.model.trainable_variables)
+        out.append(training_bytes(st.model, opt))
+        del st, opt
+    return out
+
+
+def timed_fit(model, steps: int) -> float:
+    model.fit(dataset(2), epochs=1, verbose=0)  # warm-up: traces
+    tnt_comm.barrier()
+    t0 = time.perf_counter()
+    model.fit(dataset(steps), epochs=1, verbose=0)
+    return time.perf_counter() - t0
+
+
+def keras_alone(steps: int) -> float | None:
+    """Plain Keras on rank 0 while rank 1 waits: samples/s."""
+    result = None
+    if tnt.get_rank() == 0:
+        model = stack()
+        model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+        result = steps * B / timed_fit_local(model, steps)
+    tnt_comm.barrier()
+    return tnt_comm.broadcast_object(result, 0)
+
+
+def timed_fit_local(model, steps: int) -> float:
+    model.fit(dataset(2), epochs=1, verbose=0)
+    t0 = time.perf_counter()
+    model.fit(dataset(steps), epochs=1, verbose=0)
+    return time.perf_counter() - t0
+
+
+def accumulation_alone(steps: int) -> float | None:
+    """One process, the same M micro-batches per step, gradients accumulated: samples/s."""
+    result = None
+    if tnt.get_rank() == 0:
+        model = stack()
+        opt = keras.optimizers.SGD(0.01)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy()
+        opt.build(model.trainable_variables)
+
+        @tf.function(reduce_retracing=True)
+        def grads_of(x, y, w):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True)) * w
+            return tape.gradient(loss, model.trainable_variables)
+
+        @tf.function
+        def apply(grads):
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        def step(x, y):
+            total = None
+            for k in range(M):
+                sl = slice(k * B // M, (k + 1) * B // M)
+                g = grads_of(x[sl], y[sl], tf.constant(1.0 / M))
+                total = g if total is None else [a + b for a, b in zip(total, g)]
+            apply(total)
+
+        batches = list(dataset(steps + 2))
+        for x, y in batches[:2]:
+            step(x, y)
+        t0 = time.perf_counter()
+        for x, y in batches[2:]:
+            step(x, y)
+        result = steps * B / (time.perf_counter() - t0)
+    tnt_comm.barrier()
+    return tnt_comm.broadcast_object(result, 0)
+
+
+def distributed(steps: int, **options) -> tuple[float, dict | None]:
+    model = tnt.Model(stack(), **options)
+    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    seconds = max(tnt_comm.allgather_object(timed_fit(model, steps)))
+    stats = model.pipeline_stats() if hasattr(model, "pipeline_stats") else None
+    return steps * B / seconds, stats
+
+
+def bubble(m: int) -> list[dict]:
+    model = tnt.Model(stack(), parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2,
+                      num_micro_batches=m, pipeline_schedule="gpipe")
+    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    model.fit(dataset(2), epochs=1, verbose=0)
+    model.pipeline_stats(reset=True)
+    model.fit(dataset(STEPS), epochs=1, verbose=0)
+    stats = model.pipeline_stats()
+    stats["theory"] = 1 / (m + 1)
+    stats["m"] = m
+    return tnt_comm.allgather_object(stats)
+
+
+def main() -> int:
+    if tnt.get_size() != 2:
+        raise SystemExit("run on 2 ranks: mpirun -n 2 python benchmarks/pipeline.py")
+    before = benchlib.machine()
+    serial = serial_bytes()
+    mem4 = memory_in_process(4) if tnt.get_rank() == 0 else None
+    mem4 = tnt_comm.broadcast_object(mem4, 0)
+
+    rounds = []
+    stage_bytes = None
+    for r in range(ROUNDS):
+        alone = keras_alone(STEPS)
+        accum = accumulation_alone(STEPS)
+        piped, _ = distributed(STEPS, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                               num_pipeline_stages=2, num_micro_batches=M, pipeline_schedule="1f1b")
+        data_parallel, _ = distributed(STEPS)
+        rounds.append({"keras_alone": alone, "accumulation_alone": accum, "pipeline_p2_m8": piped,
+                       "data_parallel_2": data_parallel})
+        if tnt.is_master_rank():
+            print(f"round {r}: samples/s keras {alone:.0f}, accumulation {accum:.0f}, "
+                  f"pipeline p=2 m=8 {piped:.0f}, data parallel {data_parallel:.0f}", flush=True)
+        if stage_bytes is None:
+            model = tnt.Model(stack(), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                              num_pipeline_stages=2, num_micro_batches=M)
+            model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
+            model.fit(dataset(1), epochs=1, verbose=0)
+            stage_bytes = tnt_comm.allgather_object(training_bytes(model.stage_model, model.optimizer))
+            del model
+    bubbles = [row for m in (2, 4, 8) for row in bubble(m)]
+
+    def median(key, ref):
+        return statistics.median(r[key] / r[ref] for r in rounds)
+
+    speedup = median("pipeline_p2_m8", "keras_alone")
+    result = {
+        "ranks": 2, "quick": QUICK, "width": WIDTH, "depth": DEPTH, "global_batch": B, "micro_batches": M,
+        "steps": STEPS, "rounds": rounds, "bubbles": bubbles, "machine_before": before,
+        "serial_training_bytes": serial, "stage_training_bytes_p2": stage_bytes, "stage_training_bytes_p4": mem4,
+    }
+    bubble_errors = [b["idle_fraction"] - b["theory"] for b in bubbles]
+    mem2 = max(stage_bytes) / serial
+    result["rows"] = [
+        {"name": "pipeline_memory_per_stage_p2", "value": mem2, "target": 0.6, "higher_is_better": False,
+         "unit": "x serial bytes (vars+grads+Adam slots)",
+         "detail": f"largest of 2 stages {max(stage_bytes) / 2**20:.1f} MiB / serial {serial / 2**20:.1f} MiB; "
+                   f"balance max/min {max(stage_bytes) / min(stage_bytes):.3f} (pipeline.py)"},
+        {"name": "pipeline_memory_per_stage_p4", "value": max(mem4) / serial, "target": 0.35,
+         "higher_is_better": False, "unit": "x serial bytes (vars+grads+Adam slots)",
+         "detail": f"4 stages built in one process; balance max/min {max(mem4) / min(mem4):.3f} (pipeline.py)"},
+        {"name": "pipeline_bubble_error_p2", "value": max(abs(e) for e in bubble_errors), "target": 0.05,
+         "higher_is_better": False, "unit": "|idle fraction - (p-1)/(m+p-1)|",
+         "detail": "; ".join(f"m={b['m']} stage {b['stage']}: idle {b['idle_fraction']:.3f} vs {b['theory']:.3f}"
+                             for b in bubbles) + " (pipeline.py)"},
+        {"name": "pipeline_speedup_p2_m8", "value": speedup, "target": 0.85 * 2 * M / (M + 1),
+         "higher_is_better": True, "unit": "x plain Keras samples/s (1 rank)",
+         "detail": f"per-round ratios {[round(r['pipeline_p2_m8'] / r['keras_alone'], 3) for r in rounds]}; "
+                   f"accumulation alone {median('accumulation_alone', 'keras_alone'):.3f}x Keras, "
+                   f"pipeline vs accumulation {median('pipeline_p2_m8', 'accumulation_alone'):.3f}x, "
+                   f"data parallel 2 ranks {median('data_parallel_2', 'keras_alone'):.3f}x Keras (pipeline.py)"},
+    ]
+    if tnt.is_master_rank():
+        benchlib.RESULTS.mkdir(exist_ok=True)
+        import json
+
+        (benchlib.RESULTS / "pipeline.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
+        print(f"\n{'row':>32} {'value':>8} {'target':>8}")
+        for row in result["rows"]:
+            print(f"{row['name']:>32} {row['value']:8.3f} {row['target']:8.3f}  {row['detail']}")
+    tnt_comm.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

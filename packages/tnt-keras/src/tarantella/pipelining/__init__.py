@@ -1,0 +1,39 @@
+"""``tnt.pipelining``: cut a Keras model into pipeline stages on different ranks.
+
+    plan = tnt.pipelining.plan(keras_model, num_pipeline_stages=2)
+    plan.summary()
+    model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                      num_pipeline_stages=2, num_micro_batches=8, pipeline_schedule="1f1b")
+
+See docs/pipelining.md.
+"""
+
+from __future__ import annotations
+
+from ._errors import PipelineError
+from ._local import LocalPipeline
+from ._model import PipelinedModel, pipelined_model
+from ._plan import Boundary, Plan, Stage, plan
+from ._saving import load_model
+from ._schedule import SCHEDULES, Action, actions, compute_order, micro_batch_sizes, peak_in_flight
+from ._stages import StageModel, build_stage
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Boundary",
+    "LocalPipeline",
+    "PipelineError",
+    "PipelinedModel",
+    "Plan",
+    "Stage",
+    "StageModel",
+    "actions",
+    "build_stage",
+    "compute_order",
+    "load_model",
+    "micro_batch_sizes",
+    "peak_in_flight",
+    "pipelined_model",
+    "plan",
+]

@@ -1,0 +1,233 @@
+"""Run one stage's action list for one step: micro-batches in, gradients out.
+
+Forward passes run under a ``tf.GradientTape`` around the stage's compiled forward
+function, so the activations of micro-batch i stay alive (inside the tape) until B(i)
+asks the tape for the gradients of the stage's outputs (given the received output
+gradients) with respect to its boundary inputs and its weights. Sends are non-blocking
+and waited for at the end of the step; receives block.
+
+Loss weighting (DESIGN.md): the last stage differentiates ``loss_i * b_i / B`` (B = the
+global batch), every other stage adds its regularisation loss weighted alike, so summed
+over the micro-batches of all replicas each counts exactly once. Weight gradients are
+accumulated in micro-batch order, whatever order the schedule ran the backward passes in.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ._errors import PipelineError
+from ._plan import Plan
+from ._schedule import actions
+from ._stages import StageModel
+from ._transport import ACTIVATION, GRADIENT, Transport, message_tag
+
+TRAIN, TEST, PREDICT = "train", "test", "predict"
+
+
+@dataclass
+class StepResult:
+    """What a stage produced in one step."""
+
+    grads: list | None = None  # accumulated weighted gradients (train), None if no micro-batch
+    predictions: list = field(default_factory=list)  # last stage, predict: one output per micro-batch
+    peak_live: int = 0  # the most micro-batches held in tapes at once
+    seconds: float = 0.0  # wall time of the schedule
+    busy_seconds: float = 0.0  # of which computing forward/backward passes (the rest is waiting)
+
+
+def _slice(structure, lo: int, hi: int):
+    return keras.tree.map_structure(lambda t: None if t is None else t[lo:hi], structure)
+
+
+class StageExecutor:
+    """Executes the schedule of one stage (``stage``) of ``plan`` through ``transport``."""
+
+    def __init__(self, stage: StageModel, plan: Plan, transport: Transport, schedule: str) -> None:
+        self.stage = stage
+        self.model = stage.model
+        self.plan = plan
+        self.transport = transport
+        self.schedule = schedule
+        self.step = 0
+        self._fns: dict = {}
+        for b in stage.inputs + stage.outputs:
+            shape = plan.boundaries[b].shape
+            if any(d is None for d in shape):
+                raise PipelineError(
+                    f"boundary tensor {plan.boundaries[b].tensor} has shape {shape}: tensors "
+                    "crossing stages need a static shape apart from the batch axis. Give the "
+                    "model's inputs a fixed shape or cut the model elsewhere.")
+        self._regularized = any(getattr(v, "regularizer", None) is not None
+                                for v in self.model.trainable_weights) or any(
+            getattr(layer, "activity_regularizer", None) is not None for layer in self.model.layers)
+        n_data = len(stage.data_inputs)
+        self._grad_positions = [n_data + k for k, b in enumerate(stage.inputs)
+                                if plan.boundaries[b].differentiable]
+        self._grad_outputs = [k for k, b in enumerate(stage.outputs) if plan.boundaries[b].differentiable]
+
+    # -- compiled pieces ---------------------------------------------------------------------
+    def _fn(self, key, make):
+        if key not in self._fns:
+            self._fns[key] = tf.function(make(), reduce_retracing=True, autograph=False)
+        return self._fns[key]
+
+    def _forward(self, training: bool):
+        model = self.model
+
+        def make():
+            def forward(inputs):
+                outs = keras.tree.flatten(model(inputs, training=training))
+                losses = model.losses
+                reg = tf.add_n([tf.cast(v, tf.float32) for v in losses]) if losses else tf.zeros(())
+                return outs, reg
+            return forward
+        return self._fn(("forward", training), make)
+
+    def _forward_loss(self, training: bool):
+        model = self.model
+
+        def make():
+            def forward_loss(inputs, y, sample_weight):
+                y_pred = model(inputs, training=training)
+                loss = model.compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                          training=training)
+                return y_pred, loss
+            return forward_loss
+        return self._fn(("forward_loss", training), make)
+
+    def _update_metrics(self):
+        model = self.model
+
+        def make():
+            def update(y, y_pred, sample_weight, loss, n):
+                model._loss_tracker.update_state(loss, sample_weight=n)
+                model.compute_metrics(None, y, y_pred, sample_weight=sample_weight)
+                return tf.constant(True)
+            return update
+        return self._fn(("metrics",), make)
+
+    def regularization_value(self) -> float:
+        """This stage's weight-regularisation loss (what serial Keras adds to every step's loss)."""
+        terms = [v.regularizer(v) for v in self.model.trainable_weights
+                 if getattr(v, "regularizer", None) is not None]
+        return float(tf.add_n([tf.cast(t, tf.float32) for t in terms])) if terms else 0.0
+
+    # -- one step ------------------------------------------------------------------------------
+    def run(self, mode: str, x_flat: list, y, sample_weight, sizes: list[int], total: int) -> StepResult:
+        """Run the step's schedule over micro-batches of ``sizes`` (global batch ``total``)."""
+        self.step += 1
+        step = self.step
+        st, plan, t = self.stage, self.plan, self.transport
+        training = mode == TRAIN
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+        received: dict[int, dict[int, tf.Tensor]] = {}
+        outputs_np: dict[int, dict[int, np.ndarray]] = {}
+        out_grads: dict[int, dict[int, tf.Tensor]] = {}
+        in_grads: dict[int, list] = {}
+        live: dict[int, tuple] = {}
+        sends = []
+        result = StepResult()
+        pending: dict[int, list] = {}
+        next_to_add = 0
+        variables = self.model.trainable_variables
+        started = time.perf_counter()
+
+        for a in actions(plan, self.schedule, len(sizes), st.index, training=training):
+            i = a.micro_batch
+            lo, hi = offsets[i], offsets[i + 1]
+            if a.kind == "RECV_ACT":
+                bd = plan.boundaries[a.boundary]
+                arr = t.recv(a.peer, (step, i, message_tag(a.boundary, ACTIVATION)), bd.dtype,
+                             (hi - lo, *bd.shape))
+                received.setdefault(i, {})[a.boundary] = tf.convert_to_tensor(arr)
+            elif a.kind == "F":
+                inputs = [x_flat[j][lo:hi] for j in st.data_inputs]
+                inputs += [received[i].pop(b) for b in st.inputs]
+                received.pop(i, None)
+                t0 = time.perf_counter()
+                live[i] = self._run_forward(mode, i, inputs, y, sample_weight, lo, hi, total, result,
+                                            outputs_np)
+                result.busy_seconds += time.perf_counter() - t0
+                result.peak_live = max(result.peak_live, len(live))
+                if not training:
+                    live.pop(i)
+            elif a.kind == "SEND_ACT":
+                sends.append(t.isend(outputs_np[i][a.boundary], a.peer,
+                                     (step, i, message_tag(a.boundary, ACTIVATION))))
+            elif a.kind == "RECV_GRAD":
+                bd = plan.boundaries[a.boundary]
+                arr = tf.convert_to_tensor(t.recv(a.peer, (step, i, message_tag(a.boundary, GRADIENT)),
+                                                  bd.dtype, (hi - lo, *bd.shape)))
+                got = out_grads.setdefault(i, {})
+                got[a.boundary] = arr if a.boundary not in got else got[a.boundary] + arr
+            elif a.kind == "B":
+                outputs_np.pop(i, None)
+                t0 = time.perf_counter()
+                d_inputs, grads = self._run_backward(live.pop(i), out_grads.pop(i, {}), variables)
+                d_inputs = [np.asarray(d) for d in d_inputs]
+                result.busy_seconds += time.perf_counter() - t0
+                in_grads[i] = d_inputs
+                pending[i] = grads
+                while next_to_add in pending:  # accumulate in micro-batch order
+                    g = pending.pop(next_to_add)
+                    result.grads = g if result.grads is None else [x + y for x, y in zip(result.grads, g)]
+                    next_to_add += 1
+            elif a.kind == "SEND_GRAD":
+                k = [b for b in st.inputs if plan.boundaries[b].differentiable].index(a.boundary)
+                sends.append(t.isend(np.asarray(in_grads[i][k]), a.peer,
+                                     (step, i, message_tag(a.boundary, GRADIENT))))
+                if k == len(self._grad_positions) - 1:
+                    in_grads.pop(i, None)
+        for request in sends:
+            request.wait()
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _run_forward(self, mode, i, inputs, y, sample_weight, lo, hi, total, result, outputs_np):
+        st = self.stage
+        training = mode == TRAIN
+        weight = tf.constant((hi - lo) / total, tf.float32)
+        if mode == PREDICT and st.is_last:
+            result.predictions.append(self._forward(False)(inputs)[0])
+            return None
+        tape = tf.GradientTape() if training else None
+        watched = [inputs[k] for k in self._grad_positions]
+        if tape is not None:
+            tape.__enter__()
+            tape.watch(watched)
+        try:
+            if st.is_last:
+                y_i, sw_i = _slice(y, lo, hi), _slice(sample_weight, lo, hi)
+                y_pred, loss = self._forward_loss(training)(inputs, y_i, sw_i)
+                targets = [loss * tf.cast(weight, loss.dtype)]
+            else:
+                outs, reg = self._forward(training)(inputs)
+                targets = [outs[k] for k in self._grad_outputs]
+                if self._regularized:
+                    targets.append(reg * weight)
+        finally:
+            if tape is not None:
+                tape.__exit__(None, None, None)
+        if st.is_last:
+            self._update_metrics()(y_i, y_pred, sw_i, loss, tf.constant(hi - lo, tf.float32))
+        else:
+            outputs_np[i] = {b: np.asarray(o) for b, o in zip(st.outputs, outs)}
+        return tape, watched, targets
+
+    def _run_backward(self, record, received: dict, variables):
+        tape, watched, targets = record
+        if self.stage.is_last:
+            output_gradients = None
+        else:
+            output_gradients = [received[self.stage.outputs[k]] for k in self._grad_outputs]
+            if self._regularized:
+                output_gradients.append(tf.ones((), targets[-1].dtype))
+        grads = tape.gradient(targets, [*watched, *variables], output_gradients=output_gradients,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return grads[: len(watched)], grads[len(watched):]

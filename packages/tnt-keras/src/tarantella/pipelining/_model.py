@@ -1,0 +1,354 @@
+"""``tnt.Model(..., parallel_strategy=PIPELINING | ALL)``: the pipelined model of one rank.
+
+Like the data-parallel wrapper, it is a ``keras.Model`` so that Keras' own fit/evaluate/
+predict loops, callbacks, History and progress bars drive it. It holds no layer of the
+user's model: only this rank's stage (``stage_model``), built from clones of the stage's
+layers. Keras' loop runs eagerly on the wrapper; each step runs the stage's schedule,
+whose forward and backward passes are compiled ``tf.function``s (``_executor``).
+
+Every rank of a replica reads the same replica batch (``tnt_data.distribute`` over the
+replicas): stage 0 (and any stage reading a model input) uses x, the last stage y and
+the sample weights, all use its size to cut the micro-batches.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tnt_data
+
+from .. import _io, _runtime
+from .._inputs import InputError, Sharding, common_seed, rank_dataset, split_arrays
+from .._rank_callbacks import callbacks_for_rank
+from ._errors import PipelineError
+from ._plan import Plan
+from ._plan import plan as make_plan
+from ._saving import (
+    assign_optimizer_state,
+    load_pipelined_weights,
+    optimizer_state,
+    save_pipelined,
+    save_pipelined_weights,
+)
+from ._schedule import check_schedule
+from ._stage_runtime import StageRuntime
+from ._transport import CommTransport
+
+
+def default_micro_batches(num_stages: int) -> int:
+    """4p micro-batches: bubble (p - 1) / (5p - 1), under 20 % of a step."""
+    return 4 * num_stages
+
+
+def check_layout(strategy: str, size: int, num_stages: int) -> None:
+    """PIPELINING needs N == p; ALL needs N % p == 0 (N / p replicas)."""
+    if strategy == "pipelining" and size != num_stages:
+        raise PipelineError(
+            f"ParallelStrategy.PIPELINING runs one pipeline of {num_stages} stages, one per rank, "
+            f"but the job has {size} ranks. Launch with `tarantella -n {num_stages}`, or use "
+            f"ParallelStrategy.ALL to run {num_stages}-stage pipelines as data-parallel replicas "
+            f"(N must then be a multiple of {num_stages}).")
+    if strategy == "all" and size % num_stages:
+        raise PipelineError(
+            f"ParallelStrategy.ALL runs N / p pipeline replicas, but {size} ranks is not a multiple of "
+            f"num_pipeline_stages={num_stages}. Launch a multiple of {num_stages} ranks or change "
+            "the number of stages.")
+
+
+def _check_micro_batches(m) -> int:
+    if not isinstance(m, int | np.integer) or isinstance(m, bool) or m < 1:
+        raise PipelineError(f"num_micro_batches must be an integer >= 1, got {m!r}.")
+    return int(m)
+
+
+def _live(value):
+    """A compile argument as ``compile`` takes it: a loaded file holds serialised configs."""
+    try:
+        return keras.saving.deserialize_keras_object(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def _split_sizes(data):
+    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], tnt_data.StepSizes):
+        return data
+    return data, None
+
+
+class PipelinedModel(keras.Model):
+    """This rank's stage of a model pipelined over ``num_pipeline_stages`` ranks (per replica)."""
+
+    def __init__(self, model: keras.Model, *, parallel_strategy: str = "pipelining",
+                 num_pipeline_stages: int | None = None, num_micro_batches: int | None = None,
+                 pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None) -> None:
+        super().__init__(name=f"tnt_{model.name}")
+        self._tnt_settings = _runtime.setup()
+        if pipeline_plan is not None:
+            if num_pipeline_stages is not None and num_pipeline_stages != pipeline_plan.num_stages:
+                raise PipelineError(f"pipeline_plan has {pipeline_plan.num_stages} stages but "
+                                    f"num_pipeline_stages={num_pipeline_stages}; make them agree.")
+            plan = pipeline_plan
+        else:
+            plan = make_plan(model, num_pipeline_stages)
+        check_layout(parallel_strategy, _runtime.get_size(), plan.num_stages)
+        check_schedule(pipeline_schedule)
+        m = default_micro_batches(plan.num_stages) if num_micro_batches is None else \
+            _check_micro_batches(num_micro_batches)
+        self.plan = plan
+        self.parallel_strategy = parallel_strategy
+        self.num_micro_batches = m
+        self.pipeline_schedule = pipeline_schedule
+        transport = CommTransport(plan.num_stages)
+        self._tnt_check_same_plan(transport)
+        self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m,
+                                       fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes)
+        self._tnt_serial_config = (type(model), model.get_config())
+        self._tnt_compile_args: dict | None = None
+        self._tnt_synced = False
+        self._tnt_seed: int | None = None
+        self.built = True
+        if model.compiled:  # e.g. loaded from a .keras file with its training configuration
+            self._compile_from(model)
+
+    # -- what this rank holds ----------------------------------------------------------------
+    @property
+    def stage_model(self) -> keras.Model:
+        """This rank's stage as a Keras model (its layers only)."""
+        return self._tnt_stage.model
+
+    @property
+    def stage(self) -> int:
+        """This rank's stage index."""
+        return self._tnt_stage.transport.stage
+
+    @property
+    def replica(self) -> int:
+        """This rank's pipeline replica (0 with PIPELINING)."""
+        return self._tnt_stage.transport.replica
+
+    @property
+    def num_replicas(self) -> int:
+        """How many pipelines train data-parallel (N / p)."""
+        return self._tnt_stage.transport.num_replicas
+
+    @property
+    def peak_micro_batches_in_flight(self) -> int:
+        """The most micro-batches whose activations this stage held at once."""
+        return self._tnt_stage.peak_live
+
+    def pipeline_stats(self, reset: bool = False) -> dict:
+        """This rank's schedule time, compute time and idle fraction over the train steps so far."""
+        st = self._tnt_stage
+        stats = {"stage": self.stage, "replica": self.replica, "schedule_seconds": st.schedule_seconds,
+                 "busy_seconds": st.busy_seconds,
+                 "idle_fraction": 1.0 - st.busy_seconds / st.schedule_seconds if st.schedule_seconds else None,
+                 "peak_micro_batches_in_flight": st.peak_live}
+        if reset:
+            st.schedule_seconds = st.busy_seconds = 0.0
+        return stats
+
+    @property
+    def metrics(self):
+        return []  # logs come from the last stage, global and identical on every rank
+
+    def get_weights(self):
+        """This rank's stage's weights (the whole model only exists in saved files)."""
+        return self.stage_model.get_weights()
+
+    def summary(self, *args, **kwargs) -> None:
+        if _runtime.is_master_rank():
+            self.plan.summary()
+
+    def _tnt_check_same_plan(self, transport) -> None:
+        mine = (self.plan.split_after, [(b.tensor, b.shape, b.dtype, b.producer, b.consumers)
+                                        for b in self.plan.boundaries])
+        first = transport.pipeline_broadcast_object(mine, 0)
+        if first != mine:
+            raise PipelineError(
+                f"stage {transport.stage} computed another pipeline plan than stage 0 "
+                f"({mine} vs {first}); every rank must build the same model.")
+
+    # -- compile -------------------------------------------------------------------------------
+    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
+                weighted_metrics=None, run_eagerly=False, steps_per_execution=1,
+                jit_compile="auto", **kwargs) -> None:
+        """Each stage gets a clone of ``optimizer``; the last stage the loss and metrics."""
+        if steps_per_execution != 1:
+            raise PipelineError("steps_per_execution > 1 is not supported with pipelining; leave it at 1.")
+        self._tnt_compile_args = dict(optimizer=keras.optimizers.get(optimizer), loss=loss,
+                                      metrics=metrics, loss_weights=loss_weights,
+                                      weighted_metrics=weighted_metrics)
+        args = dict(self._tnt_compile_args)
+        self._tnt_stage.compile(args.pop("optimizer"), **args)
+        # Keras' loop runs the wrapper eagerly; the stage's passes are compiled functions.
+        super().compile(optimizer=self._tnt_stage.optimizer, loss=None, run_eagerly=True)
+        self._tnt_synced = False
+
+    def _compile_from(self, model: keras.Model) -> None:
+        compile_config = getattr(model, "_compile_config", None)
+        config = {k: _live(v) for k, v in compile_config.config.items()} if compile_config else {}
+        self.compile(optimizer=model.optimizer, loss=config.get("loss", model.loss),
+                     metrics=config.get("metrics"), loss_weights=config.get("loss_weights"),
+                     weighted_metrics=config.get("weighted_metrics"))
+        assign_optimizer_state(self._tnt_stage.optimizer, self.stage_model,
+                               optimizer_state(model.optimizer, model))
+
+    def _assert_compiled(self, method: str) -> None:
+        if self._tnt_compile_args is None:
+            raise RuntimeError(f"tnt.Model.{method}() needs a compiled model: call "
+                               "model.compile(optimizer, loss, metrics) first.")
+
+    # -- Keras' steps -----------------------------------------------------------------------------
+    def train_step(self, data):
+        """One pipelined step over the replica batch (Keras' loop calls it)."""
+        data, sizes = _split_sizes(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        total = None if sizes is None else int(sizes.total)
+        return self._tnt_stage.train_step(x, y, sample_weight, total)
+
+    def test_step(self, data):
+        """Forward-only step: metrics on the last stage, logs on every rank."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        return self._tnt_stage.test_step(x, y, sample_weight)
+
+    def predict_step(self, data):
+        """Forward-only step: the whole batch's outputs on every rank."""
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return keras.tree.map_structure(tf.convert_to_tensor, self._tnt_stage.predict_step(x))
+
+    def reset_metrics(self):
+        """Reset the last stage's metric states (Keras calls it per epoch)."""
+        self._tnt_stage.reset_metrics()
+
+    # -- data ----------------------------------------------------------------------------------------
+    def _common_seed(self) -> int:
+        if self._tnt_seed is None:
+            self._tnt_seed = common_seed()
+        return self._tnt_seed
+
+    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method, with_sizes=False,
+                      class_weight=None):
+        sharding = Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
+        return rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method=method,
+                            sharding=sharding, with_sizes=with_sizes, class_weight=class_weight)
+
+    def _prepare(self) -> None:
+        if not self._tnt_synced:
+            self._tnt_stage.sync_replicas()
+            self._tnt_synced = True
+
+    def _verbose(self, verbose):
+        return verbose if _runtime.is_master_rank() else 0
+
+    def _rank_callbacks(self, callbacks):
+        return callbacks_for_rank(callbacks,
+                                  tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices)
+
+    # -- loops ---------------------------------------------------------------------------------------
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, validation_batch_size=None, **kwargs):
+        """Keras' ``fit``; ``x`` batched with the global batch size (or arrays + batch_size)."""
+        self._assert_compiled("fit")
+        if any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in callbacks or []):
+            raise PipelineError(
+                "BackupAndRestore is not supported with pipelining yet. Save with "
+                "keras.callbacks.ModelCheckpoint (one .keras file, gathered from the stages) and "
+                "resume with tnt.models.load_model(path, parallel_strategy=..., "
+                "num_pipeline_stages=p) and fit(initial_epoch=...).")
+        if validation_split:
+            if isinstance(x, tf.data.Dataset):
+                raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
+            (x, y, sample_weight), validation_data = split_arrays((x, y, sample_weight), validation_split)
+        train = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
+                                   method="fit", with_sizes=True, class_weight=class_weight)
+        val = None
+        if validation_data is not None:
+            if isinstance(validation_data, tf.data.Dataset):
+                vx, vy, vsw = validation_data, None, None
+            else:
+                vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+            val = self._replica_data(
+                vx, vy, vsw, shuffle=False, method="fit(validation_data)",
+                batch_size=None if isinstance(vx, tf.data.Dataset) else (validation_batch_size or batch_size))
+        self._prepare()
+        with self._rank_callbacks(callbacks) as rank_callbacks:
+            return super().fit(train, epochs=epochs, verbose=self._verbose(verbose),
+                               callbacks=rank_callbacks, validation_data=val, shuffle=False,
+                               initial_epoch=initial_epoch, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 steps=None, callbacks=None, return_dict=False, **kwargs):
+        """Keras' ``evaluate`` (forward-only schedule); the same result on every rank."""
+        if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already split
+            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                    return_dict=return_dict, **kwargs)
+        self._assert_compiled("evaluate")
+        data = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=False,
+                                  method="evaluate")
+        self._prepare()
+        with self._rank_callbacks(callbacks) as rank_callbacks:
+            logs = super().evaluate(data, verbose=self._verbose(verbose), steps=steps,
+                                    callbacks=rank_callbacks, return_dict=True, **kwargs)
+        if return_dict:
+            return logs
+        order = [k for k in self._tnt_stage.log_names if k in logs] or list(logs)
+        values = [logs[k] for k in order]  # the last stage's order: loss first, as serial Keras
+        return values[0] if len(values) == 1 else values
+
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        """Keras' ``predict`` (forward-only schedule); every rank returns all outputs in order."""
+        data = self._replica_data(x, batch_size=batch_size, shuffle=False, method="predict")
+        self._prepare()
+        with self._rank_callbacks(callbacks) as rank_callbacks:
+            return super().predict(data, verbose=self._verbose(verbose), steps=steps,
+                                   callbacks=rank_callbacks)
+
+    # -- files -----------------------------------------------------------------------------------------
+    def save(self, filepath, overwrite=True, **kwargs) -> None:
+        """One ordinary ``.keras`` file of the whole model; the master gathers the stages."""
+        save_pipelined(self, filepath, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
+        """One ``.weights.h5`` of the whole model, gathered on the master."""
+        save_pipelined_weights(self, filepath, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs) -> None:
+        """Load a serial weights file; this rank keeps its stage's layers."""
+        with _io.master_file(filepath) as local:
+            load_pipelined_weights(self, local)
+        self._tnt_synced = False
+
+
+_OPTIONS = ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan")
+
+
+def pipelined_model(*args, strategies, **kwargs) -> PipelinedModel | None:
+    """What ``tnt.Model(...)`` builds for PIPELINING / ALL; None means data parallelism.
+
+    On one rank, or when the plan has one stage, the data-parallel path runs (markers are
+    identities there); the plan and the options are still checked, so a script fails
+    alike under ``python`` and under the launcher.
+    """
+    model = args[0] if args else kwargs.get("model")
+    strategy = strategies(args[1] if len(args) > 1 else kwargs.get("parallel_strategy", strategies.DATA))
+    if strategy is strategies.DATA:
+        unknown = [k for k in _OPTIONS if k in kwargs]
+        if unknown:
+            raise PipelineError(f"{', '.join(unknown)} only apply to ParallelStrategy.PIPELINING or ALL; "
+                                "pass parallel_strategy=tnt.ParallelStrategy.PIPELINING.")
+        return None
+    if not isinstance(model, keras.Model):
+        return None  # tnt.Model's own check names the problem
+    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
+    plan = options.pop("pipeline_plan", None) or make_plan(model, options.get("num_pipeline_stages"))
+    check_schedule(options.get("pipeline_schedule", "1f1b"))
+    if options.get("num_micro_batches") is not None:
+        _check_micro_batches(options["num_micro_batches"])
+    options.pop("num_pipeline_stages", None)
+    if _runtime.get_size() == 1 or plan.num_stages == 1:
+        return None
+    return PipelinedModel(model, parallel_strategy=strategy.value, pipeline_plan=plan, **options)

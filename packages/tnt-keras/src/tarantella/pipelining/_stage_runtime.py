@@ -1,0 +1,212 @@
+"""One rank's stage for whole steps: schedule, then the end of the step.
+
+End of a training step on stage s (DESIGN.md, "Pipeline parallelism"):
+
+1. the executor ran the schedule: gradients ``g_s`` = sum over micro-batches of the
+   gradients of ``b_i / B`` x loss (accumulated in micro-batch order);
+2. weight regularisation of the other stages is added to the last stage's loss tracker,
+   so the logged loss is serial Keras' (one pipeline allreduce, only if some stage other
+   than the last is regularised);
+3. ``g_s`` is SUM-reduced over the replica group of stage s (ALL strategy);
+4. ``global_clipnorm`` scales by the norm over all stages (one pipeline allreduce);
+5. the stage's optimizer applies ``g_s``;
+6. the last stage's metric states are summed over replicas and the results broadcast
+   over the pipeline, so every rank returns the same logs.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .._metric_states import metric_variables
+from ._executor import PREDICT, TEST, TRAIN, StageExecutor
+from ._plan import Plan
+from ._schedule import micro_batch_sizes
+from ._stages import StageModel, build_stage
+from ._transport import Transport
+
+
+def clone_optimizer(optimizer) -> keras.optimizers.Optimizer:
+    """A fresh optimizer with ``optimizer``'s configuration (strings accepted)."""
+    optimizer = keras.optimizers.get(optimizer)
+    return optimizer.__class__.from_config(optimizer.get_config())
+
+
+class StageRuntime:
+    """Stage ``stage_index`` of ``plan`` on this rank, talking through ``transport``."""
+
+    def __init__(self, plan: Plan, transport: Transport, schedule: str, num_micro_batches: int,
+                 stage_model: StageModel | None = None, fusion_threshold_bytes: int = 8 << 20) -> None:
+        self.plan = plan
+        self.transport = transport
+        self.num_micro_batches = num_micro_batches
+        self.stage = stage_model or build_stage(plan, transport.stage)
+        self.model = self.stage.model
+        self.is_last = self.stage.is_last
+        self.executor = StageExecutor(self.stage, plan, transport, schedule)
+        self.optimizer: keras.optimizers.Optimizer | None = None
+        self.global_clipnorm: float | None = None
+        self.peak_live = 0
+        self.schedule_seconds = 0.0  # wall time in schedules (train steps) ...
+        self.busy_seconds = 0.0  # ... of which computing: 1 - busy/wall is the idle fraction
+        self._others_regularized = any(st.has_regularizer for st in plan.stages[:-1])
+        self._apply = None
+        self._engine = None  # fused allreduce over the replica group, made at the first step
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self.log_names: list[str] = []
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def compile(self, optimizer, loss=None, metrics=None, loss_weights=None, weighted_metrics=None) -> None:
+        """Give the stage its own optimizer (a clone) and the last stage the loss and metrics."""
+        opt = clone_optimizer(optimizer)
+        if isinstance(opt, keras.optimizers.LossScaleOptimizer):
+            raise NotImplementedError(
+                "LossScaleOptimizer is not supported with pipelining yet: its skip decision must "
+                "be taken over all stages. Train in float32, or use ParallelStrategy.DATA.")
+        self.global_clipnorm = opt.global_clipnorm
+        if self.global_clipnorm:  # clipped here over all stages, not per stage
+            config = opt.get_config()
+            config["global_clipnorm"] = None
+            opt = opt.__class__.from_config(config)
+        if self.is_last:
+            self.model.compile(optimizer=opt, loss=loss, metrics=metrics, loss_weights=loss_weights,
+                               weighted_metrics=weighted_metrics, jit_compile=False)
+        else:
+            self.model.compile(optimizer=opt, loss=None, jit_compile=False)
+        opt.build(self.model.trainable_variables)
+        self.optimizer = opt
+        self._apply = tf.function(self._apply_gradients, autograph=False)
+
+    def _apply_gradients(self, grads):
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        return tf.constant(True)
+
+    def sync_replicas(self) -> None:
+        """Every replica of this stage starts from replica 0's weights and optimizer state."""
+        if self.transport.num_replicas == 1:
+            return
+        variables = list(self.model.variables)
+        if self.optimizer is not None:
+            variables += list(self.optimizer.variables)
+        for var in variables:
+            value = np.asarray(var.numpy())
+            var.assign(self.transport.replica_broadcast(value.reshape(-1)).reshape(value.shape))
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _sizes(self, x_flat) -> tuple[int, list[int]]:
+        n = int(x_flat[0].shape[0]) if x_flat else 0
+        return n, micro_batch_sizes(n, self.num_micro_batches)
+
+    def train_step(self, x, y, sample_weight, total: int | None = None) -> dict:
+        x_flat = keras.tree.flatten(x)
+        n, sizes = self._sizes(x_flat)
+        total = n if total is None else int(total)
+        result = self.executor.run(TRAIN, x_flat, y, sample_weight, sizes, max(total, 1))
+        self.peak_live = max(self.peak_live, result.peak_live)
+        self.schedule_seconds += result.seconds
+        self.busy_seconds += result.busy_seconds
+        variables = self.model.trainable_variables
+        grads = result.grads if result.grads is not None else [tf.zeros_like(v) for v in variables]
+        self._add_other_stages_regularization(n)
+        grads = self._reduce_over_replicas(grads)
+        if self.global_clipnorm:
+            grads = self._clip_over_pipeline(grads)
+        self._apply(grads)
+        return self._logs()
+
+    def test_step(self, x, y, sample_weight) -> dict:
+        x_flat = keras.tree.flatten(x)
+        n, sizes = self._sizes(x_flat)
+        self.executor.run(TEST, x_flat, y, sample_weight, sizes, max(n, 1))
+        self._add_other_stages_regularization(n)
+        return self._logs()
+
+    def predict_step(self, x):
+        """The model's outputs for the whole batch of all replicas, on every rank."""
+        x_flat = keras.tree.flatten(x)
+        n, sizes = self._sizes(x_flat)
+        result = self.executor.run(PREDICT, x_flat, None, None, sizes, max(n, 1))
+        outputs = None
+        if self.is_last:
+            graph = self.plan.graph
+            outputs = []
+            for k, name in enumerate(graph.outputs):
+                parts = [np.asarray(p[k]) for p in result.predictions]
+                info = graph.tensors[name]
+                local = np.concatenate(parts) if parts else np.zeros((0, *info.shape), info.dtype)
+                outputs.append(self.transport.replica_allgather(local))
+        outputs = self.transport.pipeline_broadcast_object(outputs, self.plan.num_stages - 1)
+        return keras.tree.pack_sequence_as(self.plan.graph.output_struct, outputs)
+
+    # -- end-of-step pieces --------------------------------------------------------------------------
+    def _add_other_stages_regularization(self, n: int) -> None:
+        if not self._others_regularized:
+            return
+        mine = 0.0 if self.is_last else self.executor.regularization_value()
+        total = float(self.transport.pipeline_allreduce(np.array([mine], np.float64))[0])
+        if self.is_last and n > 0:
+            tracker = self.model._loss_tracker
+            tracker.total.assign_add(tf.cast(total * n, tracker.total.dtype))
+
+    def _reduce_over_replicas(self, grads: list) -> list:
+        """SUM over the stage's replica group with the fused engine (buckets, in order)."""
+        if self.transport.num_replicas == 1:
+            return grads
+        import tnt_comm
+
+        if self._engine is None:
+            specs = [tnt_comm.TensorSpec(v.path, int(np.prod(v.shape)), np.dtype(v.dtype))
+                     for v in self.model.trainable_variables]
+            self._engine = self.transport.fused_allreduce(specs, self.fusion_threshold_bytes)
+        arrays = [np.asarray(g) for g in grads]
+        self._engine.submit_many(list(range(len(arrays))), [a.reshape(-1) for a in arrays])
+        summed = self._engine.wait()
+        return [tf.convert_to_tensor(np.asarray(s).reshape(a.shape)) for s, a in zip(summed, arrays)]
+
+    def _clip_over_pipeline(self, grads: list) -> list:
+        local = float(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads])) \
+            if grads else 0.0
+        norm = np.float32(np.sqrt(self.transport.pipeline_allreduce(np.array([local], np.float64))[0]))
+        clip = np.float32(self.global_clipnorm)
+        scale = clip * np.minimum(np.float32(1.0) / norm, np.float32(1.0) / clip) + (norm - norm)
+        return [g * tf.cast(scale, g.dtype) for g in grads]
+
+    def _logs(self) -> dict:
+        logs = None
+        if self.is_last:
+            logs = self._global_metric_results()
+        logs = self.transport.pipeline_broadcast_object(logs, self.plan.num_stages - 1)
+        self.log_names = list(logs)  # Keras' order (loss first): evaluate's list follows it
+        return logs
+
+    def _global_metric_results(self) -> dict:
+        model = self.model
+        if self.transport.num_replicas == 1:
+            return _pythonify(model.get_metrics_result())
+        mvars = metric_variables(model)
+        local = [np.asarray(v.numpy()) for v in mvars]
+        flat = np.concatenate([a.astype(np.float64).reshape(-1) for a in local]) if local else np.zeros(0)
+        summed = self.transport.replica_allreduce(flat)
+        offset = 0
+        for var, a in zip(mvars, local):
+            var.assign(summed[offset: offset + a.size].reshape(a.shape).astype(a.dtype))
+            offset += a.size
+        results = _pythonify(model.get_metrics_result())
+        for var, a in zip(mvars, local):
+            var.assign(a)
+        return results
+
+    def reset_metrics(self) -> None:
+        if self.is_last:
+            for metric in self.model.metrics:
+                metric.reset_state()
+
+
+def _pythonify(logs: dict) -> dict:
+    out = {}
+    for key, value in logs.items():
+        arr = np.asarray(value)
+        out[key] = float(arr) if arr.ndim == 0 else arr
+    return out

@@ -1,0 +1,300 @@
+"""Pipelining job: PIPELINING on N = p ranks and ALL on N = 2p ranks against serial Keras.
+
+Every case trains the same model serially (plain Keras, computed on every rank: the
+models are small) and pipelined from the same initial weights on the same global
+batches, then records the largest differences (History, weights, evaluate, predict),
+whether GPipe and 1F1B ended bitwise identical, whether every rank saw the same logs,
+whether replicas hold bitwise-identical stages, and how many variables each rank holds.
+Save/load cases round-trip through one ``.keras`` file. Rank 0 writes the JSON.
+
+    --layout pipelining|all  (ALL runs N/2 replicas of 2-stage pipelines)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _job
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tarantella as tnt
+import tnt_comm
+
+SplitLayer = tnt.keras.layers.SplitLayer
+LOSS = "sparse_categorical_crossentropy"
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adam_clip": lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.05),
+}
+
+
+# -- models (explicit layer names: the serial and pipelined copies match by name) ----------
+def mlp() -> keras.Model:
+    keras.utils.set_random_seed(3)
+    x = inp = keras.Input((10,), name="x")
+    for k, w in enumerate((24, 24, 16, 16)):
+        x = keras.layers.Dense(w, activation="tanh", name=f"d{k}")(x)
+    out = keras.layers.Dense(3, activation="softmax", name="out")(x)
+    return keras.Model(inp, out, name="mlp")
+
+
+def cnn() -> keras.Model:
+    keras.utils.set_random_seed(4)
+    return keras.Sequential([
+        keras.Input((12, 12, 1)),
+        keras.layers.Conv2D(4, 3, activation="relu", name="c0"),
+        keras.layers.MaxPooling2D(name="p0"),
+        keras.layers.Conv2D(8, 3, activation="relu", name="c1"),
+        keras.layers.Flatten(name="flat"),
+        keras.layers.Dense(16, activation="relu", name="d0"),
+        keras.layers.Dense(3, activation="softmax", name="out"),
+    ], name="cnn")
+
+
+def skip_model(stages: int) -> keras.Model:
+    """Two inputs, L2 on stage 0, stage 0's output also used by the last stage."""
+    keras.utils.set_random_seed(5)
+    a = keras.Input((6,), name="a")
+    b = keras.Input((4,), name="b")
+    x0 = keras.layers.Dense(8, activation="relu", name="d0",
+                            kernel_regularizer=keras.regularizers.L2(0.05))(a)
+    x = SplitLayer(name="cut0")(x0)
+    x = keras.layers.Dense(8, activation="relu", name="d1")(x)
+    if stages == 3:
+        x = keras.layers.Dense(8, activation="relu", name="d2")(SplitLayer(name="cut1")(x))
+    h = keras.layers.Concatenate(name="cat")([x, x0, keras.layers.Dense(4, name="db")(b)])
+    return keras.Model([a, b], keras.layers.Dense(3, activation="softmax", name="out")(h), name="skip")
+
+
+def data(kind: str, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n).astype("int32")
+    if kind == "cnn":
+        x = rng.normal(size=(n, 12, 12, 1)).astype("float32") + y[:, None, None, None] * 0.3
+    elif kind == "skip":
+        x = (rng.normal(size=(n, 6)).astype("float32") + y[:, None] * 0.3, rng.normal(size=(n, 4)).astype("float32"))
+    else:
+        x = rng.normal(size=(n, 10)).astype("float32") + y[:, None] * 0.3
+    return x, y
+
+
+def ds(x, y, batch):
+    element = (x, y) if y is not None else (x,)
+    return tf.data.Dataset.from_tensor_slices(element).batch(batch)
+
+
+def digest(arrays) -> str:
+    return hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)).hexdigest()
+
+
+def max_diff(a, b) -> float:
+    return _job.max_abs_diff(a, b)
+
+
+def layer_weights(model: keras.Model) -> dict[str, list]:
+    return {layer.name: layer.get_weights() for layer in model.layers if layer.weights}
+
+
+def stage_weight_diff(model, ref_layers: dict[str, list]) -> float:
+    """This rank's stage against the same-named layers of the serial model, max over ranks."""
+    mine = 0.0
+    for name, weights in layer_weights(model.stage_model).items():
+        mine = max(mine, max_diff(weights, ref_layers[name]))
+    return max(tnt_comm.allgather_object(mine))
+
+
+def on_master(fn):
+    """``fn()`` on the master only (the serial reference), its result on every rank."""
+    return tnt_comm.broadcast_object(fn() if tnt.is_master_rank() else None, 0)
+
+
+# -- one training case ------------------------------------------------------------------------
+def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> dict:
+    x, y = data(kind, n, seed=11)
+    vx, vy = data(kind, 17, seed=12)
+
+    def serial_run():
+        serial = make()
+        serial.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"])
+        t0 = time.perf_counter()
+        history = serial.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0).history
+        seconds = time.perf_counter() - t0
+        return {"history": history, "evaluate": serial.evaluate(ds(vx, vy, 7), verbose=0),
+                "predict": serial.predict(ds(vx, None, 7), verbose=0), "layers": layer_weights(serial),
+                "variables": len(serial.weights), "seconds": seconds,
+                "optimizer": [v.numpy() for v in serial.optimizer.variables if "iteration" not in v.path],
+                "model": serial}
+
+    serial_model = []  # the master keeps its serial model for the save/load checks
+
+    def reference():
+        out = serial_run()
+        serial_model.append(out.pop("model"))
+        return out
+
+    ref = on_master(reference)
+    ref["model"] = serial_model[0] if serial_model else None
+    model = tnt.Model(make(), parallel_strategy=strategy, num_pipeline_stages=p, num_micro_batches=m,
+                      pipeline_schedule=schedule)
+    model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"])
+    t0 = time.perf_counter()
+    hist = model.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0).history
+    t_pipe = time.perf_counter() - t0
+    evaluated = model.evaluate(ds(vx, vy, 7), verbose=0)
+    predicted = model.predict(ds(vx, None, 7), verbose=0)
+    everyone = tnt_comm.allgather_object((hist, evaluated, digest([np.asarray(predicted)]),
+                                          model.stage, model.replica, digest(model.get_weights()),
+                                          len(model.stage_model.weights), model.peak_micro_batches_in_flight))
+    by_stage: dict[int, set] = {}
+    for _, _, _, stage, _, wdigest, _, _ in everyone:
+        by_stage.setdefault(stage, set()).add(wdigest)
+    return {
+        "history_diff": _job.history_diff(ref["history"], hist),
+        "weight_diff": stage_weight_diff(model, ref["layers"]),
+        "evaluate_diff": max_diff(ref["evaluate"], evaluated),
+        "predict_diff": max_diff(ref["predict"], predicted),
+        "predict_rows": [len(ref["predict"]), int(np.shape(predicted)[0])],
+        "history_keys": sorted(hist),
+        "same_logs_on_all_ranks": all(e[0] == everyone[0][0] and e[1] == everyone[0][1] and e[2] == everyone[0][2]
+                                      for e in everyone),
+        "replicas_identical": all(len(d) == 1 for d in by_stage.values()),
+        "variables_per_rank": [e[6] for e in everyone],
+        "serial_variables": ref["variables"],
+        "peak_in_flight": [e[7] for e in everyone],
+        "weights_digest": digest(model.get_weights()),
+        "seconds": [ref["seconds"], t_pipe],
+        "model": model,
+        "ref": ref,
+    }
+
+
+def compare_schedules(results: dict, a: str, b: str) -> bool:
+    """GPipe and 1F1B bitwise identical on every rank (each rank compares its own stage)."""
+    same = results[a]["weights_digest"] == results[b]["weights_digest"]
+    return all(tnt_comm.allgather_object(same))
+
+
+# -- save / load ------------------------------------------------------------------------------
+def save_load_checks(case: dict, strategy, p: int, tmp: Path, load_stages: list[int]) -> dict:
+    """Pipelined save -> plain Keras load; load into q stages -> identical predict; a serial
+    save loaded pipelined continues training as serial Keras does."""
+    model, ref = case["model"], case["ref"]
+    path = tmp / "pipelined.keras"
+    model.save(path)
+    x, _ = data("mlp", 13, seed=21)
+    xs, ys = data("mlp", 31, seed=22)
+    serial_path = tmp / "serial.keras"
+
+    def serial_side():
+        serial = ref["model"]
+        plain = keras.saving.load_model(path)  # plain Keras opens the gathered file
+        serial.save(serial_path)
+        cont_ref = keras.saving.load_model(serial_path)
+        history = cont_ref.fit(ds(xs, ys, 9), epochs=2, verbose=0).history
+        return {
+            "plain_keras_weight_diff": max_diff(plain.get_weights(), serial.get_weights()),
+            "plain_keras_has_optimizer_state": bool(plain.optimizer is not None and plain.optimizer.built
+                                                    and int(plain.optimizer.iterations.numpy()) > 0),
+            "plain_keras_optimizer_diff": max_diff(
+                [v.numpy() for v in plain.optimizer.variables if "iteration" not in v.path], ref["optimizer"]),
+            "predict": serial.predict(x, verbose=0), "cont_history": history, "cont_layers": layer_weights(cont_ref),
+        }
+
+    side = on_master(serial_side)
+    out = {k: v for k, v in side.items() if k.startswith("plain_keras")}
+    for q in load_stages:
+        strat = tnt.ParallelStrategy.PIPELINING if q == tnt.get_size() else tnt.ParallelStrategy.ALL
+        loaded = tnt.models.load_model(path, parallel_strategy=strat, num_pipeline_stages=q)
+        out[f"load_q{q}_predict_diff"] = max_diff(loaded.predict(x, batch_size=5, verbose=0), side["predict"])
+        out[f"load_q{q}_stages"] = loaded.plan.num_stages
+    cont = tnt.models.load_model(serial_path, parallel_strategy=strategy,
+                                 num_pipeline_stages=p, num_micro_batches=3)
+    hist = cont.fit(ds(xs, ys, 9), epochs=2, verbose=0).history
+    out["continue_history_diff"] = _job.history_diff(side["cont_history"], hist)
+    out["continue_weight_diff"] = stage_weight_diff(cont, side["cont_layers"])
+    return out
+
+
+def validation_split_check() -> float:
+    """fit(arrays, validation_split=, class_weight=) against serial Keras' History."""
+    x, y = data("mlp", 40, seed=31)
+    weights = {0: 1.0, 1: 2.0, 2: 0.5}
+
+    def serial():
+        model = mlp()
+        model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"])
+        return model.fit(x, y, batch_size=9, epochs=2, validation_split=0.25, shuffle=False,
+                         class_weight=weights, verbose=0).history
+
+    ref = on_master(serial)
+    model = tnt.Model(mlp(), parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2,
+                      num_micro_batches=3)
+    model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=9, epochs=2, validation_split=0.25, shuffle=False,
+                        class_weight=weights, verbose=0).history
+    return _job.history_diff(ref, history)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    layout = args[args.index("--layout") + 1] if "--layout" in args else "pipelining"
+    sys.argv = [sys.argv[0], *args[:2]]
+    out = _job.out_path()
+    size = tnt.get_size()
+    results: dict[str, dict] = {}
+    extra: dict = {}
+    if layout == "all":  # N = 2p ranks as 2 replicas
+        strategy, p = tnt.ParallelStrategy.ALL, size // 2
+        cases = {
+            f"mlp_all{p}x2_adam_m4_gpipe": ("mlp", mlp, "adam", 4, "gpipe", 13, 13 * 2 + 4, 2),
+            f"mlp_all{p}x2_adam_m4_1f1b": ("mlp", mlp, "adam", 4, "1f1b", 13, 13 * 2 + 4, 2),
+        }
+    else:
+        strategy, p = tnt.ParallelStrategy.PIPELINING, size
+        cases = {
+            f"skip_p{p}_adam_clip_m4_1f1b": ("skip", lambda: skip_model(p), "adam_clip", 4, "1f1b", 10, 10 * 3 + 2, 2),
+        }
+        if p == 2:  # SGD-momentum both schedules, one micro-batch (no pipelining), a CNN
+            cases[f"mlp_p{p}_momentum_m3_gpipe"] = ("mlp", mlp, "sgd_momentum", 3, "gpipe", 11, 11 * 3 + 2, 2)
+            cases[f"mlp_p{p}_momentum_m3_1f1b"] = ("mlp", mlp, "sgd_momentum", 3, "1f1b", 11, 11 * 3 + 2, 2)
+            cases[f"mlp_p{p}_adam_m1_1f1b"] = ("mlp", mlp, "adam", 1, "1f1b", 10, 10 * 2 + 3, 2)
+            cases[f"cnn_p{p}_momentum_m3_1f1b"] = ("cnn", cnn, "sgd_momentum", 3, "1f1b", 10, 10 * 3 + 2, 2)
+        else:  # Adam both schedules on 3 stages
+            cases[f"mlp_p{p}_adam_m4_gpipe"] = ("mlp", mlp, "adam", 4, "gpipe", 10, 10 * 3 + 3, 2)
+            cases[f"mlp_p{p}_adam_m4_1f1b"] = ("mlp", mlp, "adam", 4, "1f1b", 10, 10 * 3 + 3, 2)
+    for name, (kind, make, opt, m, schedule, batch, n, epochs) in cases.items():
+        t0 = time.perf_counter()
+        results[name] = run_case(kind, make, opt, strategy=strategy, p=p, m=m, schedule=schedule,
+                                 batch=batch, n=n, epochs=epochs)
+        if tnt.is_master_rank():
+            print(f"{name}: {time.perf_counter() - t0:.1f} s (serial fit {results[name]['seconds'][0]:.1f} s, "
+                  f"pipelined fit {results[name]['seconds'][1]:.1f} s)", file=sys.stderr, flush=True)
+    names = list(results)
+    pairs = [(a, a.replace("_gpipe", "_1f1b")) for a in names if a.endswith("_gpipe")]
+    extra["gpipe_equals_1f1b"] = {a: compare_schedules(results, a, b) for a, b in pairs if b in results}
+    with tempfile.TemporaryDirectory(prefix="tnt-pipe-") as tmp_local:
+        tmp = Path(tnt_comm.broadcast_object(tmp_local, 0))  # one directory for all ranks
+        first = next(n for n in names if n.startswith("mlp") and ("1f1b" in n))
+        if layout == "all" or size == 2:  # 3 ranks: no save/load (the others cover q = 2, 4)
+            load_stages = [size, 2] if layout == "all" else [size]
+            extra["save_load"] = save_load_checks(results[first], strategy, p, tmp, load_stages)
+        tnt_comm.barrier()
+    if layout == "pipelining" and size == 2:
+        extra["validation_split_history_diff"] = validation_split_check()
+    for r in results.values():
+        r.pop("model")
+        r.pop("ref")
+    _job.write(out, {"ranks": size, "layout": layout, "cases": results, **extra,
+                     "pid": os.getpid()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Pipelining on real ranks (jobs/pipeline.py through the launcher) against serial Keras.
+
+Three launches: PIPELINING on 2 and 3 ranks (one pipeline, one stage per rank) and ALL
+on 4 ranks (two replicas of a 2-stage pipeline). Tolerances are those of the data-parallel
+tests (float32 summation order; DESIGN.md, "The promise").
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import launch
+
+TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3)}  # (losses, weights)
+
+
+@pytest.fixture(scope="module", params=[(2, "pipelining"), (3, "pipelining"), (4, "all")],
+                ids=lambda p: f"{p[1]}_{p[0]}ranks")
+def report(request, tmp_path_factory):
+    ranks, layout = request.param
+    out = tmp_path_factory.mktemp("pipe") / "pipeline.json"
+    result = launch(ranks, "pipeline.py", out, "--layout", layout)
+    assert result["ranks"] == ranks and result["layout"] == layout
+    rows = [f"{'case':34} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}"]
+    for name, c in result["cases"].items():
+        rows.append(f"{name:34} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
+                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
+    print(f"\npipelining, {layout} on {ranks} ranks (max abs difference to serial Keras)\n" + "\n".join(rows)
+          + f"\nsave/load: {result.get('save_load')}")
+    return result
+
+
+def _tol(name: str) -> tuple[float, float]:
+    return TOL[name.split("_")[0]]
+
+
+def test_history_evaluate_predict_and_weights_match_serial(report):
+    for name, c in report["cases"].items():
+        tol_loss, tol_w = _tol(name)
+        assert c["history_diff"] <= tol_loss, (name, c["history_diff"])
+        assert c["evaluate_diff"] <= tol_loss, (name, c["evaluate_diff"])
+        assert c["weight_diff"] <= tol_w, (name, c["weight_diff"])
+        assert c["predict_diff"] <= tol_w, (name, c["predict_diff"])
+        assert c["predict_rows"] == [17, 17], name  # full output, in order, on every rank
+        assert c["history_keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"], name
+
+
+def test_every_rank_sees_the_same_logs_and_predictions(report):
+    assert all(c["same_logs_on_all_ranks"] for c in report["cases"].values())
+
+
+def test_gpipe_and_1f1b_are_bitwise_identical(report):
+    assert report["gpipe_equals_1f1b"] and all(report["gpipe_equals_1f1b"].values()), report["gpipe_equals_1f1b"]
+
+
+def test_replicas_hold_bitwise_identical_stages(report):
+    assert all(c["replicas_identical"] for c in report["cases"].values())
+
+
+def test_no_rank_holds_the_whole_model(report):
+    for name, c in report["cases"].items():
+        counts = c["variables_per_rank"]
+        p = report["ranks"] if report["layout"] == "pipelining" else report["ranks"] // 2
+        assert sum(counts[:p]) == c["serial_variables"], (name, counts)  # replica 0's stages
+        assert max(counts) < c["serial_variables"], (name, counts)
+
+
+def test_1f1b_holds_at_most_min_p_minus_s_m_micro_batches(report):
+    p = report["ranks"] if report["layout"] == "pipelining" else report["ranks"] // 2
+    for name, c in report["cases"].items():
+        m = int(re.search(r"_m(\d+)_", name).group(1))
+        expected = [min(p - r % p, m) if name.endswith("1f1b") else m for r in range(report["ranks"])]
+        assert c["peak_in_flight"] == expected, (name, c["peak_in_flight"])
+
+
+def test_save_gathers_one_plain_keras_file_and_loads_into_any_stage_count(report):
+    if report["ranks"] == 3:  # by design: the 2- and 4-rank jobs save and load (q = 2, 4)
+        assert "save_load" not in report
+        return
+    sl = report["save_load"]
+    assert sl["plain_keras_weight_diff"] <= 2e-5 and sl["plain_keras_has_optimizer_state"], sl
+    assert sl["plain_keras_optimizer_diff"] <= 2e-5, sl
+    loads = [k for k in sl if k.startswith("load_q") and k.endswith("_predict_diff")]
+    assert loads, sl
+    for key in loads:
+        assert sl[key] <= 2e-5, (key, sl[key])
+    assert sl["continue_history_diff"] <= 1e-5 and sl["continue_weight_diff"] <= 2e-5, sl
+
+
+def test_validation_split_and_class_weight_match_serial(report):
+    if report["ranks"] != 2:  # checked once, on the 2-rank job
+        assert "validation_split_history_diff" not in report
+        return
+    assert report["validation_split_history_diff"] <= 1e-5

@@ -1,0 +1,159 @@
+"""Pipelined steps in one process (stages as threads) against serial Keras.
+
+The stages run the same executor, schedules and end-of-step code as on p ranks (only
+the messages go through in-process queues), so these tests pin down the arithmetic:
+loss weighting b_i / B, gradient accumulation order, regularisation once per step,
+global_clipnorm over all stages, metrics, evaluate and predict. Launched runs
+(test_pipelining_jobs.py) check the same on real ranks.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tarantella as tnt
+from tarantella.pipelining import LocalPipeline, PipelineError
+
+tf.config.experimental.enable_op_determinism()
+
+SplitLayer = tnt.keras.layers.SplitLayer
+LOSS = "sparse_categorical_crossentropy"
+N, B = 50, 23  # batches of 23, 23, 4: B % m != 0 and a last batch smaller than m = 6
+
+
+def mlp() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([
+        keras.Input((10,)),
+        keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(12, activation="tanh"),
+        keras.layers.Dense(3, activation="softmax"),
+    ], name="mlp")
+
+
+def skip_model() -> keras.Model:
+    """Two inputs; stage 0's output is used on stages 1 and 2; an L2 loss on stage 0."""
+    keras.utils.set_random_seed(2)
+    a = keras.Input((6,), name="a")
+    b = keras.Input((4,), name="b")
+    x0 = keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(0.05))(a)
+    x1 = keras.layers.Dense(8, activation="relu")(SplitLayer()(x0))
+    x = keras.layers.Concatenate()([SplitLayer()(x1), x0, keras.layers.Dense(4)(b)])
+    return keras.Model([a, b], keras.layers.Dense(3, activation="softmax")(x), name="skip")
+
+
+def data(two_inputs: bool):
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, N).astype("int32")
+    if two_inputs:
+        x = (rng.normal(size=(N, 6)).astype("float32") + y[:, None] * 0.3,
+             rng.normal(size=(N, 4)).astype("float32"))
+    else:
+        x = rng.normal(size=(N, 10)).astype("float32") + y[:, None] * 0.3
+    return x, y
+
+
+def batches(x, y):
+    for lo in range(0, N, B):
+        xs = tuple(tf.constant(a[lo:lo + B]) for a in x) if isinstance(x, tuple) else tf.constant(x[lo:lo + B])
+        yield xs, tf.constant(y[lo:lo + B])
+
+
+def serial(make, optimizer, x, y, epochs=2):
+    model = make()
+    model.compile(optimizer, LOSS, metrics=["accuracy"])
+    history = model.fit(list(x) if isinstance(x, tuple) else x, y, batch_size=B, epochs=epochs,
+                        shuffle=False, verbose=0).history
+    return model, history
+
+
+def pipelined(make, optimizer, x, y, *, p=None, m=6, schedule="1f1b", epochs=2):
+    pipe = LocalPipeline(make(), p, num_micro_batches=m, pipeline_schedule=schedule)
+    pipe.compile(optimizer, LOSS, metrics=["accuracy"])
+    history: dict[str, list] = {}
+    for _ in range(epochs):
+        pipe.reset_metrics()
+        for xb, yb in batches(x, y):
+            logs = pipe.train_step(xb, yb)
+        for k, v in logs.items():
+            history.setdefault(k, []).append(v)
+    return pipe, history
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))) for u, v in zip(a, b))
+
+
+CASES = {
+    "mlp_p3_auto_adam": (mlp, lambda: keras.optimizers.Adam(0.01), 3),
+    "mlp_p2_auto_sgd_momentum": (mlp, lambda: keras.optimizers.SGD(0.05, momentum=0.9), 2),
+    "skip_two_inputs_markers_l2_clipnorm": (skip_model, lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.05), None),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request):
+    make, opt, p = CASES[request.param]
+    x, y = data(two_inputs=make is skip_model)
+    ref, ref_hist = serial(make, opt(), x, y)
+    runs = {s: pipelined(make, opt(), x, y, p=p, schedule=s) for s in ("gpipe", "1f1b")}
+    return request.param, x, y, ref, ref_hist, runs
+
+
+def test_history_and_weights_match_serial(case):
+    name, _, _, ref, ref_hist, runs = case
+    for schedule, (pipe, hist) in runs.items():
+        assert sorted(hist) == sorted(ref_hist)
+        hd = max_diff([hist[k] for k in sorted(hist)], [ref_hist[k] for k in sorted(hist)])
+        wd = max_diff(pipe.get_weights(), ref.get_weights())
+        print(f"{name} {schedule}: history {hd:.1e} weights {wd:.1e}")
+        assert hd <= 2e-6, (schedule, hist, ref_hist)
+        assert wd <= 5e-6, schedule
+
+
+def test_gpipe_and_1f1b_are_bitwise_identical(case):
+    runs = case[5]
+    a, b = runs["gpipe"][0].get_weights(), runs["1f1b"][0].get_weights()
+    assert all(np.array_equal(u, v) for u, v in zip(a, b))
+    assert runs["gpipe"][1] == runs["1f1b"][1]
+
+
+def test_1f1b_holds_fewer_micro_batches_than_gpipe(case):
+    runs = case[5]
+    p = len(runs["1f1b"][0].stages)
+    assert [st.peak_live for st in runs["1f1b"][0].stages] == [min(p - s, 6) for s in range(p)]
+    assert [st.peak_live for st in runs["gpipe"][0].stages] == [6] * p
+
+
+def test_evaluate_and_predict_match_serial(case):
+    _, x, y, ref, _, runs = case
+    pipe = runs["1f1b"][0]
+    xs = list(x) if isinstance(x, tuple) else x
+    ref_eval = ref.evaluate(xs, y, batch_size=B, verbose=0, return_dict=True)
+    pipe.reset_metrics()
+    for xb, yb in batches(x, y):
+        logs = pipe.test_step(xb, yb)
+    assert sorted(logs) == sorted(ref_eval)
+    assert max_diff([logs[k] for k in sorted(logs)], [ref_eval[k] for k in sorted(logs)]) <= 2e-6
+    preds = np.concatenate([np.asarray(pipe.predict_step(xb)) for xb, _ in batches(x, y)])
+    np.testing.assert_allclose(preds, ref.predict(xs, batch_size=B, verbose=0), atol=2e-6)
+
+
+def test_stages_hold_only_their_variables(case):
+    _, _, _, ref, _, runs = case
+    pipe = runs["1f1b"][0]
+    counts = [len(st.model.trainable_weights) for st in pipe.stages]
+    assert sum(counts) == len(ref.trainable_weights) and max(counts) < len(ref.trainable_weights)
+
+
+def test_a_stage_that_never_sends_ends_with_an_error_not_a_hang():
+    pipe = LocalPipeline(mlp(), 2, num_micro_batches=2, timeout=2.0)
+    pipe.compile("sgd", LOSS)
+    pipe.stages[0].executor.transport.isend = lambda *a, **k: None  # stage 0 loses its messages
+    x, y = data(False)
+    with pytest.raises(PipelineError, match=r"stage [01] waited 2s for message \(1, 0, [01]\) from stage [01], which never sent it"):
+        pipe.train_step(tf.constant(x[:8]), tf.constant(y[:8]))
