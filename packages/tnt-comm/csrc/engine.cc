@@ -76,20 +76,33 @@ void Engine::enqueue(std::shared_ptr<Task> task) {
   std::string why;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!stopping_ && broken_.empty()) {
-      queue_.push_back(std::move(task));
-      cv_.notify_one();
-      return;
-    }
-    why = stopping_ ? "tnt_comm was finalized; no communication can run after finalize()"
-                    : "tnt_comm is unusable after an earlier error: " + broken_;
+    if (admit(task, why)) return;
   }
   fail(*task, why);
 }
 
+bool Engine::admit(std::shared_ptr<Task>& task, std::string& why) {
+  if (!stopping_ && broken_.empty()) {
+    queue_.push_back(std::move(task));
+    cv_.notify_one();
+    return true;
+  }
+  why = stopping_ ? "tnt_comm was finalized; no communication can run after finalize()"
+                  : "tnt_comm is unusable after an earlier error: " + broken_;
+  return false;
+}
+
+void Engine::run(std::shared_ptr<Task> task, std::future<void>& done, const std::string& what) {
+  Waiting waiting(*this, std::move(task));
+  wait_for(done, what);
+}
+
 void Engine::await(std::future<void>& done, const std::string& what) {
   Waiting waiting(*this);
-  // Every request has its own deadline on the thread; this only catches a thread that
+  wait_for(done, what);
+}
+
+void Engine::wait_for(std::future<void>& done, const std::string& what) {  // Every request has its own deadline on the thread; this only catches a thread that
   // stopped looping (stuck in a blocking MPI call, e.g. a split a rank never joined).
   while (done.wait_for(std::chrono::milliseconds(500)) == std::future_status::timeout) {
     if (thread_stuck()) {
@@ -149,14 +162,21 @@ void Engine::mark_broken(const std::string& why) {
 
 Engine::Waiting::Waiting(Engine& e) : e_(e) {
   std::lock_guard<std::mutex> lock(e_.mu_);
-  ++e_.waiting_;
+  e_.waiting_.fetch_add(1);
   e_.cv_.notify_one();  // a sleeping thread now polls without sleeping
 }
 
-Engine::Waiting::~Waiting() {
-  std::lock_guard<std::mutex> lock(e_.mu_);
-  --e_.waiting_;
+Engine::Waiting::Waiting(Engine& e, std::shared_ptr<Task> task) : e_(e) {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(e_.mu_);
+    e_.waiting_.fetch_add(1);
+    if (e_.admit(task, why)) return;  // one lock and one wake-up for both
+  }
+  e_.fail(*task, why);
 }
+
+Engine::Waiting::~Waiting() { e_.waiting_.fetch_sub(1); }  // needs no wake-up
 
 void Engine::begin_local_work() { local_work_.fetch_add(1); }
 void Engine::end_local_work() { local_work_.fetch_sub(1); }
