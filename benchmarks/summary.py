@@ -101,6 +101,13 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
             f"rank, {tnt2['wait_per_step_s'] * 1e3:.2f} ms/step (step {tnt2['step_s'] * 1e3:.0f} ms) vs "
             f"floor: contiguous MPI_Allreduce {f['allreduce_s'] * 1e3:.2f} ms, memcpy {f['memcpy_s'] * 1e3:.2f} ms "
             f"of the {f['bytes'] / 1e6:.2f} MB gradients; submit copies {100 * tnt2['submit_fraction']:.1f}%"))
+    if tnt2 and "tnt_syncbn" in c:
+        sb = c["tnt_syncbn"]
+        rows.append(row(
+            "sync_batch_norm_step_cost_2ranks_resnet", paired("tnt_syncbn"), None, False,
+            "x step time of tnt without sync BN",
+            f"ResNet-20 with tnt.Model(sync_batch_norm=True) vs without, median of per-round ratios; "
+            f"step {sb.get('step_s', 0) * 1e3:.0f} ms vs {tnt2['step_s'] * 1e3:.0f} ms"))
     if tnt2 and "tnt_nocomm" in c:
         rows.append(row(
             "tnt_nocomm_vs_keras_2ranks_resnet", per_round("tnt_nocomm", "keras_independent"),

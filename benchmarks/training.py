@@ -21,6 +21,8 @@ rank), ResNet-20, contenders timed round-robin in the same processes:
   (each rank keeps its own gradients): tnt's distributed step graph without the
   communication and without waiting for the other rank — the split of tnt's cost into
   graph overhead (vs keras_independent) and communication + synchronisation (vs tnt);
+* ``tnt_syncbn``: ``tnt.Model(m, sync_batch_norm=True)``: batch statistics over the global
+  batch (two in-graph allreduces per BatchNormalization layer forward, two backward);
 * ``keras_independent``: every rank runs plain Keras on its micro-batches, no
   communication: what this machine delivers with N busy ranks (the hardware ceiling);
 * ``keras_alone``: rank 0 runs plain Keras while the others sleep: 1-rank compute speed
@@ -202,12 +204,12 @@ class KerasFit(Contender):
 
 class TntFit(Contender):
     def __init__(self, name: str, model_name: str, ds: tf.data.Dataset, samples: int, weights,
-                 threshold_kb: int | None = None, no_comm: bool = False) -> None:
+                 threshold_kb: int | None = None, no_comm: bool = False, sync_bn: bool = False) -> None:
         self.name, self.ds, self.samples_per_epoch = name, ds, samples
         self.no_comm = no_comm
         if threshold_kb is not None:
             os.environ["TNT_FUSION_THRESHOLD"] = str(threshold_kb)
-        self.model = tnt.Model(bl.build(keras, model_name))
+        self.model = tnt.Model(bl.build(keras, model_name), sync_batch_norm=sync_bn)
         os.environ.pop("TNT_FUSION_THRESHOLD", None)
         if weights is not None:
             self.model.set_weights(weights)
@@ -441,6 +443,7 @@ def scaling(args) -> dict:
     ]
     contenders += [
         TntFit("tnt_nocomm", name, global_ds, micro * n * steps, weights, no_comm=True),
+        TntFit("tnt_syncbn", name, global_ds, micro * n * steps, weights, sync_bn=True),
         Mpi4pyNaive(name, local_ds, micro * n * steps, weights, comm),
         KerasFit("keras_independent", name, local_ds, micro * steps, weights),
         KerasFit("keras_alone", name, local_ds, micro * steps, weights, active=rank == 0),

@@ -1,7 +1,9 @@
-"""`--cleanup`: finds the program's processes (not our own ancestors) and stops them."""
+"""`--cleanup`: finds the program's processes started by a launch (marked with
+TARANTELLA_JOB_ID), never our own ancestors or unmarked processes naming it, and stops them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +30,7 @@ def leftover(tmp_path: Path):
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
             + f"open({str(ready)!r}, 'w').close()\ntime.sleep(300)\n"
         )
-        proc = subprocess.Popen([PY, str(prog)])
+        proc = subprocess.Popen([PY, str(prog)], env={**os.environ, "TARANTELLA_JOB_ID": "test-job"})
         started.append(proc)
         wait_for(ready.exists, 30, "the leftover program to start")
         return prog, proc
@@ -48,13 +50,21 @@ def test_dry_run_lists_without_stopping(leftover, capsys) -> None:
     assert proc.poll() is None
 
 
-def test_cleanup_stops_the_program(leftover, capsys) -> None:
+def test_cleanup_stops_the_program_but_not_a_tail_on_it(leftover, capsys) -> None:
+    """`tail -f train.py` names the script too, but no launch started it: spared."""
     prog, proc = leftover()
     other_prog, other = leftover()
-    assert main(["--cleanup", "--", str(prog)]) == 0
-    assert proc.wait(timeout=10) != 0
-    assert other.poll() is None  # another program is left alone
-    assert f"stopping {proc.pid}" in capsys.readouterr().out
+    tail = subprocess.Popen(["tail", "-f", str(prog)], stdout=subprocess.DEVNULL)
+    try:
+        assert main(["--cleanup", "--", str(prog)]) == 0
+        assert proc.wait(timeout=10) != 0
+        assert other.poll() is None  # another program is left alone
+        assert tail.poll() is None, "cleanup stopped a `tail -f` of the script"
+        out = capsys.readouterr().out
+        assert f"stopping {proc.pid}" in out and str(tail.pid) not in out
+    finally:
+        tail.kill()
+        tail.wait()
     del other_prog
 
 
@@ -83,6 +93,28 @@ def test_cleanup_spares_its_own_ancestors(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0
     assert "no processes of" in done.stdout and f"survived {prog}" in done.stdout
+
+
+def test_launched_ranks_carry_one_job_id(tmp_path: Path) -> None:
+    """What cleanup relies on: every rank of a launch, and its children, have the same
+    TARANTELLA_JOB_ID, new for each launch (a caller's own TARANTELLA_JOB_ID is not inherited)."""
+    prog = tmp_path / "ids.py"
+    prog.write_text(
+        "import os, subprocess, sys\n"
+        "child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ[\"TARANTELLA_JOB_ID\"])'],"
+        " capture_output=True, text=True).stdout.strip()\n"
+        "print('ids', os.environ['OMPI_COMM_WORLD_RANK'], os.environ['TARANTELLA_JOB_ID'], child)\n")
+    ids = []
+    for _ in range(2):
+        done = subprocess.run([PY, "-m", "tnt_cli", "-n", "2", "--output-on-all-devices", "--",
+                               str(prog)], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "TARANTELLA_JOB_ID": "outer"}, check=False)
+        assert done.returncode == 0, done.stderr
+        rows = sorted(line.split()[2:] for line in done.stdout.splitlines() if " ids " in line)
+        assert [r[0] for r in rows] == ["0", "1"], done.stdout
+        assert len({r[1] for r in rows} | {r[2] for r in rows}) == 1, rows
+        ids.append(rows[0][1])
+    assert ids[0] != ids[1] and "outer" not in ids
 
 
 def test_nothing_found() -> None:

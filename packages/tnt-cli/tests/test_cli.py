@@ -29,7 +29,10 @@ def prog(tmp_path: Path) -> str:
 
 
 def dry(args: list[str]) -> tuple[list[str], dict[str, str], str]:
-    """Run a dry run; return the starter argv, the environment lines, and stderr."""
+    """Run a dry run; return the starter argv, the environment lines, and stderr.
+
+    The job id every launch adds (last) is checked here and left out of the result.
+    """
     result = RUNNER.invoke(app, ["--dry-run", *args])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -39,20 +42,20 @@ def dry(args: list[str]) -> tuple[list[str], dict[str, str], str]:
         assert line.endswith(" \\")
         name, _, value = line[:-2].partition("=")
         env[name] = shlex.split(value)[0] if value else ""
-    return shlex.split(lines[-1]), env, result.stderr
-
-
-def python_on_path() -> str:
-    import shutil
-
-    return shutil.which("python") or PY
+    argv = shlex.split(lines[-1])
+    assert list(env)[-1] == "TARANTELLA_JOB_ID" and env.pop("TARANTELLA_JOB_ID").count("-") >= 2
+    for form in (["-x", "TARANTELLA_JOB_ID"], ["-genv", "TARANTELLA_JOB_ID"]):
+        if form[0] in argv:
+            at = next(i for i in range(len(argv)) if argv[i:i + 2] == form)
+            del argv[at:at + (2 if form[0] == "-x" else 3)]
+    return argv, env, result.stderr
 
 
 def test_program_flag_colliding_with_launcher_flag(fake_mpirun, prog: str) -> None:
     mpirun = str(fake_mpirun("openmpi5"))
     argv, env, _ = dry(["-n", "2", "--", prog, "-n", "5", "--dry-run"])
     assert argv == [mpirun, "-n", "2", "--bind-to", "none", *ROOT,
-                    PY, "-m", "tnt_cli.rank", "--", python_on_path(), prog, "-n", "5", "--dry-run"]
+                    PY, "-m", "tnt_cli.rank", "--", PY, prog, "-n", "5", "--dry-run"]
     assert env == {}
 
 
@@ -233,3 +236,39 @@ def test_console_scripts_installed() -> None:
                           text=True, timeout=60, check=False)
     assert done.returncode == 2
     assert done.stderr.startswith("tarantella: error: No such option: --bogus")
+
+
+def test_np_is_n_and_module_works_before_double_dash(fake_mpirun, prog) -> None:
+    """mpirun's `-np` and python's `-m MODULE` (before `--`; its arguments after `--`)."""
+    fake_mpirun("openmpi5")
+    argv, _, _ = dry(["-np", "2", "--", prog])
+    assert argv[1:3] == ["-n", "2"]
+    argv, _, _ = dry(["-np", "3", "-m", "json.tool", "--", "-n", "5"])
+    assert argv[1:3] == ["-n", "3"]
+    assert argv[argv.index("--") + 1:] == [PY, "-m", "json.tool", "-n", "5"]
+    assert dry(["-n", "1", "-m", "json.tool"])[0][-3:] == [PY, "-m", "json.tool"]
+
+
+def test_default_interpreter_ignores_python_on_path(fake_mpirun, prog, tmp_path, monkeypatch):
+    fake_mpirun("openmpi5")
+    write_executable(tmp_path / "python", "#!/bin/sh\nexit 9\n")
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    argv, _, _ = dry(["-n", "1", "--", prog])
+    assert argv[argv.index("--") + 1:] == [PY, prog]
+
+
+def test_only_tensorflows_tf_variables_pass_through(fake_mpirun, prog, monkeypatch) -> None:
+    fake_mpirun("openmpi5")
+    for name, value in [("TF_CLI_CONFIG_FILE", "/home/u/.terraformrc"), ("TF_CONFIG", "{}"),
+                        ("TF_CPP_MIN_LOG_LEVEL", "1"), ("TF_DETERMINISTIC_OPS", "1"),
+                        ("TF_XLA_FLAGS", "--tf_xla_auto_jit=2"), ("TF_WORKSPACE", "prod")]:
+        monkeypatch.setenv(name, value)
+    _, env, _ = dry(["-n", "2", "-x", "TF_WORKSPACE=dev", "--", prog])
+    assert env == {"TF_CPP_MIN_LOG_LEVEL": "1", "TF_DETERMINISTIC_OPS": "1",
+                   "TF_XLA_FLAGS": "--tf_xla_auto_jit=2", "TF_WORKSPACE": "dev"}
+
+
+def test_job_id_cannot_be_set_with_x(fake_mpirun, prog, capsys) -> None:
+    fake_mpirun("openmpi5")
+    assert main(["-n", "2", "-x", "TARANTELLA_JOB_ID=mine", "--", prog]) == 2
+    assert "the launcher sets TARANTELLA_JOB_ID itself" in capsys.readouterr().err

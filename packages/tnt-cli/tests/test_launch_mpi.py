@@ -222,7 +222,8 @@ def test_hostfile_run(script, tmp_path: Path) -> None:
 def test_cleanup_on_the_hosts_of_a_hostfile(script, tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     prog = script("stray.py", f"import time\nopen({str(ready)!r}, 'w').close()\ntime.sleep(300)\n")
-    stray = subprocess.Popen([sys.executable, str(prog)])
+    stray = subprocess.Popen([sys.executable, str(prog)],
+                             env={**os.environ, "TARANTELLA_JOB_ID": "crashed-job"})
     try:
         wait_for(ready.exists, 30, "the stray program to start")
         hosts = tmp_path / "hosts"
@@ -313,3 +314,45 @@ def test_ranks_stop_when_the_launcher_is_killed(script, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_failure_shown_in_clean_text(script) -> None:
+    """Rank 1 fails: its error once, without Open MPI's banners, NUL bytes or its
+    start-up noise; --verbose shows the banners and the noise."""
+    prog = script("rank1_fails.py", """\
+        import os, sys, time
+        if os.environ["OMPI_COMM_WORLD_RANK"] == "1":
+            print("I0000 00:00:1.5   42 cudart_stub.cc:31] start-up noise", file=sys.stderr)
+            raise ValueError("bad input: column 'x' missing")
+        time.sleep(60)
+        """)
+    done = launch(["-n", "2", "--", str(prog)])
+    err = done.stderr
+    assert done.returncode != 0
+    assert "\0" not in err and "\0" not in done.stdout
+    assert err.count("ValueError: bad input: column 'x' missing") == 1, err
+    assert "[1] I0000" not in err  # rank 1's noise is left out of its report
+    assert "MPI_ABORT" not in err and "-----" not in err and "prterun" not in err, err
+    assert err.splitlines()[-1].startswith("tarantella: error: the job failed (exit code 1)")
+    verbose = launch(["-n", "2", "--verbose", "--", str(prog)])
+    assert verbose.returncode != 0
+    assert "-----" in verbose.stderr and "[1] I0000" in verbose.stderr, verbose.stderr
+
+
+def test_default_interpreter_is_the_launchers_own(script, tmp_path: Path) -> None:
+    """`/venv/bin/tarantella` outside an activated venv: the ranks run the venv's Python
+    (a `python` earlier on PATH is not used), also for `-m module` before `--`."""
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    (decoy / "python").write_text("#!/bin/sh\necho decoy python >&2; exit 9\n")
+    (decoy / "python").chmod(0o755)
+    (tmp_path / "mod_job.py").write_text(
+        "import sys, tnt_cli\nprint('module ran with', sys.executable, sys.argv[1:])\n")
+    env = {**os.environ, "PATH": f"{decoy}:/usr/bin:/bin", "PYTHONPATH": str(tmp_path)}
+    launcher = str(Path(sys.executable).parent / "tarantella")
+    done = subprocess.run([launcher, "-np", "2", "--output-on-all-devices", "-m", "mod_job",
+                           "--", "-n", "3"], capture_output=True, text=True, timeout=DEADLINE_S,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(line for line in done.stdout.splitlines() if "module ran with" in line)
+    assert lines == [f"[{r}] module ran with {sys.executable} ['-n', '3']" for r in (0, 1)]

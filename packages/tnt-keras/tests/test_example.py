@@ -26,3 +26,22 @@ def test_lenet5_digits_on_two_ranks():
     assert float(found.group(2)) > 0.95, proc.stdout[-2000:]
     # Progress is printed by the master only: one line per epoch, not two.
     assert len(re.findall(r"^Epoch 1/8", proc.stdout, flags=re.M)) == 1
+
+
+GAN = EXAMPLE.parent / "custom_train_step_gan.py"
+
+
+def test_gan_with_own_train_step_on_two_ranks():
+    """The generator's mean moves from ~2.2 away from the target centre to within 1.0."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--", str(GAN),
+         "--epochs", "15", "--samples", "1024"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = re.search(r"ranks: (\d+)\s+d_loss: [\d.]+\s+g_loss: [\d.]+\s+generated mean error: ([\d.]+)",
+                      proc.stdout)
+    assert found, proc.stdout[-4000:]
+    assert int(found.group(1)) == 2
+    assert float(found.group(2)) < 1.0, proc.stdout[-2000:]

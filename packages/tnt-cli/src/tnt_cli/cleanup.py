@@ -1,5 +1,9 @@
 """`--cleanup`: stop leftover processes of a program on this host.
 
+Only processes a launch started are candidates: every rank (and whatever it starts)
+carries `TARANTELLA_JOB_ID` in its environment, so `tail -f train.py` or an editor on the
+script is never touched.
+
 Run on every host of a hostfile through the MPI starter (one process per host):
 
     python -m tnt_cli.cleanup [--force] [--dry-run] PROGRAM
@@ -17,6 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 GRACE_S = 5.0
+_MARK = b"TARANTELLA_JOB_ID="
+
+
+def _started_by_launcher(environ: bytes) -> bool:
+    return any(item.startswith(_MARK) for item in environ.split(b"\0"))
 
 
 def _ancestors(pid: int, proc_dir: Path) -> set[int]:
@@ -43,7 +52,8 @@ def _matches(args: list[str], program: str, real: str | None, cwd: str) -> bool:
 
 
 def find_program_processes(program: str, proc_dir: Path = Path("/proc")) -> list[tuple[int, str]]:
-    """Processes of the current user whose command line names `program` (not us or our parents)."""
+    """Processes of the current user, started by a launch (marked with TARANTELLA_JOB_ID), whose
+    command line names `program` (never us or our ancestors)."""
     real = os.path.realpath(program) if os.path.exists(program) else None
     skip = _ancestors(os.getpid(), proc_dir)
     uid = os.getuid()
@@ -56,6 +66,8 @@ def find_program_processes(program: str, proc_dir: Path = Path("/proc")) -> list
                 continue
             raw = (entry / "cmdline").read_bytes()
             cwd = os.readlink(entry / "cwd")
+            if not _started_by_launcher((entry / "environ").read_bytes()):
+                continue
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
@@ -98,7 +110,7 @@ def cleanup(program: str, force: bool = False, dry_run: bool = False) -> int:
     for pid, cmdline in found:
         print(f"{host}: {verb} {pid}: {cmdline}", flush=True)
     if not found:
-        print(f"{host}: no processes of {program} found", flush=True)
+        print(f"{host}: no processes of {program} started by tarantella found", flush=True)
         return 0
     if dry_run:
         return 0

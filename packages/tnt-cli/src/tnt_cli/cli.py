@@ -16,7 +16,7 @@ import typer
 
 from tnt_cli import cleanup as cleanup_mod
 from tnt_cli.commands import LaunchPlan, RankOptions, build_plan
-from tnt_cli.envvars import Settings, parse_exports, rank_environment
+from tnt_cli.envvars import Settings, new_job_id, parse_exports, rank_environment
 from tnt_cli.errors import LaunchError, UsageError
 from tnt_cli.gpus import count_gpus
 from tnt_cli.hosts import is_oversubscribed_locally, place_ranks, read_hostfile
@@ -29,7 +29,8 @@ from tnt_cli.mpi import (
     in_slurm_allocation,
 )
 from tnt_cli.numa import find_numactl, numa_nodes
-from tnt_cli.supervise import run
+from tnt_cli.output import StarterOutput
+from tnt_cli.supervise import Outcome, run
 
 PROG = "tarantella"
 
@@ -37,6 +38,7 @@ EPILOG = """Examples:
 
 \b
   tarantella -n 4 -- train.py --epochs 3          4 processes on this machine
+  tarantella -np 4 -m mypkg.train                 the same habits as mpirun / python -m
   tarantella --hostfile hosts --n-per-node 2 -- train.py
   tarantella -n 2 -x OMP_NUM_THREADS=1 --output-on-all-devices -- train.py
   tarantella -n 2 --python-interpreter "" -- ./a.out   run a binary directly
@@ -100,7 +102,7 @@ def launch(
     ctx: typer.Context,
     n: Annotated[
         int | None,
-        typer.Option("-n", min=1, metavar="N",
+        typer.Option("-n", "-np", min=1, metavar="N",
                      help="Total number of processes (on this host unless --hostfile)."),
     ] = None,
     hostfile: Annotated[
@@ -150,12 +152,23 @@ def launch(
         bool, typer.Option("--pin-memory-to-socket",
                            help="Like --pin-to-socket, and allocate memory on that node too.")
     ] = False,
+    module: Annotated[
+        str | None,
+        typer.Option("-m", metavar="MODULE",
+                     help="Run a Python module as the program (like python -m); "
+                          "its arguments follow, after --."),
+    ] = None,
     python_interpreter: Annotated[
         str | None,
         typer.Option("--python-interpreter", metavar="CMD",
-                     help="Interpreter for PROGRAM, e.g. \"python -X dev\" (default: "
-                          "python on PATH); \"\" runs PROGRAM as a binary."),
+                     help="Interpreter for PROGRAM, e.g. \"python -X dev\" (default: the "
+                          "Python running this launcher); \"\" runs PROGRAM as a binary."),
     ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v",
+                           help="Also show the MPI starter's own messages, the starter "
+                                "command, and a failing rank's whole stderr tail.")
+    ] = False,
     launcher: Annotated[
         LauncherChoice,
         typer.Option("--launcher", case_sensitive=False,
@@ -184,9 +197,12 @@ def launch(
     Slurm allocation. Exit code: 0 when every rank succeeded, else non-zero.
     """
     level = log_level.value if log_level else None
+    if verbose and level is None:
+        level = "DEBUG"
+    program = ["-m", module, *ctx.args] if module is not None else list(ctx.args)
     try:
         code = _launch(
-            program=list(ctx.args),
+            program=program,
             n=n, hostfile=hostfile, n_per_node=n_per_node, no_gpu=no_gpu,
             settings=Settings(
                 log_level=level, log_on_all_devices=log_on_all_devices,
@@ -195,7 +211,7 @@ def launch(
             ),
             exports=exports or [], pin=_pin_mode(pin_to_socket, pin_memory_to_socket),
             python_interpreter=python_interpreter, launcher=launcher.value,
-            dry_run=dry_run, cleanup=cleanup, force=force,
+            dry_run=dry_run, cleanup=cleanup, force=force, verbose=verbose,
         )
     except LaunchError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
@@ -211,9 +227,14 @@ def _pin_mode(pin_to_socket: bool, pin_memory_to_socket: bool) -> str | None:
 
 
 def _interpreter(spec: str | None) -> list[str]:
-    """`--python-interpreter` as argv; default: `python` on PATH (else this Python)."""
+    """`--python-interpreter` as argv; default: the Python running the launcher.
+
+    Why not `python` on PATH: `/venv/bin/tarantella` started outside an activated venv
+    would then run the program under another Python, without the venv's packages
+    (torchrun and `python -m` users expect the launcher's own interpreter).
+    """
     if spec is None:
-        return [shutil.which("python") or sys.executable]
+        return [sys.executable]
     words = shlex.split(spec)
     if not words:
         return []
@@ -251,6 +272,7 @@ def _launch(
     *, program: list[str], n: int | None, hostfile: Path | None, n_per_node: int | None,
     no_gpu: bool, settings: Settings, exports: list[str], pin: str | None,
     python_interpreter: str | None, launcher: str, dry_run: bool, cleanup: bool, force: bool,
+    verbose: bool = False,
 ) -> int:
     if force and not cleanup:
         raise UsageError("--force only works with --cleanup")
@@ -258,14 +280,14 @@ def _launch(
         return _cleanup(program, hostfile, force, dry_run, launcher)
     interpreter = _interpreter(python_interpreter)
     _check_program(program, interpreter)
-    rank_env = rank_environment(settings, parse_exports(exports), os.environ)
+    rank_env = rank_environment(settings, parse_exports(exports), os.environ, new_job_id())
     hosts = read_hostfile(hostfile) if hostfile is not None else None
     starter = _choose_starter(launcher, hostfile)
     threshold = settings.log_level
     if pin is not None and hosts is None:
         find_numactl()  # fail here, before any rank starts, when pinning cannot work
         numa_nodes()
-    rank_argv = RankOptions(settings.output_on_all_devices, pin).wrapper_argv(
+    rank_argv = RankOptions(settings.output_on_all_devices, pin, verbose).wrapper_argv(
         [*interpreter, *program]
     )
     plan = _plan(starter, hosts, n, n_per_node, no_gpu, rank_env, rank_argv, pin)
@@ -277,14 +299,33 @@ def _launch(
         _print_dry_run(plan, starter)
         return 0
     _say("DEBUG", f"{starter.flavour.value} {starter.version}: {shlex.join(plan.argv)}", threshold)
-    outcome = run(plan.argv, plan.env)
+    output = StarterOutput(sys.stderr.buffer, verbose=verbose, out_sink=sys.stdout.buffer)
+    outcome = run(plan.argv, plan.env, output)
+    return _report(outcome, output, threshold)
+
+
+def _report(outcome: Outcome, output: StarterOutput, threshold: str | None) -> int:
+    """The launcher's last word on the job, and its exit code."""
     if outcome.interrupted_by is not None:
         name = signal.Signals(outcome.interrupted_by).name
         _say("ERROR", f"stopped by {name}; all ranks were stopped", threshold)
-    elif outcome.code:
-        _say("ERROR", f"the job failed (exit code {outcome.code}); "
-             "the failing rank's error is shown above", threshold)
-    return outcome.code
+        return outcome.code
+    code = outcome.code
+    if code == 0 and output.failure is not None:
+        code = 1  # e.g. Open MPI ends 0 after losing a host's daemon
+    if outcome.stopped_after_failure:
+        _say("ERROR", f"the MPI starter had not ended {outcome.failure_grace_s:.0f} s after "
+             f"the failure ({output.failure}), so it was stopped; a host may be unreachable: "
+             "processes left on other hosts can be stopped with "
+             "'tarantella --cleanup --hostfile FILE -- PROGRAM'", threshold)
+    if code:
+        output.explain()
+        where = ("the failing rank's error is shown above" if output.rank_error_shown
+                 else f"cause: {output.failure or 'see above'}")
+        hidden = (f"; {output.hidden_count} message(s) of the MPI starter hidden "
+                  "(--verbose shows them)" if output.hidden_count else "")
+        _say("ERROR", f"the job failed (exit code {code}); {where}{hidden}", threshold)
+    return code
 
 
 def _plan(

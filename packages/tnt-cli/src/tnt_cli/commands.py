@@ -23,6 +23,7 @@ class RankOptions:
 
     output_on_all_devices: bool = False
     numa: str | None = None  # None, "cpu" or "cpu+mem"
+    verbose: bool = False  # a failing rank's whole stderr tail, start-up noise included
 
     def wrapper_argv(self, target: Sequence[str], python: str | None = None) -> list[str]:
         argv = [python or sys.executable, "-m", "tnt_cli.rank"]
@@ -30,6 +31,8 @@ class RankOptions:
             argv += ["--output", "all"]
         if self.numa:
             argv += ["--numa", self.numa]
+        if self.verbose:
+            argv.append("--verbose")
         return [*argv, "--", *target]
 
 

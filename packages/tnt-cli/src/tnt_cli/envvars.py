@@ -5,7 +5,9 @@ tnt-keras reads the `TNT_*` settings; they are documented in docs/launcher.md.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -13,11 +15,41 @@ from tnt_cli.errors import UsageError
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
-#: Prefixes of the caller's variables that every rank receives unchanged.
-PASS_THROUGH_PREFIXES = ("TNT_", "TF_")
+#: Prefixes of the caller's variables that every rank receives unchanged: Tarantella's
+#: own, and the families of variables TensorFlow reads (logging, XLA, GPU, cuDNN, oneDNN).
+#: Not every `TF_*`: other tools use that prefix too (Terraform's TF_CLI_CONFIG_FILE).
+PASS_THROUGH_PREFIXES = ("TNT_", "TF_CPP_", "TF_XLA_", "TF_GPU_", "TF_CUDNN_", "TF_ONEDNN_")
+
+#: Single TensorFlow variables outside those families (TF_CONFIG is left out on purpose:
+#: it configures tf.distribute's own multi-worker set-up, which would fight the launcher).
+TENSORFLOW_NAMES = frozenset({
+    "TF_DETERMINISTIC_OPS", "TF_ENABLE_ONEDNN_OPTS", "TF_FORCE_GPU_ALLOW_GROWTH",
+    "TF_FORCE_UNIFIED_MEMORY", "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS",
+    "TF_USE_LEGACY_KERAS", "TF_ENABLE_AUTO_MIXED_PRECISION", "TF_DISABLE_MKL",
+    "TF_ENABLE_GPU_GARBAGE_COLLECTION", "TF_CPU_ALLOCATOR_USE_BFC", "TF_SYNC_ON_FINISH",
+    "TF_DUMP_GRAPH_PREFIX", "TF_AUTOTUNE_THRESHOLD",
+})
+
+#: Every rank of one launch carries the same `TARANTELLA_JOB_ID` (and so does anything it
+#: starts): `--cleanup` stops only processes marked with it. Not a `TNT_*` name: those
+#: are settings, and tnt-keras warns about `TNT_*` variables it does not read. A
+#: caller's own value (an outer job's) is replaced: each launch gets its own.
+JOB_ID = "TARANTELLA_JOB_ID"
 
 #: The launcher's own settings: read by the launcher, not sent to the ranks.
 LAUNCHER_ONLY = frozenset({"TNT_MPIRUN"})
+
+
+def new_job_id() -> str:
+    """A job id unique on this machine and readable in `ps e`: host-pid-random."""
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def passes_through(name: str) -> bool:
+    """True for a caller's variable that every rank receives unchanged."""
+    if name in LAUNCHER_ONLY:
+        return False
+    return name.startswith(PASS_THROUGH_PREFIXES) or name in TENSORFLOW_NAMES
 
 
 def parse_export(item: str) -> tuple[str, str]:
@@ -73,18 +105,15 @@ class Settings:
 
 
 def pass_through(caller_env: Mapping[str, str]) -> dict[str, str]:
-    """The caller's `TNT_*` and `TF_*` variables, in the caller's order."""
-    return {
-        k: v
-        for k, v in caller_env.items()
-        if k.startswith(PASS_THROUGH_PREFIXES) and k not in LAUNCHER_ONLY
-    }
+    """The caller's `TNT_*` and TensorFlow variables, in the caller's order."""
+    return {k: v for k, v in caller_env.items() if passes_through(k)}
 
 
 def rank_environment(
-    settings: Settings, exports: Mapping[str, str], caller_env: Mapping[str, str]
+    settings: Settings, exports: Mapping[str, str], caller_env: Mapping[str, str],
+    job_id: str | None = None,
 ) -> dict[str, str]:
-    """Variables to set on every rank, in order: pass-through, settings, then `-x`.
+    """Variables to set on every rank, in order: pass-through, settings, `-x`, job id.
 
     An `-x` naming a variable that a launcher option sets is a conflict (which one
     should win is not obvious), so it is refused.
@@ -96,8 +125,10 @@ def rank_environment(
             f"-x {clash[0]}=... conflicts with the launcher option that sets {clash[0]}; "
             "give only one of them"
         )
+    if JOB_ID in exports:
+        raise UsageError(f"-x {JOB_ID}=...: the launcher sets {JOB_ID} itself (one per launch)")
     env = pass_through(caller_env)
-    for source in (from_options, exports):
+    for source in (from_options, exports, {JOB_ID: job_id} if job_id else {}):
         for name, value in source.items():
             env.pop(name, None)
             env[name] = value

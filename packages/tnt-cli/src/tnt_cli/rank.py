@@ -16,6 +16,7 @@ import argparse
 import collections
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +37,16 @@ TAIL_LINES = 200
 _MAX_LINE = 4096
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PR_SET_PDEATHSIG = 1
+#: Start-up noise of TensorFlow (absl/glog info and warning lines, absl's pre-init
+#: notice, cuInit failing on a machine without GPU) that TF_CPP_MIN_LOG_LEVEL does not
+#: silence; left out of a failing rank's
+#: report and of non-master ranks' output unless --verbose.
+_STARTUP_NOISE = re.compile(
+    rb"[IW]\d{4} [\d:.]+\s+\d+ \S+:\d+\] "
+    rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
+    rb"|E\d{4} [\d:.]+\s+\d+ \S+:\d+\] failed call to cuInit"  # no GPU here: expected
+)
+_TRACEBACK = b"Traceback (most recent call last):"
 
 
 def _first_int(environ: Mapping[str, str], names: Sequence[str]) -> int:
@@ -95,8 +106,23 @@ def _describe(returncode: int) -> str:
     return f"failed with exit code {returncode}"
 
 
-def _copy_prefixed(src: IO[bytes], dst: IO[bytes], prefix: bytes) -> None:
+def is_startup_noise(line: bytes) -> bool:
+    return _STARTUP_NOISE.match(line) is not None
+
+
+def worth_showing(tail: list[bytes]) -> list[bytes]:
+    """A failing rank's stderr tail without what hides its error: from its first
+    traceback on, if it has one, else without start-up noise."""
+    for i, line in enumerate(tail):
+        if line.startswith(_TRACEBACK):
+            return tail[i:]
+    return [line for line in tail if not is_startup_noise(line)]
+
+
+def _copy_prefixed(src: IO[bytes], dst: IO[bytes], prefix: bytes, quiet: bool = False) -> None:
     for line in src:
+        if quiet and is_startup_noise(line):
+            continue
         if not line.endswith(b"\n"):
             line += b"\n"
         dst.write(prefix + line)
@@ -125,7 +151,7 @@ def _start(command: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
     return subprocess.Popen(list(command), preexec_fn=_die_with_parent, **kwargs)  # type: ignore[call-overload]
 
 
-def run_hidden(command: Sequence[str], rank: int, err: IO[bytes]) -> int:
+def run_hidden(command: Sequence[str], rank: int, err: IO[bytes], verbose: bool = False) -> int:
     """Run a non-master rank silently; print its stderr tail only if it fails."""
     proc = _start(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                   stderr=subprocess.PIPE)
@@ -140,21 +166,25 @@ def run_hidden(command: Sequence[str], rank: int, err: IO[bytes]) -> int:
         prefix = f"[{rank}] ".encode()
         err.write(prefix + f"tarantella: rank {rank} {_describe(returncode)}; "
                   "the end of its stderr:\n".encode())
-        for line in list(tail):
+        for line in list(tail) if verbose else worth_showing(list(tail)):
             err.write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
         err.flush()
     return _exit_code(returncode)
 
 
-def run_prefixed(command: Sequence[str], rank: int, out: IO[bytes], err: IO[bytes]) -> int:
-    """Run a rank with every output line prefixed by `[rank] `."""
+def run_prefixed(
+    command: Sequence[str], rank: int, out: IO[bytes], err: IO[bytes], verbose: bool = False
+) -> int:
+    """Run a rank with every output line prefixed by `[rank] ` (non-master ranks'
+    start-up noise left out unless verbose)."""
     proc = _start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _Forwarder(proc)
     prefix = f"[{rank}] ".encode()
     assert proc.stdout is not None and proc.stderr is not None
     copiers = [
         threading.Thread(target=_copy_prefixed, args=(proc.stdout, out, prefix), daemon=True),
-        threading.Thread(target=_copy_prefixed, args=(proc.stderr, err, prefix), daemon=True),
+        threading.Thread(target=_copy_prefixed,
+                         args=(proc.stderr, err, prefix, rank != 0 and not verbose), daemon=True),
     ]
     for copier in copiers:
         copier.start()
@@ -167,6 +197,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tnt_cli.rank")
     parser.add_argument("--output", choices=("master", "all"), default="master")
     parser.add_argument("--numa", choices=("cpu", "cpu+mem"), default=None)
+    parser.add_argument("--verbose", action="store_true")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(list(argv))
     if args.command[:1] == ["--"]:
@@ -186,11 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     find_numactl(), numa_nodes())
             command = [*prefix, *command]
         if args.output == "all":
-            return run_prefixed(command, rank, sys.stdout.buffer, sys.stderr.buffer)
+            return run_prefixed(command, rank, sys.stdout.buffer, sys.stderr.buffer,
+                                args.verbose)
         if rank == 0:
             sys.stdout.flush()
             os.execvp(command[0], command)  # the master simply becomes the program
-        return run_hidden(command, rank, sys.stderr.buffer)
+        return run_hidden(command, rank, sys.stderr.buffer, args.verbose)
     except LaunchError as exc:
         print(f"[{rank}] tarantella: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -14,18 +14,25 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tnt_cli.errors import EnvironmentProblem
+from tnt_cli.output import StarterOutput
 
 #: After forwarding a stop signal, how long the starter may take to stop its ranks
 #: before the launcher kills the whole tree (the issue allows 10 s in total).
 STOP_GRACE_S = 6.0
 #: Leftovers of a finished starter get SIGTERM, then SIGKILL after this.
 LEFTOVER_GRACE_S = 2.0
+#: Once the starter's output shows the job failing, it normally ends within a second; it
+#: hangs when it waits for a host it cannot reach. After this long it gets SIGTERM, and
+#: SIGKILL FAILURE_KILL_S later.
+FAILURE_GRACE_S = 3.0
+FAILURE_KILL_S = 2.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -160,26 +167,51 @@ class Outcome:
 
     code: int
     interrupted_by: int | None = None
+    stopped_after_failure: bool = False
+    failure_grace_s: float = FAILURE_GRACE_S
 
 
-def run(argv: Sequence[str], env: Mapping[str, str]) -> Outcome:
-    """Start the starter with `env` added to our environment and wait for it."""
+def run(
+    argv: Sequence[str], env: Mapping[str, str], output: StarterOutput | None = None
+) -> Outcome:
+    """Start the starter with `env` added to our environment and wait for it.
+
+    With `output`, the starter's stderr goes through that filter, and a starter that
+    has not ended FAILURE_GRACE_S after its output showed a failure is stopped.
+    """
     become_subreaper()
     me = os.getpid()
     already_running = frozenset(descendants(me))  # not ours to clean up (library use)
     full_env = {**os.environ, **env}
     try:
-        proc = subprocess.Popen(list(argv), env=full_env, preexec_fn=_starter_dies_with_us)
+        pipe = subprocess.PIPE if output is not None else None
+        proc = subprocess.Popen(list(argv), env=full_env, preexec_fn=_starter_dies_with_us,
+                                stdout=pipe, stderr=pipe)
     except OSError as exc:
         raise EnvironmentProblem(f"cannot start {argv[0]}: {exc.strerror or exc}") from exc
+    readers = []
+    if output is not None:
+        assert proc.stdout is not None and proc.stderr is not None
+        for stdout, pipe_file in ((True, proc.stdout), (False, proc.stderr)):
+            readers.append(threading.Thread(target=output.consume_fd,
+                                            args=(pipe_file.fileno(), stdout), daemon=True))
+            readers[-1].start()
     stopper = _Stopper(proc)
+    stopped_after_failure = False
     try:
         while True:
             try:
                 returncode = proc.wait(timeout=0.1)
                 break
             except subprocess.TimeoutExpired:
-                if stopper.deadline is not None and time.monotonic() >= stopper.deadline:
+                now = time.monotonic()
+                if (output is not None and output.failure_at is not None
+                        and not stopped_after_failure and stopper.deadline is None
+                        and now >= output.failure_at + FAILURE_GRACE_S):
+                    stopped_after_failure = True
+                    stopper.deadline = now + FAILURE_KILL_S
+                    _signal(proc.pid, signal.SIGTERM)
+                if stopper.deadline is not None and now >= stopper.deadline:
                     for pid in [proc.pid, *descendants(proc.pid)]:
                         _signal(pid, signal.SIGKILL)
     finally:
@@ -188,6 +220,9 @@ def run(argv: Sequence[str], env: Mapping[str, str]) -> Outcome:
             proc.kill()
             proc.wait()
         kill_tree(me, spare=already_running)  # whatever the starter left behind here
+        for reader in readers:
+            reader.join(timeout=LEFTOVER_GRACE_S)  # a leftover may hold a pipe open
     if stopper.signum is not None:
         return Outcome(128 + stopper.signum, stopper.signum)
-    return Outcome(128 - returncode if returncode < 0 else returncode)
+    return Outcome(128 - returncode if returncode < 0 else returncode,
+                   stopped_after_failure=stopped_after_failure)

@@ -32,6 +32,7 @@ __all__ = [
     "micro_batch_size",
     "micro_batch_sizes",
     "micro_batch_slice",
+    "split_batches",
     "split_strategy",
 ]
 
@@ -46,8 +47,8 @@ def __getattr__(name: str):
         from tnt_data import _inspect
 
         return getattr(_inspect, name)
-    if name == "StepSizes":
-        from tnt_data._slicing import StepSizes
+    if name in ("StepSizes", "split_batches"):
+        from tnt_data import _slicing
 
-        return StepSizes
+        return getattr(_slicing, name)
     raise AttributeError(f"module 'tnt_data' has no attribute {name!r}")

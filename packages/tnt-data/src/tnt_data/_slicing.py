@@ -111,3 +111,17 @@ def slicer(spec: Any, rank: int, size: int, with_sizes: bool):
         return _cut(element, tf.constant(rank, tf.int64), tf.constant(size, tf.int64), with_sizes)
 
     return fn
+
+
+def split_batches(dataset: tf.data.Dataset, *, rank: int, size: int, with_sizes: bool = False) -> tf.data.Dataset:
+    """Rank ``rank``'s share of every element of an already batched ``dataset``.
+
+    For pipelines whose batches ``distribute`` cannot read (made by a ``map`` that
+    gathers rows, as Keras' array adapter does): every rank runs the whole pipeline and
+    keeps its contiguous slice of each batch, by the same rule as ``distribute``.
+    """
+    from tnt_data import _plan
+
+    _plan.check_rank_size(rank, size)
+    check_batched_spec(dataset.element_spec)
+    return dataset.map(slicer(dataset.element_spec, rank, size, with_sizes))

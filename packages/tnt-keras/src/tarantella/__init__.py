@@ -10,7 +10,9 @@ Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run
 from __future__ import annotations
 
 from . import keras, models
+from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._inputs import InputError
+from ._internals import UnsupportedVersionError
 from ._model import Model, ParallelStrategy
 from ._runtime import get_master_rank, get_rank, get_size, is_master_rank, setup
 from ._settings import SettingError
@@ -26,11 +28,20 @@ __all__ = [
     "ParallelStrategy",
     "ReplicaMismatchError",
     "SettingError",
+    "UnsupportedVersionError",
+    "UnsyncedReplicasError",
     "__version__",
     "get_master_rank",
     "get_rank",
     "get_size",
     "is_master_rank",
     "keras",
+    "local_batch_size",
     "models",
 ]
+
+# Errors show under their public names (tnt.InputError), not the private modules'.
+for _error in (InputError, ReplicaMismatchError, SettingError, UnsupportedVersionError,
+               UnsyncedReplicasError):
+    _error.__module__ = __name__
+del _error

@@ -27,7 +27,7 @@ import keras
 
 import tnt_comm
 
-from . import _io, _runtime
+from . import _internals, _io, _runtime
 from ._logging import logger
 
 #: Attribute of the weights file's root group holding the backup's {"epoch", "batch"}.
@@ -56,8 +56,8 @@ class DistributedBackup(keras.callbacks.Callback):
         super().__init__()
         self.callback = callback
         self.dir = Path(callback.backup_dir)
-        self.weights = Path(callback._weights_path)
-        self.metadata = Path(callback._training_metadata_path)
+        weights, metadata = _internals.backup_paths(callback)
+        self.weights, self.metadata = Path(weights), Path(metadata)
         self.save_freq = callback.save_freq
         self._current_epoch = 0
         self._last_batch_seen = 0

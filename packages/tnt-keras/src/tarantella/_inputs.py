@@ -1,8 +1,9 @@
 """Turn what a user passes to fit/evaluate/predict into this rank's micro-batches.
 
 A ``tf.data.Dataset`` batched with the GLOBAL batch size is the recommended input; NumPy
-arrays and tensors with ``batch_size=`` are accepted and treated as a global batch (they
-become a dataset, shuffled with a seed common to all ranks when ``shuffle=True``).
+arrays and tensors with ``batch_size=`` are accepted and treated as a global batch: they
+become the dataset Keras' own array adapter makes of them, so that under the same seed
+the shuffled order is the one a plain Keras script sees, on 1 rank and on N.
 Splitting is done by :func:`tnt_data.distribute`, so the union of the ranks' micro-batches
 of step k is exactly the serial batch k.
 """
@@ -16,7 +17,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import tnt_comm
 import tnt_data
+
+from . import _internals, _runtime
+from ._logging import logger
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -47,8 +52,10 @@ def _reject_unsplittable(x, method: str) -> None:
 
 
 def _from_arrays(
-    x, y, sample_weight, batch_size: int | None, shuffle: bool, sharding: Sharding, method: str
+    x, y, sample_weight, batch_size: int | None, shuffle, sharding: Sharding, method: str,
+    class_weight=None,
 ) -> tf.data.Dataset:
+    """The global batches plain Keras makes of arrays (same order under the same seed)."""
     if batch_size is None:
         if sharding.micro_batch_size is not None:
             batch_size = sharding.micro_batch_size * sharding.size
@@ -56,13 +63,40 @@ def _from_arrays(
             batch_size = DEFAULT_BATCH_SIZE
     if not isinstance(batch_size, int | np.integer) or batch_size < 1:
         raise InputError(f"tnt.Model.{method}: batch_size must be a positive integer, got {batch_size!r}.")
-    parts = tuple(p for p in (x, y, sample_weight) if p is not None)
-    element = parts[0] if len(parts) == 1 else parts
-    dataset = tf.data.Dataset.from_tensor_slices(element)
-    if shuffle:
-        length = int(dataset.cardinality())
-        dataset = dataset.shuffle(max(length, 1), seed=sharding.shuffle_seed, reshuffle_each_iteration=True)
-    return dataset.batch(int(batch_size))
+    dataset = _internals.keras_array_dataset(x, y, sample_weight, int(batch_size), shuffle)
+    if class_weight is not None:
+        dataset = dataset.map(class_weighted(class_weight))
+    return dataset
+
+
+def class_weighted(class_weight: dict):
+    """A map over (x, y[, w]) batches multiplying sample weights by ``class_weight[y]``.
+
+    Keras' rule: one-hot/probability targets use their argmax, others their rounded value.
+    """
+    classes = max(int(k) for k in class_weight) + 1
+    table = np.ones(classes, dtype=np.float32)
+    for k, w in class_weight.items():
+        table[int(k)] = float(w)
+    table = tf.constant(table)
+
+    def fn(*element):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(element)
+        if isinstance(y, dict | list | tuple):
+            raise InputError(
+                "class_weight is only supported for models with a single output; pass "
+                "per-sample weights (sample_weight=) for multi-output models."
+            )
+        if y.shape.rank is not None and y.shape.rank > 1 and y.shape[-1] != 1:
+            labels = tf.argmax(y, axis=-1)
+        else:
+            labels = tf.cast(tf.round(tf.reshape(y, [-1])), tf.int64)
+        weights = tf.gather(table, labels)
+        if sample_weight is not None:
+            weights = weights * tf.cast(tf.reshape(sample_weight, [-1]), tf.float32)
+        return x, y, weights
+
+    return fn
 
 
 def global_batch_size(dataset: tf.data.Dataset, sharding: Sharding) -> int | None:
@@ -92,6 +126,7 @@ def rank_dataset(
     sharding: Sharding,
     method: str,
     with_sizes: bool = False,
+    class_weight: dict | None = None,
 ) -> tf.data.Dataset:
     """This rank's dataset of micro-batches for ``method`` ('fit', 'evaluate', 'predict').
 
@@ -112,9 +147,13 @@ def rank_dataset(
                 "size (dataset.batch(B)) and drop batch_size=, or pass an unbatched dataset "
                 "with tnt_micro_batch_size=."
             )
-        dataset = x
+        dataset = x if class_weight is None else x.map(class_weighted(class_weight))
     else:
-        dataset = _from_arrays(x, y, sample_weight, batch_size, shuffle, sharding, method)
+        dataset = _from_arrays(x, y, sample_weight, batch_size, shuffle, sharding, method, class_weight)
+        if not sharding.distribute or sharding.size == 1:
+            return dataset
+        return tnt_data.split_batches(dataset, rank=sharding.rank, size=sharding.size,
+                                      with_sizes=with_sizes)
     try:
         if not sharding.distribute:
             return dataset
@@ -141,3 +180,107 @@ def rank_dataset(
         message = str(err).replace(" micro_batch_size=", " tnt_micro_batch_size=")
         message = message.replace("drop micro_batch_size", "drop tnt_micro_batch_size")
         raise InputError(f"tnt.Model.{method}: {message}") from err
+
+
+#: Iterators Keras 3's EpochIterator creates per epoch when steps_per_epoch is None.
+_KERAS_ITERATORS_PER_EPOCH = 2
+
+
+def at_epoch(dataset: tf.data.Dataset, user_input, epoch: int, steps_per_epoch) -> tf.data.Dataset:
+    """``dataset`` with its reshuffling state where a run from epoch 0 has it at ``epoch``.
+
+    A shuffle with ``reshuffle_each_iteration`` draws a new order for each new iterator,
+    and Keras' epoch loop creates ``_KERAS_ITERATORS_PER_EPOCH`` iterators per epoch of a
+    dataset of known length (one when the epoch starts, one after its last batch).
+    Creating (and dropping) as many iterators as the first ``epoch`` epochs would advances
+    the order without reading data. This needs a dataset whose state starts fresh: tnt
+    builds one per fit (distributed or from arrays); one passed through unchanged (one
+    rank) is rebuilt. tests/test_resume.py checks the count against an uninterrupted run.
+    """
+    if steps_per_epoch:
+        logger.warning(
+            "fit(initial_epoch=%d) with steps_per_epoch: the data position of the interrupted "
+            "run is not restored (Keras then continues one iterator across epochs); the "
+            "resumed epochs start from a fresh iterator.", epoch)
+        return dataset
+    if dataset is user_input:
+        try:
+            dataset = tnt_data.distribute(dataset, rank=0, size=1)
+        except tnt_data.DistributionError:
+            logger.warning(
+                "fit(initial_epoch=%d): this dataset cannot be rebuilt, so its shuffle order "
+                "from epoch %d on may differ from an uninterrupted run.", epoch, epoch)
+            return dataset
+    if int(dataset.cardinality()) < 0:
+        logger.warning(
+            "fit(initial_epoch=%d): the dataset's length is unknown, so its shuffle order "
+            "from epoch %d on may differ from an uninterrupted run.", epoch, epoch)
+        return dataset
+    for _ in range(epoch * _KERAS_ITERATORS_PER_EPOCH):
+        iter(dataset)
+    return dataset
+
+
+def check_same_length(dataset: tf.data.Dataset, what: str, method: str) -> None:
+    """Every rank must run as many steps as the others, or one waits in a step forever.
+
+    tnt's own split guarantees it; datasets the ranks build themselves
+    (``tnt_distribute_dataset=False``) may differ. One small allgather per call. A length
+    TensorFlow cannot tell (e.g. after ``filter``) is not checked here; a difference then
+    shows as a stall after TNT_COMM_TIMEOUT.
+    """
+    if _runtime.get_size() == 1:
+        return
+    lengths = tnt_comm.allgather_object(int(dataset.cardinality()))
+    if len(set(lengths)) == 1 or tf.data.UNKNOWN_CARDINALITY in lengths:
+        return
+
+    def show(n: int) -> str:
+        return "infinite" if n == tf.data.INFINITE_CARDINALITY else str(n)
+
+    per_rank = ", ".join(f"rank {r}: {show(n)}" for r, n in enumerate(lengths))
+    raise InputError(
+        f"tnt.Model.{method}: the ranks' {what} datasets have different numbers of batches "
+        f"({per_rank}), so some rank would wait in a step the others never run. With "
+        "tnt_distribute_dataset=False every rank must pass the same number of batches (e.g. "
+        "dataset.shard(num_shards, index) of a dataset whose length the number of ranks "
+        "divides, or .take(n) with the same n everywhere); or pass one dataset and let tnt "
+        "split it (tnt_distribute_dataset=True)."
+    )
+
+
+def split_arrays(arrays, validation_split: float):
+    """Keras' rule: the last ``validation_split`` fraction of the samples validates."""
+    if not 0 < validation_split < 1:
+        raise InputError(f"validation_split must be in (0, 1), got {validation_split}.")
+    first = next(a for a in tf.nest.flatten(arrays) if a is not None)
+    n = int(first.shape[0])
+    cut = int(n * (1.0 - validation_split))
+
+    def take(a, sl):
+        return None if a is None else tf.nest.map_structure(lambda t: t[sl], a)
+
+    train = tuple(take(a, slice(0, cut)) for a in arrays)
+    val = tuple(take(a, slice(cut, n)) for a in arrays)
+    return train, val
+
+
+#: Mixed with TensorFlow's global seed, so the common shuffle seed is not the user's seed.
+_SEED_SALT = 0x746E74
+
+
+def common_seed() -> int:
+    """A shuffle seed equal on all ranks, for unseeded dataset shuffles.
+
+    Derived from TensorFlow's global seed when one is set (``keras.utils.set_random_seed``
+    or ``tf.random.set_seed``), so that every run of the script, a resumed one too,
+    shuffles alike; otherwise drawn at random. Rank 0's choice is used everywhere.
+    """
+    seed = _internals.global_seed()
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (2**31 - 1))
+    else:
+        seed = int(np.random.SeedSequence([seed, _SEED_SALT]).generate_state(1)[0] % (2**31 - 1))
+    if _runtime.get_size() > 1:
+        seed = tnt_comm.broadcast_object(seed, _runtime.MASTER_RANK)
+    return int(seed)

@@ -4,9 +4,11 @@ The wrapper is itself a ``keras.Model`` so that Keras' own fit/evaluate/predict 
 callbacks and progress bars drive it unchanged; it owns no layers of its own. The
 wrapped model keeps everything a user saves or inspects — layers, weights, optimizer,
 compiled loss and metrics — so files written by ``tnt.Model.save`` are plain Keras files.
-What the wrapper changes is where data comes from (this rank's micro-batches), how a step
-ends (fused allreduce of gradients and metric states, see ``_steps``), who writes files
-(the master rank, atomically) and that all replicas start from rank 0's state.
+What the wrapper changes is where data comes from (this rank's micro-batches, see
+``_inputs``), how a step ends (fused allreduce of gradients and metric states, see
+``_steps``; a user's own steps in ``_custom_steps``), who writes files (the master rank,
+atomically) and that all replicas start from rank 0's state (``_sync``). Optimizer
+updates made outside tnt's steps (custom loops) are made global by ``_grad_sync``.
 """
 
 from __future__ import annotations
@@ -15,20 +17,18 @@ import enum
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-import tnt_comm
-import tnt_data
-
-from . import _backup, _io, _runtime, _sync
+from . import _backup, _batch_norm, _grad_sync, _inputs, _internals, _io, _runtime, _sync
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
 from ._logging import logger
 from ._rank_callbacks import callbacks_for_rank
-from ._steps import DistributedSteps, split_sizes
+from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
+#: keras.Model keyword arguments the wrapper accepts (and ignores: it owns no layers).
+_KERAS_MODEL_KWARGS = frozenset({"name", "trainable", "dtype"})
 
 
 class ParallelStrategy(enum.Enum):
@@ -41,11 +41,16 @@ class Model(keras.Model):
     """Wrap ``model`` so that compile/fit/evaluate/predict run on all ranks of the job.
 
     Args:
-        model: a built or unbuilt Keras 3 model (Sequential, functional or subclassed).
+        model: a built or unbuilt Keras 3 model (Sequential, functional or subclassed,
+            with or without its own ``train_step``/``test_step``/``predict_step``).
         parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the only one supported).
+        sync_batch_norm: make every ``BatchNormalization`` layer normalise with the
+            statistics of the global batch (as ``tnt.keras.layers.SyncBatchNormalization``
+            does), so a model with batch normalisation trains as serial Keras does.
     """
 
-    def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, **kwargs):
+    def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
+                 sync_batch_norm: bool = False, **kwargs):
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"tnt.Model wraps a keras.Model, got {type(model).__name__}. "
@@ -55,18 +60,33 @@ class Model(keras.Model):
             raise TypeError("This model is already a tnt.Model; wrap the Keras model only once.")
         if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:
             raise ValueError(f"Unsupported parallel_strategy {parallel_strategy!r}; use DATA.")
-        super().__init__(name=f"tnt_{model.name}", **kwargs)
+        unknown = sorted(set(kwargs) - _KERAS_MODEL_KWARGS)
+        if unknown:
+            raise TypeError(
+                f"tnt.Model() got unknown keyword argument(s): {', '.join(unknown)}. It takes "
+                "the Keras model, parallel_strategy=, and Keras' name=/trainable=/dtype=; "
+                "options of fit/evaluate/predict (tnt_micro_batch_size=, ...) go to those calls, "
+                "settings such as the fusion threshold to TNT_* environment variables."
+            )
+        kwargs.setdefault("name", f"tnt_{model.name}")
+        super().__init__(**kwargs)
         self._tnt_settings = _runtime.setup()
         self._model = model
+        if sync_batch_norm and _batch_norm.synchronise(model) == 0 and not _batch_norm.has_sync_batch_norm(model):
+            logger.warning("tnt.Model(sync_batch_norm=True): the model has no BatchNormalization layer.")
         self._tnt_steps = DistributedSteps(
             model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
         )
-        self._tnt_synced = False
+        self._tnt_synced = False  # model and optimizer state made identical (fit/evaluate/...)
+        self._tnt_weights_synced = False  # model weights broadcast at least once
         self._tnt_seed: int | None = None
+        if _runtime.get_size() > 1:
+            _grad_sync.register(model, self)
         if model.built:
             self.built = True
+            self._sync_replicas()  # a custom training loop may start right away
         if model.compiled:  # e.g. loaded from a .keras file with its training config
-            self._compile_wrapper(model.run_eagerly, model.steps_per_execution)
+            self._compile_wrapper()
 
     # -- what the wrapped model is -------------------------------------------------
     @property
@@ -75,7 +95,13 @@ class Model(keras.Model):
         return self._model
 
     def call(self, inputs, training=None, mask=None):
-        return self._model(inputs, training=training)
+        outputs = self._model(inputs, training=training)
+        if not self._tnt_weights_synced and tf.executing_eagerly():
+            # Built by this first call (a custom training loop): start replicas alike.
+            if _runtime.get_size() > 1:
+                _sync.sync_replicas(self._model)
+            self._tnt_weights_synced = True
+        return outputs
 
     @property
     def layers(self):
@@ -118,34 +144,33 @@ class Model(keras.Model):
         return getattr(inner, name)
 
     # -- compile ----------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, *, jit_compile="auto",
-                run_eagerly=False, steps_per_execution=1, **kwargs) -> None:
-        """Compile the wrapped model; the wrapper's steps use its loss, metrics, optimizer.
+    def compile(self, *args, **kwargs) -> None:
+        """Compile the wrapped model with exactly these arguments; the wrapper's steps
+        then use its loss, metrics and optimizer(s).
 
-        ``jit_compile`` is honoured: on one rank as Keras does; on several ranks XLA
-        compiles the part of each step before the gradient exchange and the part after it
-        (the exchange itself runs outside the compiler).
+        A model with its own ``compile`` (a GAN taking two optimizers) gets its own
+        arguments. ``jit_compile`` is honoured: on one rank as Keras does; on several
+        ranks XLA compiles the part of each default step before the gradient exchange and
+        the part after it (the exchange itself runs outside the compiler).
         """
-        self._model.compile(
-            optimizer=optimizer, loss=loss, run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution, jit_compile=jit_compile, **kwargs,
-        )
-        self._compile_wrapper(run_eagerly, steps_per_execution)
+        self._model.compile(*args, **kwargs)
+        self._compile_wrapper()
 
-    def _compile_wrapper(self, run_eagerly: bool, steps_per_execution: int) -> None:
+    def _compile_wrapper(self) -> None:
         """Let Keras' loops run on the wrapper, with the wrapped model's optimizer.
 
         On several ranks the wrapper's step function itself is not XLA-compiled (it holds
         the exchange); DistributedSteps compiles the halves around it instead.
         """
-        jit = False if _runtime.get_size() > 1 else self._model.jit_compile
+        inner = self._model
+        jit = False if _runtime.get_size() > 1 else inner.jit_compile
         super().compile(
-            optimizer=self._model.optimizer, loss=None, run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution, jit_compile=jit,
+            optimizer=inner.optimizer, loss=None, run_eagerly=inner.run_eagerly,
+            steps_per_execution=inner.steps_per_execution, jit_compile=jit,
         )
         self._tnt_steps.close()
         self._tnt_steps = DistributedSteps(
-            self._model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
+            inner, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
         )
         self._tnt_synced = False
 
@@ -166,6 +191,12 @@ class Model(keras.Model):
                 "training configuration, must be compiled after loading."
             )
 
+    def _ensure_compiled_for_inference(self) -> None:
+        """predict() needs no optimizer or loss: compile the wrapper alone if needed."""
+        if not self.compiled:
+            jit = False if _runtime.get_size() > 1 else "auto"
+            keras.Model.compile(self, optimizer=None, loss=None, jit_compile=jit)
+
     # -- steps (called by Keras' loops) --------------------------------------------------
     def train_step(self, data):
         return self._tnt_steps.train_step(data)
@@ -177,81 +208,32 @@ class Model(keras.Model):
         return self._tnt_steps.predict_step(data)
 
     # -- preparing a run -------------------------------------------------------------------
-    def _common_seed(self) -> int:
-        """The shuffle seed of unseeded shuffles (and of array inputs), equal on all ranks.
-
-        Derived from TensorFlow's global seed when one is set (``keras.utils.set_random_seed``
-        or ``tf.random.set_seed``), so that every run of the script, a resumed one too,
-        shuffles alike; otherwise drawn at random. Rank 0's choice is used everywhere.
-        """
-        if self._tnt_seed is None:
-            seed = _global_seed()
-            if seed is None:
-                seed = int(np.random.SeedSequence().entropy % (2**31 - 1))
-            else:
-                seed = int(np.random.SeedSequence([seed, _SEED_SALT]).generate_state(1)[0] % (2**31 - 1))
-            if _runtime.get_size() > 1:
-                seed = tnt_comm.broadcast_object(seed, _runtime.MASTER_RANK)
-            self._tnt_seed = int(seed)
-        return self._tnt_seed
-
     def _sharding(self, distribute: bool, micro_batch_size: int | None) -> Sharding:
+        if self._tnt_seed is None:
+            self._tnt_seed = _inputs.common_seed()
         return Sharding(
             rank=_runtime.get_rank(), size=_runtime.get_size(), distribute=distribute,
-            micro_batch_size=micro_batch_size, shuffle_seed=self._common_seed(),
+            micro_batch_size=micro_batch_size, shuffle_seed=self._tnt_seed,
         )
 
-    def _build_from(self, dataset: tf.data.Dataset, with_metrics: bool) -> None:
-        """Create every variable (model, metrics, optimizer) before any step is traced.
-
-        The step functions read and reduce metric and optimizer state, so these must
-        exist on every rank before the first step, built from the element spec with a
-        one-sample batch (no data is consumed).
-        """
-        model = self._model
-        optimizer = model.optimizer if model.compiled else None
-        if (model.built and self.built
-                and (not with_metrics or all(getattr(m, "built", True) for m in model.metrics))
-                and (not with_metrics or optimizer is None or optimizer.built)):
-            return  # nothing left to create: skip the eager forward pass
-        spec, _ = split_sizes(dataset.element_spec)
-
-        def zeros(s):
-            if not isinstance(s, tf.TensorSpec):
-                return s
-            shape = [1 if d is None else d for d in s.shape]
-            return tf.zeros(shape, s.dtype)
-
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tf.nest.map_structure(zeros, spec))
-        y_pred = self._model(x, training=False)
-        if not self.built:
-            self(x, training=False)
-        if with_metrics and self._model.compiled:
-            if y is not None:
-                self._model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
-            self._model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            self._model.reset_metrics()
-            if optimizer is not None and not optimizer.built:
-                optimizer.build(self._model.trainable_variables)
+    def _prepare(self, dataset: tf.data.Dataset, with_metrics: bool) -> None:
+        """Before any step of fit/evaluate/predict/*_on_batch: variables exist everywhere,
+        replicas are identical."""
+        _sync.build_variables(self._model, self, dataset, with_metrics)
+        self._sync_replicas()
 
     def _sync_replicas(self) -> None:
-        if self._tnt_synced or _runtime.get_size() == 1:
-            self._tnt_synced = True
-            return
-        variables = list(self._model.variables)
-        _sync.verify_same_on_all_ranks(variables, "model")
-        _sync.broadcast_from_master(variables)
-        optimizer = self._model.optimizer
-        if optimizer is not None and optimizer.built:
-            _sync.verify_same_on_all_ranks(optimizer.variables, "optimizer state")
-            _sync.broadcast_from_master(optimizer.variables)
-        self._tnt_synced = True
+        if not self._tnt_synced and _runtime.get_size() > 1:
+            _sync.sync_replicas(self._model)
+        self._tnt_synced = self._tnt_weights_synced = True
+
+    def _average_moving_statistics(self) -> None:
+        if _runtime.get_size() > 1:
+            _sync.average_moving_statistics(self._model)
 
     def _warn_small_batch_norm(self, global_batch: int | None) -> None:
         size = _runtime.get_size()
-        if size == 1 or global_batch is None:
-            return
-        if not any(isinstance(layer, keras.layers.BatchNormalization) for layer in _all_layers(self._model)):
+        if size == 1 or global_batch is None or not _sync.moving_statistics(self._model):
             return
         local = global_batch // size
         if local < _BATCH_NORM_MIN_LOCAL_BATCH:
@@ -272,14 +254,16 @@ class Model(keras.Model):
 
     # -- training loop entry points -----------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, sample_weight=None,
-            validation_batch_size=None, initial_epoch=0, *, tnt_micro_batch_size=None,
-            tnt_validation_micro_batch_size=None, tnt_distribute_dataset=True,
-            tnt_distribute_validation_dataset=True, **kwargs):
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None, validation_steps=None,
+            validation_batch_size=None, validation_freq=1, *,
+            tnt_micro_batch_size=None, tnt_validation_micro_batch_size=None,
+            tnt_distribute_dataset=True, tnt_distribute_validation_dataset=True):
         """Keras' ``fit`` on every rank; ``x`` is split into per-rank micro-batches.
 
         ``x`` is a ``tf.data.Dataset`` batched with the global batch size (recommended),
-        an unbatched one with ``tnt_micro_batch_size``, or arrays with ``batch_size``.
+        an unbatched one with ``tnt_micro_batch_size``, or arrays with ``batch_size``
+        (shuffled as plain Keras shuffles them under the same seed).
         Epoch ``initial_epoch`` (or the one a ``BackupAndRestore`` backup resumes at) sees
         the shuffle order it has in a run that started at epoch 0 (see docs/keras.md).
         """
@@ -287,10 +271,11 @@ class Model(keras.Model):
         if validation_split:
             if isinstance(x, tf.data.Dataset):
                 raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
-            (x, y, sample_weight), validation_data = _split_arrays((x, y, sample_weight), validation_split)
+            (x, y, sample_weight), validation_data = _inputs.split_arrays((x, y, sample_weight), validation_split)
         train = rank_dataset(
             x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit",
             sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size), with_sizes=True,
+            class_weight=class_weight,
         )
         val = None
         if validation_data is not None:
@@ -303,12 +288,11 @@ class Model(keras.Model):
                 shuffle=False, method="fit(validation_data)",
                 sharding=self._sharding(tnt_distribute_validation_dataset, tnt_validation_micro_batch_size),
             )
-        if not kwargs.get("steps_per_epoch"):
-            _check_same_length(train, "training", "fit")
-        if val is not None and not kwargs.get("validation_steps"):
-            _check_same_length(val, "validation", "fit")
-        self._build_from(train, with_metrics=True)
-        self._sync_replicas()
+        if not steps_per_epoch:
+            _inputs.check_same_length(train, "training", "fit")
+        if val is not None and not validation_steps:
+            _inputs.check_same_length(val, "validation", "fit")
+        self._prepare(train, with_metrics=True)
         if isinstance(x, tf.data.Dataset):
             self._warn_small_batch_norm(global_batch_size(x, self._sharding(True, tnt_micro_batch_size)))
         else:
@@ -319,40 +303,55 @@ class Model(keras.Model):
             if restored is not None:
                 initial_epoch = restored
         if initial_epoch > 0:
-            train = _at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
+            train = _inputs.at_epoch(train, x, initial_epoch, steps_per_epoch)
         with self._rank_callbacks(callbacks) as rank_callbacks:
-            return super().fit(
-                train, epochs=epochs, verbose=self._verbose(verbose),
-                callbacks=rank_callbacks, validation_data=val,
-                shuffle=False, initial_epoch=initial_epoch, **kwargs,
-            )
+            try:
+                return super().fit(
+                    train, epochs=epochs, verbose=self._verbose(verbose),
+                    callbacks=rank_callbacks, validation_data=val,
+                    shuffle=False, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
+                    validation_steps=validation_steps, validation_freq=validation_freq,
+                )
+            finally:
+                self._average_moving_statistics()
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=False, *, tnt_micro_batch_size=None,
                  tnt_distribute_dataset=True, **kwargs):
         """Keras' ``evaluate`` over the union of all ranks' micro-batches (global metrics)."""
-        if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already split
+        if _internals.is_cached_eval_call(kwargs):  # validation inside fit: already split
+            self._average_moving_statistics()
             return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
                                     sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                                     return_dict=return_dict, **kwargs)
-        self._assert_compiled("evaluate")
+        self._assert_evaluable()
         data = rank_dataset(
             x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate",
             sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size),
         )
         if not steps:
-            _check_same_length(data, "evaluation", "evaluate")
-        self._build_from(data, with_metrics=True)
-        self._sync_replicas()
+            _inputs.check_same_length(data, "evaluation", "evaluate")
+        self._prepare(data, with_metrics=True)
+        self._average_moving_statistics()
         with self._rank_callbacks(callbacks) as rank_callbacks:
             return super().evaluate(
                 data, verbose=self._verbose(verbose), steps=steps,
                 callbacks=rank_callbacks, return_dict=return_dict, **kwargs,
             )
 
+    def _assert_evaluable(self) -> None:
+        """evaluate() needs a loss (or metrics), not an optimizer."""
+        if not self._model.compiled:
+            self._assert_compiled("evaluate")
+        if not self.compiled:
+            self._compile_wrapper()
+
     def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None, *,
                 tnt_micro_batch_size=None, tnt_distribute_dataset=True):
-        """Keras' ``predict``; every rank returns the full predictions in input order."""
+        """Keras' ``predict``; every rank returns the full predictions in input order.
+
+        Works on an uncompiled model (e.g. loaded with ``compile=False``).
+        """
         data = rank_dataset(
             x, batch_size=batch_size, shuffle=False, method="predict",
             sharding=self._sharding(tnt_distribute_dataset, tnt_micro_batch_size),
@@ -363,15 +362,66 @@ class Model(keras.Model):
                 "rank's own predictions into one array; call self.model.predict(...) for "
                 "rank-local predictions instead."
             )
-        self._build_from(data, with_metrics=False)
-        self._sync_replicas()
+        self._ensure_compiled_for_inference()
+        self._prepare(data, with_metrics=False)
         with self._rank_callbacks(callbacks) as rank_callbacks:
             return super().predict(data, verbose=self._verbose(verbose), steps=steps,
                                    callbacks=rank_callbacks)
 
+    # -- one batch at a time ---------------------------------------------------------------
+    def _one_batch(self, x, y, sample_weight, method: str, with_sizes: bool, class_weight=None):
+        """This rank's share of one global batch given as arrays, and its dataset."""
+        first = next(t for t in tf.nest.flatten(x) if t is not None)
+        n = int(first.shape[0])
+        if n < 1:
+            raise InputError(f"tnt.Model.{method}: the batch is empty.")
+        data = rank_dataset(
+            x, y, sample_weight, batch_size=n, shuffle=False, method=method,
+            sharding=self._sharding(True, None), with_sizes=with_sizes, class_weight=class_weight,
+        )
+        return next(iter(data)), data
+
+    def _run_one(self, function, element, return_dict: bool):
+        def one():
+            yield element
+
+        logs = function(one())
+        logs = {k: float(v) if tf.is_tensor(v) and v.shape.rank == 0 else v for k, v in logs.items()}
+        return logs if return_dict else _internals.flatten_logs(self, logs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """One training step on the global batch ``x`` (the same on every rank, as in a
+        serial script); each rank computes its share, the update is the serial one."""
+        self._assert_compiled("train_on_batch")
+        element, data = self._one_batch(x, y, sample_weight, "train_on_batch", True, class_weight)
+        self._prepare(data, with_metrics=True)
+        self.make_train_function()
+        self.reset_metrics()
+        return self._run_one(self.train_function, element, return_dict)
+
+    def test_on_batch(self, x, y=None, sample_weight=None, return_dict=False):
+        """Loss and metrics of the global batch ``x`` (given whole on every rank)."""
+        self._assert_evaluable()
+        element, data = self._one_batch(x, y, sample_weight, "test_on_batch", False)
+        self._prepare(data, with_metrics=True)
+        self._average_moving_statistics()
+        self.make_test_function()
+        self.reset_metrics()
+        return self._run_one(self.test_function, element, return_dict)
+
+    def predict_on_batch(self, x):
+        """Predictions for the global batch ``x``, complete and in order on every rank."""
+        self._ensure_compiled_for_inference()
+        element, data = self._one_batch(x, None, None, "predict_on_batch", False)
+        self._prepare(data, with_metrics=False)
+        self.make_predict_function()
+        outputs = self.predict_function([element])
+        return tf.nest.map_structure(lambda t: t.numpy(), outputs)
+
     # -- files ---------------------------------------------------------------------------------
     def save(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
         """Save the wrapped model (a plain Keras file) from the master rank, atomically."""
+        self._average_moving_statistics()
         _io.save_on_master(
             filepath, lambda tmp: self._model.save(tmp, overwrite=True, **kwargs),
             all_devices=tnt_save_all_devices,
@@ -379,10 +429,21 @@ class Model(keras.Model):
 
     def save_weights(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
         """Save the weights from the master rank, atomically (``.weights.h5``)."""
+        self._average_moving_statistics()
         _io.save_on_master(
             filepath, lambda tmp: self._model.save_weights(tmp, overwrite=True, **kwargs),
             all_devices=tnt_save_all_devices,
         )
+
+    def export(self, filepath, format="tf_saved_model", verbose=True, **kwargs) -> None:
+        """Export the wrapped model for serving (Keras' ``export``), written by the master."""
+        self._average_moving_statistics()
+        if _runtime.is_master_rank():
+            self._model.export(filepath, format=format, verbose=verbose, **kwargs)
+        if _runtime.get_size() > 1:
+            import tnt_comm
+
+            tnt_comm.barrier()
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load weights read by the master rank; all replicas end up identical."""
@@ -390,107 +451,3 @@ class Model(keras.Model):
             self._model.load_weights(local, *args, **kwargs)
         self._tnt_synced = False
         self._sync_replicas()
-
-
-#: Iterators Keras 3's EpochIterator creates per epoch when steps_per_epoch is None.
-_KERAS_ITERATORS_PER_EPOCH = 2
-#: Mixed with TensorFlow's global seed, so the common shuffle seed is not the user's seed.
-_SEED_SALT = 0x746E74
-
-
-def _global_seed() -> int | None:
-    """TensorFlow's global seed (``tf.random.set_seed``), or None when none is set."""
-    try:
-        from tensorflow.python.eager import context
-    except ImportError:  # pragma: no cover - TensorFlow moved it
-        return None
-    seed = context.global_seed()
-    return None if seed is None else int(seed)
-
-
-def _at_epoch(dataset: tf.data.Dataset, user_input, epoch: int, steps_per_epoch) -> tf.data.Dataset:
-    """``dataset`` with its reshuffling state where a run from epoch 0 has it at ``epoch``.
-
-    A shuffle with ``reshuffle_each_iteration`` draws a new order for each new iterator,
-    and Keras' epoch loop creates ``_KERAS_ITERATORS_PER_EPOCH`` iterators per epoch of a
-    dataset of known length (one when the epoch starts, one after its last batch).
-    Creating (and dropping) as many iterators as the first ``epoch`` epochs would advances
-    the order without reading data. This needs a dataset whose state starts fresh: tnt
-    builds one per fit (distributed or from arrays); one passed through unchanged (one
-    rank) is rebuilt. tests/test_resume.py checks the count against an uninterrupted run.
-    """
-    if steps_per_epoch:
-        logger.warning(
-            "fit(initial_epoch=%d) with steps_per_epoch: the data position of the interrupted "
-            "run is not restored (Keras then continues one iterator across epochs); the "
-            "resumed epochs start from a fresh iterator.", epoch)
-        return dataset
-    if dataset is user_input:
-        try:
-            dataset = tnt_data.distribute(dataset, rank=0, size=1)
-        except tnt_data.DistributionError:
-            logger.warning(
-                "fit(initial_epoch=%d): this dataset cannot be rebuilt, so its shuffle order "
-                "from epoch %d on may differ from an uninterrupted run.", epoch, epoch)
-            return dataset
-    if int(dataset.cardinality()) < 0:
-        logger.warning(
-            "fit(initial_epoch=%d): the dataset's length is unknown, so its shuffle order "
-            "from epoch %d on may differ from an uninterrupted run.", epoch, epoch)
-        return dataset
-    for _ in range(epoch * _KERAS_ITERATORS_PER_EPOCH):
-        iter(dataset)
-    return dataset
-
-
-def _check_same_length(dataset: tf.data.Dataset, what: str, method: str) -> None:
-    """Every rank must run as many steps as the others, or one waits in a step forever.
-
-    tnt's own split guarantees it; datasets the ranks build themselves
-    (``tnt_distribute_dataset=False``) may differ. One small allgather per call. A length
-    TensorFlow cannot tell (e.g. after ``filter``) is not checked here; a difference then
-    shows as a stall after TNT_COMM_TIMEOUT.
-    """
-    if _runtime.get_size() == 1:
-        return
-    lengths = tnt_comm.allgather_object(int(dataset.cardinality()))
-    if len(set(lengths)) == 1 or tf.data.UNKNOWN_CARDINALITY in lengths:
-        return
-
-    def show(n: int) -> str:
-        return "infinite" if n == tf.data.INFINITE_CARDINALITY else str(n)
-
-    per_rank = ", ".join(f"rank {r}: {show(n)}" for r, n in enumerate(lengths))
-    raise InputError(
-        f"tnt.Model.{method}: the ranks' {what} datasets have different numbers of batches "
-        f"({per_rank}), so some rank would wait in a step the others never run. With "
-        "tnt_distribute_dataset=False every rank must pass the same number of batches (e.g. "
-        "dataset.shard(num_shards, index) of a dataset whose length the number of ranks "
-        "divides, or .take(n) with the same n everywhere); or pass one dataset and let tnt "
-        "split it (tnt_distribute_dataset=True)."
-    )
-
-
-def _split_arrays(arrays, validation_split: float):
-    """Keras' rule: the last ``validation_split`` fraction of the samples validates."""
-    if not 0 < validation_split < 1:
-        raise InputError(f"validation_split must be in (0, 1), got {validation_split}.")
-    first = next(a for a in tf.nest.flatten(arrays) if a is not None)
-    n = int(first.shape[0])
-    cut = int(n * (1.0 - validation_split))
-
-    def take(a, sl):
-        return None if a is None else tf.nest.map_structure(lambda t: t[sl], a)
-
-    train = tuple(take(a, slice(0, cut)) for a in arrays)
-    val = tuple(take(a, slice(cut, n)) for a in arrays)
-    return train, val
-
-
-def _all_layers(layer) -> list:
-    """Every layer nested in ``layer`` (Keras' ``layers`` lists only the top level)."""
-    out = []
-    for sub in getattr(layer, "layers", []):
-        out.append(sub)
-        out.extend(_all_layers(sub))
-    return out

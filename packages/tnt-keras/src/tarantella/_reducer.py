@@ -10,6 +10,12 @@ of the number of weights. The engine buckets the tensors by a plan that is a pur
 function of the specs and the fusion threshold, so every rank issues the same
 collectives in the same order.
 
+Every submit op also takes a *start token*: a tensor that only exists at run time (a read
+of a variable nobody writes, made before backprop, or the previous reduction's result). Without it, a
+rank whose micro-batch is statically empty (``batch(B, drop_remainder=True)`` with B < N)
+has only constant inputs to its submit ops, and Grappler constant-folds them — runs them
+once while optimising the graph and never again — so the other ranks wait forever.
+
 ``tf.numpy_function`` is not XLA-compilable, so ``reduce`` must be called outside any
 XLA-compiled function; the training step compiles the parts before and after it instead
 (``_steps.DistributedSteps``, docs/keras.md).
@@ -27,6 +33,22 @@ import tensorflow as tf
 import tnt_comm
 
 _TOKEN = np.zeros((), dtype=np.int32)
+
+
+_start_variable: tf.Variable | None = None
+
+
+def start_token() -> tf.Tensor:
+    """A tensor Grappler cannot constant-fold: the read of a variable nobody writes.
+
+    (``tf.timestamp`` would do, but op determinism forbids it.) Reading it orders nothing:
+    only ops touching the same variable are ordered against a read.
+    """
+    global _start_variable
+    if _start_variable is None:
+        with tf.init_scope():  # created eagerly, also when first asked for inside a trace
+            _start_variable = tf.Variable(0, trainable=False, dtype=tf.int32, name="tnt_start")
+    return _start_variable.read_value()
 
 
 @dataclass(frozen=True)
@@ -55,15 +77,20 @@ class GraphReducer:
     def plan(self) -> list[list[int]]:
         return [list(b) for b in self._plan]
 
-    def _submit_np(self, members: list[int], *values: np.ndarray) -> np.ndarray:
+    def _submit_np(self, members: list[int], _start: np.ndarray, *values: np.ndarray) -> np.ndarray:
         self._engine.submit_many(members, [np.ascontiguousarray(v).reshape(-1) for v in values])
         return _TOKEN
 
     def _wait_np(self, *_tokens: np.ndarray) -> list[np.ndarray]:
         return list(self._engine.wait_buckets())
 
-    def reduce(self, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """The SUM over ranks of each value (one per slot, in slot order), shaped like it."""
+    def reduce(self, values: Sequence[tf.Tensor], start: tf.Tensor | None = None) -> list[tf.Tensor]:
+        """The SUM over ranks of each value (one per slot, in slot order), shaped like it.
+
+        ``start``: a run-time-only tensor every submit op waits for (see the module
+        docstring); :func:`start_token` made here when not given. Passing the result of
+        an earlier reduction orders this one after it on every rank.
+        """
         if len(values) != len(self.slots):
             raise ValueError(f"GraphReducer.reduce: {len(values)} values for {len(self.slots)} slots")
         if not self.slots:
@@ -71,10 +98,16 @@ class GraphReducer:
         values = [
             tf.cast(v, s.dtype) if v.dtype != s.dtype else v for v, s in zip(values, self.slots)
         ]
+        if start is None:
+            start = start_token()
+        # stateful=False on purpose: a stateful op would be chained after every earlier
+        # side-effecting op of the step (tf.function's automatic control dependencies), so
+        # no bucket could start before backprop ends. The start token keeps Grappler from
+        # constant-folding it instead.
         tokens = [
             tf.numpy_function(
                 lambda *arrays, members=members: self._submit_np(members, *arrays),
-                [values[i] for i in members],
+                [start, *(values[i] for i in members)],
                 tf.int32,
                 stateful=False,
                 name="tnt_submit_bucket",

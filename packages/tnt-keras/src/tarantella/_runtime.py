@@ -35,6 +35,11 @@ def is_master_rank() -> bool:
     return get_rank() == MASTER_RANK
 
 
+def fusion_threshold_bytes() -> int:
+    """The fused engine's bucket size limit (TNT_FUSION_THRESHOLD_BYTES or the default)."""
+    return _settings.load().fusion_threshold_bytes
+
+
 def _select_gpu(local_rank: int) -> None:
     import tensorflow as tf
 
@@ -63,5 +68,11 @@ def setup() -> _settings.Settings:
     if unknown and not getattr(setup, "_warned", False):
         setup._warned = True  # type: ignore[attr-defined]
         _logging.logger.warning("unknown setting(s) ignored: %s", ", ".join(unknown))
+    from . import _internals
+
+    version_warning = _internals.version_warning()
+    if version_warning and not getattr(setup, "_warned_version", False):
+        setup._warned_version = True  # type: ignore[attr-defined]
+        _logging.logger.warning(version_warning)
     _select_gpu(tnt_comm.local_rank())
     return settings

@@ -16,6 +16,9 @@ Data flow of one training step on rank r with micro-batch b_r of global batch B
 Scaling by ``b_r / B`` rather than ``1 / N`` keeps the serial result when ``B % N != 0``
 and for a last batch smaller than ``N`` (a rank with an empty micro-batch contributes
 zeros but still takes part). With one rank the steps are Keras' own.
+
+A wrapped model that defines its own ``train_step``/``test_step``/``predict_step`` runs
+it instead (``_custom_steps``). Metric states are merged by ``_metric_states``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import tensorflow as tf
 
 import tnt_data
 
-from ._reducer import GraphReducer, Slot
+from . import _grad_sync, _internals
+from ._batch_norm import has_sync_batch_norm, valid_rows
+from ._metric_states import MetricExchange, metric_variables
+from ._reducer import GraphReducer, Slot, start_token
 
 
 def split_sizes(data):
@@ -35,9 +41,13 @@ def split_sizes(data):
     return data, None
 
 
+def _first(x) -> tf.Tensor:
+    """The first tensor of an input structure: what ops wait on to wait for the data."""
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
 def _local_batch_size(x) -> tf.Tensor:
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]
+    return tf.shape(_first(x))[0]
 
 
 def _nonempty(structure, local_n: tf.Tensor):
@@ -55,31 +65,19 @@ def _nonempty(structure, local_n: tf.Tensor):
         zero = tf.zeros([1, *t.shape[1:]], t.dtype) if t.shape[1:].is_fully_defined() else \
             tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
         out = tf.cond(local_n > 0, lambda: t, lambda: zero)
-        out.set_shape(t.shape)
+        out.set_shape([None, *t.shape[1:]])  # not t's: a statically empty batch is not empty now
         return out
 
     return tf.nest.map_structure(pad, structure)
 
 
-def _masked(value: tf.Tensor, keep: tf.Tensor) -> tf.Tensor:
-    """``value`` where ``keep`` holds, zeros otherwise (NaN-safe, unlike multiplying by 0)."""
-    return tf.where(keep, value, tf.zeros_like(value))
-
-
-def metric_variables(model: keras.Model) -> list[keras.Variable]:
-    """All state variables of the model's metrics, each once, in a rank-independent order."""
-    seen: set[int] = set()
-    out = []
-    for metric in model.metrics:
-        for var in metric.variables:
-            if id(var) not in seen:
-                seen.add(id(var))
-                out.append(var)
-    return out
-
-
 def _slot(name: str, var) -> Slot:
     return Slot(name, tuple(int(d) for d in var.shape), tf.as_dtype(var.dtype))
+
+
+def overrides(model: keras.Model, step: str) -> bool:
+    """True when ``model``'s class defines its own ``train_step``/``test_step``/``predict_step``."""
+    return getattr(type(model), step) is not getattr(keras.Model, step)
 
 
 class DistributedSteps:
@@ -95,7 +93,12 @@ class DistributedSteps:
         self._threshold = threshold_bytes
         self._train_reducer: GraphReducer | None = None
         self._test_reducer: GraphReducer | None = None
+        self._train_metrics = MetricExchange(model)
+        self._test_metrics = MetricExchange(model)
         self._compiled_fns: dict[tuple[str, bool], object] = {}  # (part, jit) -> tf.function
+        from ._custom_steps import CustomSteps
+
+        self._custom = CustomSteps(model, threshold_bytes)
 
     # -- reducers -----------------------------------------------------------------
     def _metric_slots(self) -> list[Slot]:
@@ -115,7 +118,8 @@ class DistributedSteps:
 
     def test_reducer(self) -> GraphReducer:
         if self._test_reducer is None:
-            self._test_reducer = GraphReducer(self._metric_slots(), self._threshold)
+            slots = [Slot("batch_size", (1,), tf.float32), *self._metric_slots()]
+            self._test_reducer = GraphReducer(slots, self._threshold)
         return self._test_reducer
 
     def close(self) -> None:
@@ -123,22 +127,7 @@ class DistributedSteps:
             if reducer is not None:
                 reducer.close()
         self._train_reducer = self._test_reducer = None
-
-    # -- metric bookkeeping ---------------------------------------------------------
-    def _begin_metric_contribution(self) -> tuple[list, list]:
-        mvars = metric_variables(self._model)
-        before = [tf.identity(v.value) for v in mvars]
-        for metric in self._model.metrics:
-            metric.reset_state()
-        initial = [tf.identity(v.value) for v in mvars]
-        return before, initial
-
-    def _metric_contribution(self, initial: list) -> list:
-        return [v.value - i for v, i in zip(metric_variables(self._model), initial)]
-
-    def _apply_global_metrics(self, before: list, summed: list) -> None:
-        for var, b, s in zip(metric_variables(self._model), before, summed):
-            var.assign(b + tf.cast(s, var.dtype))
+        self._custom.close()
 
     def _forward_loss(self, x, y, sample_weight, training: bool):
         model = self._model
@@ -152,7 +141,7 @@ class DistributedSteps:
         model = self._model
         # The loss tracker is a weighted Mean: weight b_r makes its reduced state the
         # global mean over B samples, exactly as serial Keras computes it.
-        model._loss_tracker.update_state(loss, sample_weight=local_n)
+        _internals.loss_tracker(model).update_state(loss, sample_weight=local_n)
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     # -- steps -----------------------------------------------------------------------
@@ -165,7 +154,8 @@ class DistributedSteps:
         """
         if tf.executing_eagerly():  # run_eagerly=True: stay debuggable
             return fn
-        jit = bool(getattr(self._model, "jit_compile", False))
+        # Synchronised batch norm's collectives are graph ops XLA cannot compile.
+        jit = bool(getattr(self._model, "jit_compile", False)) and not has_sync_batch_norm(self._model)
         if (name, jit) not in self._compiled_fns:
             self._compiled_fns[(name, jit)] = tf.function(fn, jit_compile=jit, autograph=False)
         return self._compiled_fns[(name, jit)]
@@ -190,75 +180,95 @@ class DistributedSteps:
     def _local_part(self, x, y, sample_weight, sizes):
         """Everything before the exchange: returns the metric states before the step and
         the values to SUM over ranks (``b_r``, metric contributions, weighted gradients)."""
-        local_n = _local_batch_size(x)
+        local_n = _local_batch_size(x) if sizes is None else tf.cast(sizes.local, tf.int32)
         x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        before, initial = self._begin_metric_contribution()
+        begun = self._train_metrics.begin(_first(x))
         weight = None if sizes is None else tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
-        grads = self._gradients(x, y, sample_weight, local_n, weight)
+        with self._train_metrics.watch(), valid_rows(local_n):
+            grads = self._gradients(x, y, sample_weight, local_n, weight)
         has_data = local_n > 0
         b = tf.cast(local_n, tf.float32)
-        contribution = self._metric_contribution(initial)
+        before, contribution = self._train_metrics.contributions(begun, local_n, has_data)
         weighted = [g if sizes is not None else g * tf.cast(b, g.dtype) for g in reversed(grads)]
         to_reduce = [
             tf.reshape(b, [1]),
-            *(_masked(c, has_data) for c in contribution),
-            *(_masked(g, has_data) for g in weighted),
+            *contribution,
+            *(tf.where(has_data, g, tf.zeros_like(g)) for g in weighted),
         ]
         return before, to_reduce
 
     def _global_part(self, before, reduced, divide_by_total: bool):
         """Everything after the exchange: global metric states, then the optimizer step."""
         offset = 1 + len(before)
-        self._apply_global_metrics(before, reduced[1:offset])
+        global_n = reduced[0][0]
+        self._train_metrics.finish(before, reduced[1:offset], global_n)
         grads = list(reversed(reduced[offset:]))
         if divide_by_total:  # B was not known before backprop: it is the reduced count
-            global_n = reduced[0][0]
             grads = [g / tf.cast(global_n, g.dtype) for g in grads]
-        self._model.optimizer.apply_gradients(zip(grads, self._model.trainable_variables))
+        with _grad_sync.already_reduced():
+            self._model.optimizer.apply_gradients(zip(grads, self._model.trainable_variables))
         return tf.constant(True)
 
     def train_step(self, data) -> dict:
         model = self._model
         data, sizes = split_sizes(data)
+        if overrides(model, "train_step"):
+            return self._custom.train_step(data, self._size)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._size == 1:  # Keras' own step (the wrapper runs it under Keras' jit setting)
             grads = self._gradients(x, y, sample_weight, _local_batch_size(x), None)
             model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return model.get_metrics_result()
+        start = start_token()  # made before backprop: see _reducer, "start token"
         before, to_reduce = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
-        reduced = self.train_reducer().reduce(to_reduce)  # slots exist now: metrics are built
+        if has_sync_batch_norm(model):
+            # Its collectives run inside backprop: no bucket may start before they end,
+            # or ranks could interleave the two kinds differently.
+            with tf.control_dependencies(to_reduce):
+                start = tf.identity(start)
+        reduced = self.train_reducer().reduce(to_reduce, start=start)
         done = self._compiled("global", self._global_part)(before, reduced, sizes is None)
         with tf.control_dependencies([done]):  # read the metrics after they became global
             return model.get_metrics_result()
 
     def test_step(self, data) -> dict:
         model = self._model
+        data, _ = split_sizes(data)
+        if overrides(model, "test_step"):
+            return self._custom.test_step(data, self._size)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         local_n = _local_batch_size(x)
         if self._size == 1:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
             return model.get_metrics_result()
+        start = start_token()
         x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        before, initial = self._begin_metric_contribution()
-        y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
-        self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
-        reducer = self.test_reducer()
-        contribution = self._metric_contribution(initial)
+        begun = self._test_metrics.begin(_first(x))
+        with self._test_metrics.watch():
+            y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
+            self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
         has_data = local_n > 0
-        self._apply_global_metrics(before, reducer.reduce([_masked(c, has_data) for c in contribution]))
-        return model.get_metrics_result()
+        before, contribution = self._test_metrics.contributions(begun, local_n, has_data)
+        b = tf.reshape(tf.cast(local_n, tf.float32), [1])
+        reduced = self.test_reducer().reduce([b, *contribution], start=start)
+        done = self._test_metrics.finish(before, reduced[1:], reduced[0][0])
+        with tf.control_dependencies(done):
+            return model.get_metrics_result()
 
     def predict_step(self, data):
+        data, _ = split_sizes(data)
+        if overrides(self._model, "predict_step"):
+            return self._custom.predict_step(data, self._size)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if self._size == 1:
             return self._model(x, training=False)
         local_n = _local_batch_size(x)
         y_pred = self._model(_nonempty(x, local_n), training=False)
-        return tf.nest.map_structure(lambda t: _allgather(t[:local_n]), y_pred)
+        return tf.nest.map_structure(lambda t: allgather_rows(t[:local_n]), y_pred)
 
 
-def _allgather(tensor: tf.Tensor) -> tf.Tensor:
+def allgather_rows(tensor: tf.Tensor) -> tf.Tensor:
     """Concatenate every rank's micro-batch outputs in rank order (= global batch order)."""
     import tnt_comm
 

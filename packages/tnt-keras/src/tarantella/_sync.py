@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import keras
 import numpy as np
 
 import tnt_comm
 
+from . import _internals
 from ._runtime import MASTER_RANK
 
 
@@ -63,3 +65,91 @@ def broadcast_from_master(variables: Sequence) -> None:
         for var, arr in zip(group, arrays):
             var.assign(flat[offset : offset + arr.size].reshape(var.shape))
             offset += arr.size
+
+
+def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metrics: bool) -> None:
+    """Create every variable (model, metrics, optimizer) before any step is traced.
+
+    The step functions read and reduce metric and optimizer state, so these must exist on
+    every rank before the first step, built from the element spec with a one-sample batch
+    (no data is consumed). A model with its own steps and no forward pass of its own (a
+    GAN of two sub-models) is left to build in its first step, as Keras does.
+    """
+    import tensorflow as tf
+
+    from ._steps import overrides, split_sizes
+
+    optimizer = model.optimizer if model.compiled else None
+    if (model.built and wrapper.built
+            and (not with_metrics or all(getattr(m, "built", True) for m in model.metrics))
+            and (not with_metrics or optimizer is None or optimizer.built)):
+        return  # nothing left to create: skip the eager forward pass
+    if overrides(model, "train_step") and type(model).call is keras.Model.call:
+        return
+    spec, _ = split_sizes(dataset.element_spec)
+
+    def zeros(s):
+        if not isinstance(s, tf.TensorSpec):
+            return s
+        shape = [1 if d is None else d for d in s.shape]
+        return tf.zeros(shape, s.dtype)
+
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tf.nest.map_structure(zeros, spec))
+    y_pred = model(x, training=False)
+    if not wrapper.built:
+        wrapper(x, training=False)
+    if with_metrics and model.compiled:
+        if y is not None and _internals.has_compiled_loss(model):
+            model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        model.reset_metrics()
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+
+
+def sync_replicas(model: keras.Model) -> None:
+    """Check the ranks built the same model, then give every rank the master's state."""
+    variables = list(model.variables)
+    verify_same_on_all_ranks(variables, "model")
+    broadcast_from_master(variables)
+    optimizer = model.optimizer if model.compiled else None
+    if optimizer is not None and optimizer.built:
+        verify_same_on_all_ranks(optimizer.variables, "optimizer state")
+        broadcast_from_master(optimizer.variables)
+
+
+def moving_statistics(model: keras.Model) -> list:
+    """The non-trainable statistics each replica updates from its own micro-batches."""
+    out = []
+    for layer in _all_layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            out += [layer.moving_mean, layer.moving_variance]
+    return out
+
+
+def average_moving_statistics(model: keras.Model) -> None:
+    """Replace every replica's batch-norm moving statistics by their mean over ranks.
+
+    Each rank's BatchNormalization layers track the statistics of its own micro-batches,
+    so replicas drift apart; averaging before evaluate, save, checkpoints and at the end
+    of fit makes every rank (and every file) hold one model.
+    """
+    variables = moving_statistics(model)
+    if not variables:
+        return
+    flat = np.concatenate([np.asarray(v.numpy(), dtype=np.float64).reshape(-1) for v in variables])
+    mean = tnt_comm.allreduce(flat, tnt_comm.Op.SUM) / tnt_comm.size()
+    offset = 0
+    for var in variables:
+        n = int(np.prod(var.shape))
+        var.assign(mean[offset : offset + n].reshape(var.shape).astype(var.dtype))
+        offset += n
+
+
+def _all_layers(layer) -> list:
+    """Every layer nested in ``layer`` (Keras' ``layers`` lists only the top level)."""
+    out = []
+    for sub in getattr(layer, "layers", []):
+        out.append(sub)
+        out.extend(_all_layers(sub))
+    return out

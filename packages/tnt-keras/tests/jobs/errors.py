@@ -129,21 +129,20 @@ def check_uncompiled_loaded(tmp: Path) -> None:
 
 
 def check_models_differ() -> None:
-    # Width depends on the rank: detected at the first broadcast, on every rank.
-    model = compiled(tnt.Model(net(width=12 + tnt.get_rank())))
+    # Width depends on the rank: detected at the first broadcast (wrapping a built
+    # model), on every rank.
     expect_error("error_models_differ_shape", tnt.ReplicaMismatchError,
                  ["The model differs between ranks", "on rank 1 but", "on rank 0"],
-                 lambda: model.fit(ds(10), verbose=0))
+                 lambda: compiled(tnt.Model(net(width=12 + tnt.get_rank()))).fit(ds(10), verbose=0))
     # A layer more on the last rank.
     layers = [keras.Input((8,)), keras.layers.Dense(12)]
     if tnt.get_rank() == tnt.get_size() - 1:
         layers.append(keras.layers.Dense(12))
     layers.append(keras.layers.Dense(3, activation="softmax"))
     keras.utils.set_random_seed(1)
-    model = compiled(tnt.Model(keras.Sequential(layers)))
     expect_error("error_models_differ_layers", tnt.ReplicaMismatchError,
                  ["The model differs between ranks", f"rank {tnt.get_size() - 1} has 6 variables, rank 0 has 4"],
-                 lambda: model.fit(ds(10), verbose=0))
+                 lambda: compiled(tnt.Model(keras.Sequential(layers))).fit(ds(10), verbose=0))
     # The job goes on: collectives still match after all these errors.
     h = compiled(tnt.Model(net())).fit(ds(10), epochs=1, verbose=0).history
     check("usable_after_errors", np.isfinite(h["loss"][0]), h)

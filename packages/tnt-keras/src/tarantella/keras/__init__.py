@@ -1,5 +1,5 @@
-"""``tnt.keras``: Tarantella's Keras extensions (``tnt.keras.callbacks``)."""
+"""``tnt.keras``: Tarantella's Keras extensions (``tnt.keras.callbacks``, ``tnt.keras.layers``)."""
 
-from . import callbacks
+from . import callbacks, layers
 
-__all__ = ["callbacks"]
+__all__ = ["callbacks", "layers"]

@@ -1,0 +1,198 @@
+"""Every optimizer update of a distributed model's weights applies the global gradient.
+
+Keras optimizers apply gradients through ``Optimizer.apply`` (``apply_gradients`` calls
+it). tnt wraps that one method, once per process, so that wherever a user's code applies
+gradients to the variables of a model wrapped by ``tnt.Model`` on several ranks — a
+custom ``train_step`` with one or several optimizers (a GAN), a custom training loop with
+``tf.GradientTape`` — the gradients are first combined over the ranks:
+
+    g = sum_r w_r g_r / sum_r w_r
+
+with ``w_r`` the rank's micro-batch size ``b_r`` inside tnt's steps (the gradient of the
+global mean loss when the step's loss is a per-sample mean: the serial result), the size
+given to :func:`local_batch_size` in a custom loop, or 1 (the mean over ranks) otherwise.
+Weights therefore stay identical on all ranks whatever the loop looks like; replicas
+never drift apart silently.
+
+The default step reduces its gradients itself (fused with the metric states) and applies
+them inside :func:`already_reduced`. Nested ``apply`` calls (``LossScaleOptimizer``
+calling its inner optimizer) pass through: the outermost one reduced already, so the
+loss-scale decision is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import keras
+import tensorflow as tf
+
+from . import _internals
+from ._reducer import GraphReducer, Slot
+
+_state = threading.local()
+_models: weakref.WeakValueDictionary[int, keras.Model] = weakref.WeakValueDictionary()
+_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inner model -> wrapper
+_reducers: dict[tuple, GraphReducer] = {}
+_installed = False
+
+
+class UnsyncedReplicasError(RuntimeError):
+    """Gradients would be applied before the replicas started from the same weights."""
+
+
+@dataclass
+class _Weighting:
+    """How one scope weights this rank's gradients, and the reduction to order after."""
+
+    weight: tf.Tensor | float | None  # None: the default step reduced already
+    token: tf.Tensor | None = None
+
+
+def _mode() -> _Weighting | None:
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def _pushed(mode: _Weighting) -> Iterator[_Weighting]:
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(mode)
+    try:
+        yield mode
+    finally:
+        stack.pop()
+
+
+def step_scope(local_n: tf.Tensor, token: tf.Tensor) -> contextlib.AbstractContextManager[_Weighting]:
+    """Inside tnt's step running a user's ``train_step``: weight by the micro-batch size."""
+    return _pushed(_Weighting(tf.cast(local_n, tf.float32), token))
+
+
+def already_reduced() -> contextlib.AbstractContextManager[_Weighting]:
+    """Inside tnt's default step: the gradients given to ``apply`` are global already."""
+    return _pushed(_Weighting(None))
+
+
+def local_batch_size(n) -> contextlib.AbstractContextManager[_Weighting]:
+    """Weight this rank's gradients by ``n`` samples in a custom training loop.
+
+    With micro-batches of different sizes (global batch not divisible by the number of
+    ranks, a smaller last batch), a per-sample-mean loss on ``n`` local samples gives
+    the serial gradient when each rank's gradient counts ``n / sum(n)``::
+
+        with tnt.local_batch_size(tf.shape(x)[0]):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    Without it, ``apply_gradients`` takes the plain mean over ranks (exact when every
+    rank's micro-batch has the same size).
+    """
+    return _pushed(_Weighting(tf.cast(n, tf.float32)))
+
+
+def register(model: keras.Model, wrapper) -> None:
+    """Mark ``model``'s variables as distributed; ``wrapper`` tells whether it is synced."""
+    _install()
+    _models[id(model)] = model
+    _wrappers[model] = wrapper
+
+
+def _owner(variables) -> keras.Model | None:
+    """The registered model owning any of ``variables`` (compared by identity)."""
+    ids = {id(v) for v in variables}
+    for model in list(_models.values()):
+        if any(id(v) in ids for v in model.variables):
+            return model
+    return None
+
+
+def _install() -> None:
+    """Wrap ``apply`` of Keras' optimizer base class and of LossScaleOptimizer, once."""
+    global _installed
+    if _installed:
+        return
+    for cls in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer):
+        cls.apply = _distributed_apply(cls.apply)
+    _installed = True
+
+
+def _distributed_apply(original):
+    def apply(self, grads, trainable_variables=None):
+        mode = _mode()
+        if getattr(_state, "inside", False) or (mode is not None and mode.weight is None):
+            return original(self, grads, trainable_variables)
+        variables = list(trainable_variables) if trainable_variables is not None else (
+            _internals.optimizer_variables_built_on(self))
+        from . import _runtime
+
+        owner = _owner(variables) if _runtime.get_size() > 1 else None
+        if owner is None or len(grads) == 0:
+            return original(self, grads, trainable_variables)
+        _check_synced(owner)
+        _state.inside = True
+        try:
+            global_grads = _global_gradients(list(grads), variables, mode)
+            return original(self, global_grads, trainable_variables)
+        finally:
+            _state.inside = False
+
+    apply.__doc__ = original.__doc__
+    return apply
+
+
+def _check_synced(model: keras.Model) -> None:
+    wrapper = _wrappers.get(model)
+    if wrapper is not None and not wrapper._tnt_weights_synced:
+        raise UnsyncedReplicasError(
+            "tnt.Model: gradients are applied before the replicas were made identical "
+            "(weights are broadcast from rank 0 when a built model is wrapped, or at the "
+            "first fit/evaluate/predict). Build the Keras model before wrapping it "
+            "(start it with keras.Input(...) or call model.build(input_shape)), or call "
+            "the tnt.Model once on a batch outside tf.function before the training loop."
+        )
+
+
+def _chain_token(mode: _Weighting | None) -> tf.Tensor | None:
+    """The previous reduction of this graph, so reductions start in program order."""
+    token = mode.token if mode is not None else getattr(_state, "token", None)
+    if token is None or tf.executing_eagerly():
+        return None
+    return token if getattr(token, "graph", None) is tf.compat.v1.get_default_graph() else None
+
+
+def _global_gradients(grads: list, variables: list, mode: _Weighting | None) -> list:
+    from . import _runtime
+
+    present = [i for i, g in enumerate(grads) if g is not None]
+    weight = tf.constant(1.0) if mode is None else mode.weight
+    has_data = weight > 0
+    values = [tf.reshape(weight, [1])]
+    for i in present:
+        g = tf.convert_to_tensor(grads[i])
+        values.append(tf.where(has_data, g * tf.cast(weight, g.dtype), tf.zeros_like(g)))
+    slots = [Slot("weight", (1,), tf.float32)] + [
+        Slot(f"grad:{variables[i].path}", tuple(int(d) for d in variables[i].shape),
+             tf.as_dtype(values[1 + k].dtype))
+        for k, i in enumerate(present)
+    ]
+    key = tuple((s.name, s.shape, s.dtype.name) for s in slots)
+    reducer = _reducers.get(key)
+    if reducer is None:
+        reducer = _reducers[key] = GraphReducer(slots, _runtime.fusion_threshold_bytes())
+    reduced = reducer.reduce(values, start=_chain_token(mode))
+    total = reduced[0][0]
+    if mode is not None:
+        mode.token = total
+    else:
+        _state.token = total
+    out = list(grads)
+    for k, i in enumerate(present):
+        g = reduced[1 + k]
+        out[i] = g / tf.cast(tf.maximum(total, 1e-30), g.dtype)
+    return out

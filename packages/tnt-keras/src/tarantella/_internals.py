@@ -1,0 +1,134 @@
+"""Every use of a private Keras or TensorFlow name in tnt-keras, in one place.
+
+Keras 3 keeps some things tnt needs off its public API (the loss tracker of the default
+step, the array data adapter whose shuffle order serial Keras uses, BackupAndRestore's
+file paths, TensorFlow's global seed). They are read only here, for the tested version
+range below; outside it, the first use raises :class:`UnsupportedVersionError` naming the
+versions, instead of failing somewhere deep in a step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+#: Keras versions these internals were checked against (inclusive lower, exclusive upper).
+TESTED_KERAS = ((3, 5), (3, 16))
+
+
+class UnsupportedVersionError(RuntimeError):
+    """A private Keras/TensorFlow name tnt relies on is missing in this version."""
+
+
+def _keras_version() -> tuple[int, int]:
+    major, minor = keras.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _missing(what: str, err: Exception) -> UnsupportedVersionError:
+    low, high = TESTED_KERAS
+    return UnsupportedVersionError(
+        f"tarantella needs {what}, which this Keras {keras.__version__} / TensorFlow "
+        f"{tf.__version__} does not provide ({err}). tnt-keras is tested with Keras "
+        f"{low[0]}.{low[1]} up to (not including) {high[0]}.{high[1]}: install a Keras "
+        f"in that range (pip install 'keras>={low[0]}.{low[1]},<{high[0]}.{high[1]}')."
+    )
+
+
+def loss_tracker(model: keras.Model) -> keras.metrics.Metric:
+    """The ``Mean`` metric behind the ``loss`` entry of the default step's logs."""
+    try:
+        return model._loss_tracker
+    except AttributeError as err:
+        raise _missing("keras.Model._loss_tracker", err) from err
+
+
+def optimizer_variables_built_on(optimizer: keras.optimizers.Optimizer) -> list:
+    """The trainable variables an optimizer was built with (``apply(grads)`` without them)."""
+    if not optimizer.built:
+        return []
+    try:
+        return list(optimizer._trainable_variables)
+    except AttributeError as err:
+        raise _missing("Optimizer._trainable_variables", err) from err
+
+
+def has_compiled_loss(model: keras.Model) -> bool:
+    """True when ``compile`` gave the model a loss (``compute_loss`` then needs targets)."""
+    return getattr(model, "_compile_loss", None) is not None
+
+
+def flatten_logs(model: keras.Model, logs: dict):
+    """Logs as ``train_on_batch``/``test_on_batch`` return them without ``return_dict``.
+
+    Keras' order: the model's metrics by name, then the remaining keys sorted; one value
+    alone is returned as a scalar.
+    """
+    names = [m.name for m in model.metrics]
+    results = [logs[n] for n in names if n in logs]
+    results += [logs[k] for k in sorted(logs) if k not in names]
+    return results[0] if len(results) == 1 else results
+
+
+def batch_norm_reduction_axes(layer: keras.layers.BatchNormalization) -> list[int]:
+    """The axes a BatchNormalization layer reduces over (set when it is built).
+
+    ``SyncBatchNormalization`` also overrides the layer's private ``_moments`` hook, the
+    one place Keras computes batch statistics; tests/test_keras_api checks it still is.
+    """
+    try:
+        return list(layer._reduction_axes)
+    except AttributeError as err:
+        raise _missing("BatchNormalization._reduction_axes", err) from err
+
+
+def is_cached_eval_call(kwargs: dict[str, Any]) -> bool:
+    """True when Keras' fit calls evaluate() for validation (data already prepared)."""
+    return bool(kwargs.get("_use_cached_eval_dataset"))
+
+
+def global_seed() -> int | None:
+    """TensorFlow's global seed (``tf.random.set_seed``), or None when none is set."""
+    try:
+        from tensorflow.python.eager import context
+    except ImportError as err:  # pragma: no cover - TensorFlow moved it
+        raise _missing("tensorflow.python.eager.context", err) from err
+    seed = context.global_seed()
+    return None if seed is None else int(seed)
+
+
+def keras_array_dataset(x, y, sample_weight, batch_size: int, shuffle: bool) -> tf.data.Dataset:
+    """The global batches plain ``keras.Model.fit(x, y, batch_size, shuffle)`` iterates.
+
+    Built by Keras' own array adapter, so that under the same seed the sample order is the
+    one a serial script sees (its permutation comes from an op-seeded ``tf.random.shuffle``).
+    """
+    try:
+        from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
+    except ImportError as err:
+        raise _missing("keras.src.trainers.data_adapters.ArrayDataAdapter", err) from err
+    adapter = ArrayDataAdapter(x, y, sample_weight=sample_weight, batch_size=batch_size,
+                               shuffle=shuffle)
+    # Keras passes the step count to its loop; a dataset carries it as its cardinality
+    # (unknown otherwise, and Keras' loop then ends epochs on OutOfRange).
+    return adapter.get_tf_dataset().apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
+
+
+def backup_paths(callback: keras.callbacks.BackupAndRestore) -> tuple[str, str]:
+    """(weights file, training metadata file) of a BackupAndRestore callback."""
+    try:
+        return callback._weights_path, callback._training_metadata_path
+    except AttributeError as err:
+        raise _missing("BackupAndRestore._weights_path/_training_metadata_path", err) from err
+
+
+def version_warning() -> str | None:
+    """A warning text when this Keras is outside the tested range, else None."""
+    low, high = TESTED_KERAS
+    if low <= _keras_version() < high:
+        return None
+    return (f"Keras {keras.__version__} is outside the range tnt-keras is tested with "
+            f"({low[0]}.{low[1]} to before {high[0]}.{high[1]}); if a step fails with "
+            "UnsupportedVersionError, install a Keras in that range.")
