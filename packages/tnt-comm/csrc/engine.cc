@@ -220,17 +220,22 @@ void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
 // oversubscribed host, from the very rank it waits for). So the thread spins for
 // TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within it), and
 // again the moment a caller starts waiting (woken at once, not after its sleep); past
-// that it sleeps between tests, from kPollMinSleepUs doubling up to
-// TNT_COMM_POLL_MAX_SLEEP_US, back to the minimum after every progress: a long transfer
-// whose protocol rounds keep completing pays ~kPollMinSleepUs per round, a wait for a
-// slow rank costs few wake-ups. Sleeping at the minimum while a caller waits was tried:
-// on 3 ranks on 2 cores the 100k wake-ups per second took the CPU from the slower rank.
-// A new task wakes the thread at once; its timer slack is 1 ns so short sleeps stay short.
+// that it sleeps between tests. While a caller waits (nothing else needs this core) the
+// sleeps stay at kPollMinSleepUs, so a peer arriving late or a long transfer's protocol
+// rounds lose little; otherwise (backprop computing) they double up to
+// TNT_COMM_POLL_MAX_SLEEP_US and return to the minimum after every progress. With more
+// ranks on the host than cores they double also while a caller waits: measured on 3 ranks
+// on 2 cores, 100k wake-ups per second took the CPU from the slower rank. A new task
+// wakes the thread at once; its timer slack is 1 ns so short sleeps stay short.
 // benchmarks/allreduce.py measures the latency this gives.
 void Engine::loop() {
   auto last_progress = Clock::now();
   auto last_serve = last_progress;
   bool was_waiting = false;
+  // More ranks on this host than cores: short sleeps would take the core from the rank
+  // being waited for (see Note [Polling]).
+  const bool oversubscribed =
+      static_cast<unsigned>(world_.local_size) > std::max(1u, std::thread::hardware_concurrency());
   double sleep_us = kPollMinSleepUs;
   std::vector<std::shared_ptr<Task>> starting;
   for (;;) {
@@ -299,7 +304,7 @@ void Engine::loop() {
     cv_.wait_for(lock, Micros(sleep_us), [this, waiting] {
       return !queue_.empty() || (waiting_ > 0 && !waiting) || stopping_ || abort_code_ >= 0;
     });
-    sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
+    if (!waiting || oversubscribed) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
   }
   finish_shutdown();
 }
