@@ -1,9 +1,11 @@
-"""Developer tasks: one test session per package, plus lint, bench and demo.
+"""Developer tasks: one test session per package, plus lint, docs, build, bench and demo.
 
     nox                 # the whole test suite (what .ci/run and the README run)
     nox -s comm         # tests of one package: comm, data, cli, keras
     nox -s multihost    # jobs across 2-3 "hosts" made of Linux network namespaces (root)
     nox -s lint         # ruff
+    nox -s docs         # the site (MkDocs, strict) into site/, its code blocks and examples/ run
+    nox -s build        # wheels + sdists into dist/, installed in fresh venvs as users do
     nox -s bench        # benchmarks/: print tables, write benchmarks/results/*.json
     nox -s demo         # the main job: LeNet-5 on 2 processes
 
@@ -22,7 +24,7 @@ ROOT = Path(__file__).parent
 PKG = ROOT / "packages"
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "comm", "data", "cli", "keras", "multihost"]
+nox.options.sessions = ["lint", "comm", "data", "cli", "keras", "multihost", "docs", "build"]
 nox.options.reuse_existing_virtualenvs = False
 
 # Open MPI refuses to start as root unless told; containers and CI run as root.
@@ -39,6 +41,10 @@ MPI_ENV = {
 def _pkg(name: str, extra: str | None = None) -> str:
     path = str(PKG / name)
     return f"{path}[{extra}]" if extra else path
+
+
+def _all_packages() -> list[str]:
+    return [_pkg("tnt-comm"), _pkg("tnt-data", "tf"), _pkg("tnt-cli"), _pkg("tnt-keras")]
 
 
 def _pytest(session: nox.Session, package: str) -> None:
@@ -67,7 +73,7 @@ def comm(session: nox.Session) -> None:
 @nox.session
 def data(session: nox.Session) -> None:
     """tnt-data: sharding of tf.data pipelines (single process, all ranks simulated)."""
-    session.install(_pkg("tnt-data", "test"))
+    session.install(_pkg("tnt-data", "test"))  # test: with TensorFlow
     # ~2000 simulated-rank pipelines, each costing a tf.data iterator: two pytest-xdist
     # workers use both cores.
     session.run(
@@ -125,3 +131,44 @@ def demo(session: nox.Session) -> None:
     """The main job: LeNet-5 on scikit-learn's digits, 2 processes, prints test accuracy."""
     session.install(_pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras"), "scikit-learn")
     session.run("tarantella", "-n", "2", "--", str(ROOT / "examples" / "lenet5.py"), *session.posargs, env=MPI_ENV)
+
+
+# The site's tools: MkDocs with the Material theme, API pages by mkdocstrings (griffe).
+# (ruff too: mkdocstrings formats the signatures with it.)
+DOCS_TOOLS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.27", "ruff"]
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The user guide site, built strict into site/; then every complete script of docs/
+    and every example of examples/ runs (tests/docs, tests/examples).
+
+    The packages are installed (not read from src/): tnt_comm's API is a compiled module,
+    and the reference shows what users import. `nox -s docs -- --serve` serves the site.
+    """
+    session.install(*_all_packages(), *DOCS_TOOLS, "scikit-learn", "pytest")
+    # Material's banner about its successor, printed on every build, is not a docs problem.
+    env = {**MPI_ENV, "NO_MKDOCS_2_WARNING": "1"}
+    if "--serve" in session.posargs:
+        session.run("mkdocs", "serve", env=env)
+        return
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "site"), env=env)
+    session.run("pytest", str(ROOT / "tests" / "docs"), str(ROOT / "tests" / "examples"),
+                "--durations=0", *session.posargs, env=MPI_ENV)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of the four packages into dist/ (each with its own backend), then
+    installed as a user does: `pip install --find-links dist tnt-keras` in a fresh venv runs
+    the launcher and the 2-rank LeNet-5; tnt-data alone imports without TensorFlow.
+    """
+    session.install("uv", "pytest")
+    dist = ROOT / "dist"
+    for old in dist.glob("*") if dist.exists() else []:
+        old.unlink()
+    for package in ("tnt-comm", "tnt-data", "tnt-cli", "tnt-keras"):
+        # The sdist first, then the wheel built from it: both artefacts are checked.
+        session.run("uv", "build", "--out-dir", str(dist), str(PKG / package))
+    session.run("pytest", str(ROOT / "tests" / "packaging"), "--durations=0", *session.posargs,
+                env={**MPI_ENV, "TNT_DIST": str(dist)})

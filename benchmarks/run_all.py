@@ -50,6 +50,7 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("training_overhead", "training.py", args=["overhead"]),
     *(Benchmark(f"training_scaling_{n}", "training.py", ranks=n, args=["scaling"], mpi_args=PINNED)
       for n in SCALING_RANKS),
+    Benchmark("sync_batch_norm_2", "sync_batch_norm.py", ranks=2, mpi_args=PINNED),
     # MWMS is a contender inside training_scaling_N; this runs it in processes of its own
     # (no MPI around it), as a cross-check: `run_all.py mwms_2`.
     *(Benchmark(f"mwms_{n}", "peer_mwms.py", args=["--ranks", str(n)], default=False)

@@ -59,9 +59,11 @@ class Request:
         self._core = core
 
     def wait(self) -> np.ndarray | None:
+        """Block until done: the received array for ``irecv``, None for ``isend``."""
         return self._core.wait()
 
     def test(self) -> bool:
+        """Whether ``wait()`` would return at once (never blocks)."""
         return bool(self._core.test())
 
 

@@ -33,6 +33,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        """Size of the tensor in bytes (count x itemsize)."""
         return self.count * self.dtype.itemsize
 
 
@@ -93,10 +94,12 @@ class FusedAllreduce:
 
     @property
     def plan(self) -> list[list[int]]:
+        """The buckets, as lists of spec indices in launch order (see plan_buckets)."""
         return [list(b) for b in self._plan]
 
     @property
     def specs(self) -> tuple[TensorSpec, ...]:
+        """The tensors this engine reduces, in the order it was given them."""
         return self._specs
 
     def submit(self, index: int, array: np.ndarray) -> None:

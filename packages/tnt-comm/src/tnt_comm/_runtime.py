@@ -49,6 +49,7 @@ def finalize() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether the communication runtime (MPI and its background thread) is running."""
     return bool(_core.is_initialized())
 
 

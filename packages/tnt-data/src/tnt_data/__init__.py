@@ -7,6 +7,8 @@ arguments. ``index_plan`` gives the same split for any indexable sequence, witho
 TensorFlow.
 """
 
+from typing import TYPE_CHECKING
+
 from tnt_data._plan import (
     global_batch_sizes,
     index_plan,
@@ -15,6 +17,11 @@ from tnt_data._plan import (
     micro_batch_slice,
 )
 from tnt_data.errors import DistributionError
+
+if TYPE_CHECKING:  # imported lazily below; listed here for type checkers and the API docs
+    from tnt_data._distribute import DEFAULT_SHUFFLE_SEED, Strategy, distribute, split_strategy
+    from tnt_data._inspect import PipelineInfo, inspect
+    from tnt_data._slicing import StepSizes, split_batches
 
 __version__ = "0.1.0"
 
@@ -37,18 +44,35 @@ __all__ = [
 ]
 
 
+_NEEDS_TENSORFLOW = {
+    "distribute": "_distribute",
+    "split_strategy": "_distribute",
+    "Strategy": "_distribute",
+    "DEFAULT_SHUFFLE_SEED": "_distribute",
+    "inspect": "_inspect",
+    "PipelineInfo": "_inspect",
+    "StepSizes": "_slicing",
+    "split_batches": "_slicing",
+}
+
+
 def __getattr__(name: str):
-    # TensorFlow is imported on first use, so the framework-free index plan stays cheap.
-    if name in ("distribute", "split_strategy", "Strategy", "DEFAULT_SHUFFLE_SEED"):
-        from tnt_data import _distribute
+    # TensorFlow is imported on first use, so the framework-free index plan works (and
+    # stays cheap) without it.
+    module = _NEEDS_TENSORFLOW.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tnt_data' has no attribute {name!r}")
+    try:
+        import tensorflow  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name != "tensorflow":
+            raise
+        raise ImportError(
+            f"tnt_data.{name} works on tf.data pipelines and needs TensorFlow, which is not "
+            "installed: `pip install 'tnt-data[tf]'` (or any TensorFlow build, e.g. "
+            "tensorflow-cpu). Without TensorFlow, use the index plan: tnt_data.index_plan, "
+            "micro_batch_sizes, micro_batch_slice."
+        ) from exc
+    import importlib
 
-        return getattr(_distribute, name)
-    if name in ("inspect", "PipelineInfo"):
-        from tnt_data import _inspect
-
-        return getattr(_inspect, name)
-    if name in ("StepSizes", "split_batches"):
-        from tnt_data import _slicing
-
-        return getattr(_slicing, name)
-    raise AttributeError(f"module 'tnt_data' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tnt_data.{module}"), name)

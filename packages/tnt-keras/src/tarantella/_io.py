@@ -55,7 +55,9 @@ def save_on_master(path, write: Callable[[str], None], all_devices: bool = False
         stem = target.name[: -len(suffix)] if suffix else target.name
         write_atomically(target.with_name(f"{stem}.rank{get_rank()}{suffix}"), write)
     elif get_rank() == MASTER_RANK:
-        write_atomically(path, write)
+        # The others wait in the barrier meanwhile: a long write is not a stall.
+        with tnt_comm.long_local_work():
+            write_atomically(path, write)
     if get_size() > 1:
         tnt_comm.barrier()
 

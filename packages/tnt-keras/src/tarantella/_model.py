@@ -19,6 +19,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+import tnt_comm
+
 from . import _backup, _batch_norm, _grad_sync, _inputs, _internals, _io, _runtime, _sync
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
@@ -95,6 +97,7 @@ class Model(keras.Model):
         return self._model
 
     def call(self, inputs, training=None, mask=None):
+        """The wrapped model's forward pass; the first eager call also syncs the replicas."""
         outputs = self._model(inputs, training=training)
         if not self._tnt_weights_synced and tf.executing_eagerly():
             # Built by this first call (a custom training loop): start replicas alike.
@@ -105,14 +108,17 @@ class Model(keras.Model):
 
     @property
     def layers(self):
+        """The wrapped model's layers."""
         return self._model.layers
 
     @property
     def metrics(self):
+        """The wrapped model's metrics (their states hold global totals after a step)."""
         return self._model.metrics
 
     @property
     def metrics_names(self):
+        """Names of the wrapped model's metrics."""
         return self._model.metrics_names
 
     def get_config(self) -> dict[str, Any]:
@@ -176,6 +182,7 @@ class Model(keras.Model):
 
     @property
     def optimizer(self):
+        """The wrapped model's optimizer once compiled, else None."""
         return self._model.optimizer if self._model.compiled else None
 
     @optimizer.setter
@@ -199,12 +206,15 @@ class Model(keras.Model):
 
     # -- steps (called by Keras' loops) --------------------------------------------------
     def train_step(self, data):
+        """One data-parallel step: local gradients, summed across ranks, then applied."""
         return self._tnt_steps.train_step(data)
 
     def test_step(self, data):
+        """One evaluation step on this rank's micro-batch; metric states summed across ranks."""
         return self._tnt_steps.test_step(data)
 
     def predict_step(self, data):
+        """One prediction step on this rank's micro-batch."""
         return self._tnt_steps.predict_step(data)
 
     # -- preparing a run -------------------------------------------------------------------
@@ -439,10 +449,9 @@ class Model(keras.Model):
         """Export the wrapped model for serving (Keras' ``export``), written by the master."""
         self._average_moving_statistics()
         if _runtime.is_master_rank():
-            self._model.export(filepath, format=format, verbose=verbose, **kwargs)
+            with tnt_comm.long_local_work():  # the others wait in the barrier meanwhile
+                self._model.export(filepath, format=format, verbose=verbose, **kwargs)
         if _runtime.get_size() > 1:
-            import tnt_comm
-
             tnt_comm.barrier()
 
     def load_weights(self, filepath, *args, **kwargs) -> None:

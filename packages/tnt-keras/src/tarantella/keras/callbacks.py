@@ -42,10 +42,12 @@ class Callback(keras.callbacks.Callback):
         self.run_on_all_ranks = run_on_all_ranks
 
     def set_model(self, model) -> None:
+        """Set the model on this wrapper and on the wrapped callback."""
         super().set_model(model)
         self.callback.set_model(model)
 
     def set_params(self, params) -> None:
+        """Set the run's parameters on this wrapper and on the wrapped callback."""
         super().set_params(params)
         self.callback.set_params(params)
 
