@@ -111,8 +111,7 @@ void add_description_check(std::vector<StepTask::Step>& steps, const std::shared
 void run_blocking(Engine& engine, std::shared_ptr<StepTask> task) {
   auto done = task->future();
   const std::string what = task->describe();
-  engine.enqueue(std::move(task));
-  engine.await(done, what);  // rethrows the task's error
+  engine.run(std::move(task), done, what);  // rethrows the task's error
 }
 
 }  // namespace

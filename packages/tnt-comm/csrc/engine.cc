@@ -76,20 +76,33 @@ void Engine::enqueue(std::shared_ptr<Task> task) {
   std::string why;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!stopping_ && broken_.empty()) {
-      queue_.push_back(std::move(task));
-      cv_.notify_one();
-      return;
-    }
-    why = stopping_ ? "tnt_comm was finalized; no communication can run after finalize()"
-                    : "tnt_comm is unusable after an earlier error: " + broken_;
+    if (admit(task, why)) return;
   }
   fail(*task, why);
 }
 
+bool Engine::admit(std::shared_ptr<Task>& task, std::string& why) {
+  if (!stopping_ && broken_.empty()) {
+    queue_.push_back(std::move(task));
+    cv_.notify_one();
+    return true;
+  }
+  why = stopping_ ? "tnt_comm was finalized; no communication can run after finalize()"
+                  : "tnt_comm is unusable after an earlier error: " + broken_;
+  return false;
+}
+
+void Engine::run(std::shared_ptr<Task> task, std::future<void>& done, const std::string& what) {
+  Waiting waiting(*this, std::move(task));
+  wait_for(done, what);
+}
+
 void Engine::await(std::future<void>& done, const std::string& what) {
   Waiting waiting(*this);
-  // Every request has its own deadline on the thread; this only catches a thread that
+  wait_for(done, what);
+}
+
+void Engine::wait_for(std::future<void>& done, const std::string& what) {  // Every request has its own deadline on the thread; this only catches a thread that
   // stopped looping (stuck in a blocking MPI call, e.g. a split a rank never joined).
   while (done.wait_for(std::chrono::milliseconds(500)) == std::future_status::timeout) {
     if (thread_stuck()) {
@@ -149,14 +162,21 @@ void Engine::mark_broken(const std::string& why) {
 
 Engine::Waiting::Waiting(Engine& e) : e_(e) {
   std::lock_guard<std::mutex> lock(e_.mu_);
-  ++e_.waiting_;
+  e_.waiting_.fetch_add(1);
   e_.cv_.notify_one();  // a sleeping thread now polls without sleeping
 }
 
-Engine::Waiting::~Waiting() {
-  std::lock_guard<std::mutex> lock(e_.mu_);
-  --e_.waiting_;
+Engine::Waiting::Waiting(Engine& e, std::shared_ptr<Task> task) : e_(e) {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(e_.mu_);
+    e_.waiting_.fetch_add(1);
+    if (e_.admit(task, why)) return;  // one lock and one wake-up for both
+  }
+  e_.fail(*task, why);
 }
+
+Engine::Waiting::~Waiting() { e_.waiting_.fetch_sub(1); }  // needs no wake-up
 
 void Engine::begin_local_work() { local_work_.fetch_add(1); }
 void Engine::end_local_work() { local_work_.fetch_sub(1); }
@@ -198,17 +218,24 @@ void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
 // An in-flight request only progresses when MPI is called (MPI_Test), but a thread
 // spinning on MPI_Test takes a whole core from the compute threads (and, on a loaded or
 // oversubscribed host, from the very rank it waits for). So the thread spins for
-// TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within it),
-// and again as soon as a caller starts waiting (woken at once, not after its sleep);
-// past that it sleeps between tests. While a caller waits, the sleeps stay at
-// kPollMinSleepUs, so each protocol round of a long transfer loses little; otherwise
-// (backprop still computing) they double up to TNT_COMM_POLL_MAX_SLEEP_US. A new task
-// wakes the thread at once. Its timer slack is 1 ns so a short sleep stays short.
+// TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within it), and
+// again the moment a caller starts waiting (woken at once, not after its sleep); past
+// that it sleeps between tests. While a caller waits (nothing else needs this core) the
+// sleeps stay at kPollMinSleepUs, so a peer arriving late or a long transfer's protocol
+// rounds lose little; otherwise (backprop computing) they double up to
+// TNT_COMM_POLL_MAX_SLEEP_US and return to the minimum after every progress. With more
+// ranks on the host than cores they double also while a caller waits: measured on 3 ranks
+// on 2 cores, 100k wake-ups per second took the CPU from the slower rank. A new task
+// wakes the thread at once; its timer slack is 1 ns so short sleeps stay short.
 // benchmarks/allreduce.py measures the latency this gives.
 void Engine::loop() {
   auto last_progress = Clock::now();
   auto last_serve = last_progress;
   bool was_waiting = false;
+  // More ranks on this host than cores: short sleeps would take the core from the rank
+  // being waited for (see Note [Polling]).
+  const bool oversubscribed =
+      static_cast<unsigned>(world_.local_size) > std::max(1u, std::thread::hardware_concurrency());
   double sleep_us = kPollMinSleepUs;
   std::vector<std::shared_ptr<Task>> starting;
   for (;;) {
@@ -277,7 +304,7 @@ void Engine::loop() {
     cv_.wait_for(lock, Micros(sleep_us), [this, waiting] {
       return !queue_.empty() || (waiting_ > 0 && !waiting) || stopping_ || abort_code_ >= 0;
     });
-    if (!waiting) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
+    if (!waiting || oversubscribed) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
   }
   finish_shutdown();
 }

@@ -53,6 +53,8 @@ class Engine {
   // thread completes requests without sleeping (Note [Polling]). Throws StallError if
   // the thread itself stops answering (stuck in a blocking MPI call) for the timeout.
   void await(std::future<void>& done, const std::string& what);
+  // enqueue() + await() with one lock and one wake-up of the thread (blocking calls).
+  void run(std::shared_ptr<Task> task, std::future<void>& done, const std::string& what);
 
   // True when the thread has not looped for the timeout (stuck in a blocking MPI call).
   bool thread_stuck() const;
@@ -83,6 +85,7 @@ class Engine {
   class Waiting {
    public:
     explicit Waiting(Engine& e);
+    Waiting(Engine& e, std::shared_ptr<Task> task);  // also enqueues `task`
     ~Waiting();
     Waiting(const Waiting&) = delete;
     Waiting& operator=(const Waiting&) = delete;
@@ -112,6 +115,8 @@ class Engine {
   Progress progress_of(std::uint64_t comm_id) const;
   void break_all(const std::string& why);
   void fail(Task& task, const std::string& why) noexcept;
+  bool admit(std::shared_ptr<Task>& task, std::string& why);  // with mu_ held
+  void wait_for(std::future<void>& done, const std::string& what);
   void finish_shutdown();
 
   const Config config_;
@@ -135,7 +140,7 @@ class Engine {
   bool stopping_ = false;
   std::string broken_;
   int abort_code_ = -1;
-  int waiting_ = 0;  // callers blocked in await()
+  std::atomic<int> waiting_{0};  // callers blocked in await(); raised under mu_
   std::atomic<int> local_work_{0};
   std::atomic<std::int64_t> heartbeat_ns_{0};  // last loop iteration of the thread
   std::thread thread_;

@@ -13,7 +13,7 @@ std::string join(const std::vector<int>& ranks, const Comm& comm) {
   for (std::size_t i = 0; i < ranks.size(); ++i) {
     s += (i ? ", " : "") + std::to_string(ranks[i]);
     const int w = comm.world_ranks.at(static_cast<std::size_t>(ranks[i]));
-    if (comm.id != 1) s += " (world rank " + std::to_string(w) + ")";
+    if (w != ranks[i]) s += " (world rank " + std::to_string(w) + ")";
   }
   return s;
 }
@@ -51,9 +51,9 @@ std::string stall_message(const std::string& what, const Comm& comm, double time
   } else if (!with_us.empty()) {
     m << " All ranks reached this collective number; their collectives may differ in kind.";
   }
-  m << " Likely causes: a rank skipped this collective or issued collectives in a different"
-       " order, or a rank crashed or is blocked elsewhere. If the job is only slow, raise the"
-       " limit with "
+  m << " Likely causes: the ranks ran different collectives (a rank skipped this one or ran"
+       " an extra one, e.g. inside `if rank == 0:`, or issued them in a different order), or a"
+       " rank crashed or is blocked elsewhere. If the job is only slow, raise the limit with "
     << kTimeoutEnv << "=<seconds> (default " << kDefaultTimeoutSeconds << ").";
   return m.str();
 }
