@@ -7,7 +7,9 @@ reached (the test sends Ctrl+C then). The test asserts how and how fast the job 
 Scenarios: raise (uncaught exception), sigkill, sys_exit (sys.exit(3)), os_exit
 (os._exit(4)), return_early (rank 1 stops training and its script returns),
 sleep_in_step (rank 1 blocks inside a training step), skip_collective (rank 0 runs one
-extra collective the other rank does not), sigint (no failure: trains until Ctrl+C).
+extra collective the other rank does not), catch_continue (a callback raises on rank 0, the
+script catches it and evaluates while rank 1 is still inside fit), sigint (no failure:
+trains until Ctrl+C).
 """
 
 from __future__ import annotations
@@ -66,10 +68,10 @@ class Inject(keras.callbacks.Callback):
         rank, s = tnt.get_rank(), self.scenario
         if rank == 0:
             self._mark("training")
-        if s == "sigint" or rank != (0 if s == "skip_collective" else 1):
+        if s == "sigint" or rank != (0 if s in ("skip_collective", "catch_continue") else 1):
             return
         self._mark("failed_at")
-        if s == "raise":
+        if s in ("raise", "catch_continue"):
             raise RuntimeError(f"injected failure on rank {rank} at epoch {self.epoch}, batch {batch}")
         if s == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -100,7 +102,12 @@ def main() -> None:
         keras.layers.Dense(4, activation="softmax")]))
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     epochs = 10_000 if args.scenario == "sigint" else 3
-    model.fit(data, epochs=epochs, verbose=0, callbacks=[Inject(args.scenario, args.out.parent)])
+    try:
+        model.fit(data, epochs=epochs, verbose=0, callbacks=[Inject(args.scenario, args.out.parent)])
+    except RuntimeError:
+        if args.scenario != "catch_continue":
+            raise
+        model.evaluate(data, verbose=0)  # out of step: rank 1 is still training
     if tnt.is_master_rank():
         args.out.write_text("finished")
 
