@@ -207,7 +207,21 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def _stop_with_starter() -> None:
+    """SIGTERM to this rank if the process that started it (the MPI starter or its daemon)
+    dies: a starter killed abruptly, or one that dies of a broken pipe after the launcher
+    was killed, cannot stop its ranks itself. Kept across the master's exec."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    if os.getppid() == 1:  # the starter died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _stop_with_starter()
     args = _parse(sys.argv[1:] if argv is None else argv)
     rank = rank_from_env(os.environ)
     command: list[str] = args.command

@@ -135,8 +135,14 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def _starter_dies_with_us() -> None:
-    """In the starter before exec: SIGTERM if the launcher dies (even by SIGKILL)."""
+    """In the starter before exec: SIGTERM if the launcher dies (even by SIGKILL).
+
+    SIGPIPE is ignored: the launcher reads the starter's output through pipes, and once
+    the launcher is dead a starter writing its shutdown messages would die of SIGPIPE
+    before stopping its ranks (they would be left running).
+    """
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
 
 class _Stopper:
