@@ -19,8 +19,10 @@ class SplitLayer(keras.layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs):
+        """The identity: the marker only tells the planner where a stage ends."""
         return inputs
 
     def compute_output_shape(self, input_shape):
+        """Unchanged: the marker is an identity."""
         return input_shape
 

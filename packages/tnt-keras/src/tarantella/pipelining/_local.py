@@ -50,19 +50,24 @@ class LocalPipeline:
         self.stages = [StageRuntime(self.plan, t, pipeline_schedule, num_micro_batches) for t in transports]
 
     def compile(self, optimizer, loss=None, metrics=None, **kwargs) -> None:
+        """Compile every stage with the same optimizer, loss and metrics."""
         for st in self.stages:
             st.compile(optimizer, loss=loss, metrics=metrics, **kwargs)
 
     def train_step(self, x, y, sample_weight=None) -> dict:
+        """One pipelined training step of all stages (threads); the last stage's logs."""
         return _in_threads([lambda st=st: st.train_step(x, y, sample_weight) for st in self.stages])[0]
 
     def test_step(self, x, y, sample_weight=None) -> dict:
+        """One forward-only step with loss and metrics; the last stage's logs."""
         return _in_threads([lambda st=st: st.test_step(x, y, sample_weight) for st in self.stages])[0]
 
     def predict_step(self, x):
+        """The model's outputs for ``x``, run through all stages."""
         return _in_threads([lambda st=st: st.predict_step(x) for st in self.stages])[0]
 
     def reset_metrics(self) -> None:
+        """Reset the metric states of every stage."""
         for st in self.stages:
             st.reset_metrics()
 

@@ -151,7 +151,9 @@ class PipelinedModel(keras.Model):
 
     @property
     def metrics(self):
-        return []  # logs come from the last stage, global and identical on every rank
+        """No Keras metric objects: logs come from the last stage, global and identical on
+        every rank."""
+        return []
 
     def get_weights(self):
         """This rank's stage's weights (the whole model only exists in saved files)."""
