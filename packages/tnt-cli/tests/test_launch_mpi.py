@@ -324,7 +324,7 @@ def test_failure_shown_in_clean_text(script) -> None:
         if os.environ["OMPI_COMM_WORLD_RANK"] == "1":
             print("I0000 00:00:1.5   42 cudart_stub.cc:31] start-up noise", file=sys.stderr)
             raise ValueError("bad input: column 'x' missing")
-        time.sleep(60)
+        time.sleep(60)  # the healthy rank: the job must end through rank 1's failure, long before this
         """)
     done = launch(["-n", "2", "--", str(prog)])
     err = done.stderr

@@ -27,7 +27,7 @@ mode = os.environ["MODE"]
 limit = float(os.environ["TNT_COMM_TIMEOUT"])
 if mode == "init":
     if os.environ.get("OMPI_COMM_WORLD_RANK") == "1":
-        time.sleep(limit + 6)
+        time.sleep(limit + 6)  # the scenario: rank 1 starts after the others' start-up limit
     try:
         t.init()
         print(f"rank {t.rank()}: NO ERROR", flush=True)
