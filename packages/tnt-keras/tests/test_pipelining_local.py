@@ -157,3 +157,32 @@ def test_a_stage_that_never_sends_ends_with_an_error_not_a_hang():
     x, y = data(False)
     with pytest.raises(PipelineError, match=r"stage [01] waited 2s for message \(1, 0, [01]\) from stage [01], which never sent it"):
         pipe.train_step(tf.constant(x[:8]), tf.constant(y[:8]))
+
+
+def test_a_deferred_model_trains_bitwise_as_the_built_one_and_stays_deferred():
+    """deferred_variables: the user's model holds no values; each stage takes its initial
+    values from the initializers, which give what an eagerly built model holds."""
+    x, y = data(False)
+    with tnt.pipelining.deferred_variables():
+        lazy = mlp()
+    assert all(v._value is None for v in lazy.weights)
+    built, _ = pipelined(mlp, keras.optimizers.Adam(0.01), x, y, p=2)
+    pipe = LocalPipeline(lazy, 2, num_micro_batches=6)
+    pipe.compile(keras.optimizers.Adam(0.01), LOSS, metrics=["accuracy"])
+    for _ in range(2):
+        for xb, yb in batches(x, y):
+            pipe.train_step(xb, yb)
+    assert all(np.array_equal(u, v) for u, v in zip(pipe.get_weights(), built.get_weights()))
+    assert all(v._value is None for v in lazy.weights)  # never materialised
+
+
+def test_a_deferred_model_on_one_rank_is_materialised_and_trains_as_serial():
+    x, y = data(False)
+    ref, ref_hist = serial(mlp, keras.optimizers.Adam(0.01), x, y)
+    with tnt.pipelining.deferred_variables():
+        lazy = mlp()
+    model = tnt.Model(lazy, parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2)
+    model.compile(keras.optimizers.Adam(0.01), LOSS, metrics=["accuracy"])
+    hist = model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0).history
+    assert max_diff([hist[k] for k in sorted(hist)], [ref_hist[k] for k in sorted(hist)]) <= 2e-6
+    assert max_diff(model.get_weights(), ref.get_weights()) <= 5e-6

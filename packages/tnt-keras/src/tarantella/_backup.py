@@ -14,6 +14,10 @@ settings and Keras' file layout (``latest.weights.h5``, ``training_metadata.json
   so a job killed between writing the weights and the metadata never resumes the wrong
   epoch with the new weights;
 - deletes the directory at the end of training on the master only.
+
+A pipelined model (PIPELINING / ALL) is backed up the same way: its stages are gathered
+into the serial model on the master for writing (every rank takes part), and restoring
+reads each rank's stage from the file (``PipelinedModel.load_weights``).
 """
 
 from __future__ import annotations
@@ -126,13 +130,13 @@ class DistributedBackup(keras.callbacks.Callback):
 
     def _save(self) -> None:
         meta = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+        inner = _serial_model(self.model)
         if _runtime.is_master_rank():
             self.dir.mkdir(parents=True, exist_ok=True)
             if self.callback.double_checkpoint:
                 for path in (self.weights, self.metadata):
                     if path.exists():
                         _io.write_atomically(f"{path}.bkp", lambda tmp, p=path: shutil.copyfile(p, tmp))
-            inner = self.model.model
 
             def write_weights(tmp: str) -> None:
                 inner.save_weights(tmp)
@@ -148,6 +152,13 @@ class DistributedBackup(keras.callbacks.Callback):
             shutil.rmtree(self.dir, ignore_errors=True)
         if _runtime.get_size() > 1:
             tnt_comm.barrier()
+
+
+def _serial_model(model) -> keras.Model | None:
+    """What the backup writes: the wrapped model, or a pipelined model's stages gathered on
+    the master (every rank takes part; None off the master)."""
+    gather = getattr(model, "_tnt_gather_serial", None)
+    return gather() if gather is not None else model.model
 
 
 def adapt(callbacks) -> tuple[list | None, DistributedBackup | None]:

@@ -124,6 +124,92 @@ def backup_paths(callback: keras.callbacks.BackupAndRestore) -> tuple[str, str]:
         raise _missing("BackupAndRestore._weights_path/_training_metadata_path", err) from err
 
 
+def uninitialized_pending() -> list:
+    """Keras' list of variables made in a ``StatelessScope`` and not yet initialised."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError as err:  # pragma: no cover - Keras moved it
+        raise _missing("keras.src.backend.common.global_state", err) from err
+    return global_state.get_global_attribute("uninitialized_variables", [], set_to_default=True)
+
+
+def initialize_deferred(variable) -> None:
+    """Give a variable made in a ``StatelessScope`` its initial value now."""
+    variable._deferred_initialize()
+
+
+def forget_uninitialized(variables) -> None:
+    """Take ``variables`` off Keras' list of variables to initialise when a scope ends.
+
+    Keras initialises every variable created in a ``StatelessScope`` at the end of the next
+    outermost ``StatelessScope`` (which its TensorFlow backend opens for every symbolic
+    call): a deferred model would then be materialised by the first stage built.
+    """
+    pending = uninitialized_pending()
+    ours = {id(v) for v in variables}
+    pending[:] = [v for v in pending if id(v) not in ours]
+
+
+def is_uninitialized(variable) -> bool:
+    """True for a variable created in a ``StatelessScope`` whose value was never made."""
+    return getattr(variable, "_value", True) is None and getattr(variable, "_initializer", None) is not None
+
+
+def initial_value(variable):
+    """The value a deferred variable would get when initialised (its initializer's)."""
+    return variable._initializer(variable.shape, dtype=variable.dtype)
+
+
+def model_from_saved_config(config_json: str, custom_objects, compile: bool, safe_mode: bool):
+    """The model of a ``.keras`` file's config.json, compiled as ``load_model`` compiles it."""
+    try:
+        from keras.src.saving import saving_lib
+    except ImportError as err:  # pragma: no cover - Keras moved it
+        raise _missing("keras.src.saving.saving_lib", err) from err
+    return saving_lib._model_from_config(config_json, custom_objects, compile, safe_mode)
+
+
+def saved_layer_paths(model: keras.Model) -> dict[str, str]:
+    """Layer name -> the group holding its variables in a file Keras saved of ``model``.
+
+    Keras names a layer's group after its class (``layers/dense_2``), not its name,
+    numbering repeats in ``model.layers`` order.
+    """
+    try:
+        from keras.src.utils import naming
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.utils.naming", err) from err
+    used: dict[str, int] = {}
+    out = {}
+    for layer in model.layers:
+        name = naming.to_snake_case(layer.__class__.__name__)
+        if name in used:
+            used[name] += 1
+            name = f"{name}_{used[name]}"
+        else:
+            used[name] = 0
+        out[layer.name] = f"layers/{name}"
+    return out
+
+
+def weights_store(path: str, archive=None):
+    """Keras' reader of a weights file (``archive``: the open .keras zip holding it)."""
+    try:
+        from keras.src.saving import saving_lib
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.saving.saving_lib", err) from err
+    return saving_lib.H5IOStore(path, archive=archive, mode="r")
+
+
+def load_layer_state(layer, store, inner_path: str) -> None:
+    """Load ``layer`` (and the layers inside it) from ``inner_path`` of ``store`` only."""
+    try:
+        from keras.src.saving import saving_lib
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.saving.saving_lib._load_state", err) from err
+    saving_lib._load_state(layer, store, None, inner_path, visited_saveables=set())
+
+
 def version_warning() -> str | None:
     """A warning text when this Keras is outside the tested range, else None."""
     low, high = TESTED_KERAS

@@ -8,12 +8,20 @@ whether replicas hold bitwise-identical stages, and how many variables each rank
 Save/load cases round-trip through one ``.keras`` file. Rank 0 writes the JSON.
 
     --layout pipelining|all  (ALL runs N/2 replicas of 2-stage pipelines)
+    --shared DIR             the 2-rank job saves its p = 2 file (and the serial predictions)
+                             there; the 3-rank job loads it into 3 stages
+
+Pipelined models are built under ``tnt.pipelining.deferred_variables`` (the user's model
+holds no memory for weights); each rank reports the bytes of the Keras variables it
+materialised while building, training and loading, found by scanning the process.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -111,6 +119,32 @@ def stage_weight_diff(model, ref_layers: dict[str, list]) -> float:
     return max(tnt_comm.allgather_object(mine))
 
 
+def deferred(make):
+    """``make()`` built with deferred variables: the whole model is never materialised."""
+    with tnt.pipelining.deferred_variables():
+        return make()
+
+
+def live_variables() -> dict[int, int]:
+    """id -> bytes of every Keras variable with a value in this process (a scan of the heap)."""
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, keras.Variable) and getattr(obj, "_value", None) is not None:
+            out[id(obj)] = int(np.prod(obj.shape)) * np.dtype(obj.dtype).itemsize
+    return out
+
+
+def new_bytes(before: dict[int, int]) -> int:
+    return sum(b for k, b in live_variables().items() if k not in before)
+
+
+def training_bytes(model: keras.Model, optimizer) -> int:
+    """Weights + optimizer variables (what a trained model keeps between steps)."""
+    def nbytes(vs):
+        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs)
+    return nbytes(model.weights) + nbytes(optimizer.variables if optimizer is not None else [])
+
+
 def on_master(fn):
     """``fn()`` on the master only (the serial reference), its result on every rank."""
     return tnt_comm.broadcast_object(fn() if tnt.is_master_rank() else None, 0)
@@ -130,6 +164,7 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
         return {"history": history, "evaluate": serial.evaluate(ds(vx, vy, 7), verbose=0),
                 "predict": serial.predict(ds(vx, None, 7), verbose=0), "layers": layer_weights(serial),
                 "variables": len(serial.weights), "seconds": seconds,
+                "training_bytes": training_bytes(serial, serial.optimizer),
                 "optimizer": [v.numpy() for v in serial.optimizer.variables if "iteration" not in v.path],
                 "model": serial}
 
@@ -142,19 +177,27 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
 
     ref = on_master(reference)
     ref["model"] = serial_model[0] if serial_model else None
-    model = tnt.Model(make(), parallel_strategy=strategy, num_pipeline_stages=p, num_micro_batches=m,
+    gc.collect()
+    before = live_variables()
+    user_model = deferred(make)
+    model = tnt.Model(user_model, parallel_strategy=strategy, num_pipeline_stages=p, num_micro_batches=m,
                       pipeline_schedule=schedule)
     model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"])
     t0 = time.perf_counter()
     hist = model.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0).history
     t_pipe = time.perf_counter() - t0
+    gc.collect()
+    materialised = new_bytes(before)  # stage weights + its optimizer + the last stage's metrics
+    stage_bytes = training_bytes(model.stage_model, model._tnt_stage.optimizer)
+    user_deferred = all(v._value is None for v in user_model.weights)
     evaluated = model.evaluate(ds(vx, vy, 7), verbose=0)
     predicted = model.predict(ds(vx, None, 7), verbose=0)
     everyone = tnt_comm.allgather_object((hist, evaluated, digest([np.asarray(predicted)]),
                                           model.stage, model.replica, digest(model.get_weights()),
-                                          len(model.stage_model.weights), model.peak_micro_batches_in_flight))
+                                          len(model.stage_model.weights), model.peak_micro_batches_in_flight,
+                                          materialised, stage_bytes, user_deferred))
     by_stage: dict[int, set] = {}
-    for _, _, _, stage, _, wdigest, _, _ in everyone:
+    for _, _, _, stage, _, wdigest, *_ in everyone:
         by_stage.setdefault(stage, set()).add(wdigest)
     return {
         "history_diff": _job.history_diff(ref["history"], hist),
@@ -168,6 +211,10 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
         "replicas_identical": all(len(d) == 1 for d in by_stage.values()),
         "variables_per_rank": [e[6] for e in everyone],
         "serial_variables": ref["variables"],
+        "serial_training_bytes": ref["training_bytes"],
+        "materialised_bytes_per_rank": [e[8] for e in everyone],
+        "stage_training_bytes_per_rank": [e[9] for e in everyone],
+        "user_model_stays_deferred": all(e[10] for e in everyone),
         "peak_in_flight": [e[7] for e in everyone],
         "weights_digest": digest(model.get_weights()),
         "seconds": [ref["seconds"], t_pipe],
@@ -183,7 +230,8 @@ def compare_schedules(results: dict, a: str, b: str) -> bool:
 
 
 # -- save / load ------------------------------------------------------------------------------
-def save_load_checks(case: dict, strategy, p: int, tmp: Path, load_stages: list[int]) -> dict:
+def save_load_checks(case: dict, strategy, p: int, tmp: Path, load_stages: list[int],
+                     shared: Path | None = None) -> dict:
     """Pipelined save -> plain Keras load; load into q stages -> identical predict; a serial
     save loaded pipelined continues training as serial Keras does."""
     model, ref = case["model"], case["ref"]
@@ -212,15 +260,93 @@ def save_load_checks(case: dict, strategy, p: int, tmp: Path, load_stages: list[
     out = {k: v for k, v in side.items() if k.startswith("plain_keras")}
     for q in load_stages:
         strat = tnt.ParallelStrategy.PIPELINING if q == tnt.get_size() else tnt.ParallelStrategy.ALL
+        gc.collect()
+        before = live_variables()
         loaded = tnt.models.load_model(path, parallel_strategy=strat, num_pipeline_stages=q)
+        gc.collect()
+        if q > 1:
+            out[f"load_q{q}_materialised_vs_stage_bytes"] = tnt_comm.allgather_object(
+                [new_bytes(before), training_bytes(loaded.stage_model, loaded._tnt_stage.optimizer)])
         out[f"load_q{q}_predict_diff"] = max_diff(loaded.predict(x, batch_size=5, verbose=0), side["predict"])
-        out[f"load_q{q}_stages"] = loaded.plan.num_stages
+        out[f"load_q{q}_stages"] = loaded.plan.num_stages if q > 1 else 1
+    if shared is not None:  # the 3-rank job loads this p = 2 file into 3 stages
+        if tnt.is_master_rank():
+            shutil.copyfile(path, shared / "p2.keras")
+            np.save(shared / "p2_predict.npy", side["predict"])
+        tnt_comm.barrier()
     cont = tnt.models.load_model(serial_path, parallel_strategy=strategy,
                                  num_pipeline_stages=p, num_micro_batches=3)
     hist = cont.fit(ds(xs, ys, 9), epochs=2, verbose=0).history
     out["continue_history_diff"] = _job.history_diff(side["cont_history"], hist)
     out["continue_weight_diff"] = stage_weight_diff(cont, side["cont_layers"])
     return out
+
+
+def load_saved_at_p2(shared: Path) -> dict:
+    """The 2-rank job's p = 2 file loaded into this job's stages: the same predictions."""
+    x, _ = data("mlp", 13, seed=21)
+    gc.collect()
+    before = live_variables()
+    loaded = tnt.models.load_model(shared / "p2.keras", parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                   num_pipeline_stages=tnt.get_size())
+    gc.collect()
+    mem = tnt_comm.allgather_object([new_bytes(before),
+                                     training_bytes(loaded.stage_model, loaded._tnt_stage.optimizer)])
+    predicted = loaded.predict(x, batch_size=5, verbose=0)
+    return {"stages": loaded.plan.num_stages, "materialised_vs_stage_bytes": mem,
+            "predict_diff": max_diff(predicted, np.load(shared / "p2_predict.npy"))}
+
+
+class Interrupted(RuntimeError):
+    """The simulated interruption."""
+
+
+class StopAtEpoch(keras.callbacks.Callback):
+    """Ends fit with an error when ``epoch`` begins (on every rank alike): an interruption."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise Interrupted(f"interrupted at epoch {epoch}")
+
+
+def backup_resume_check(tmp: Path) -> dict:
+    """BackupAndRestore: interrupted at epoch 2 of 4, resumed by the same call == serial 4 epochs."""
+    x, y = data("mlp", 29, seed=41)
+    epochs, stop = 4, 2
+
+    def serial():
+        model = mlp()
+        model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"])
+        history = model.fit(ds(x, y, 8), epochs=epochs, verbose=0).history
+        return {"history": history, "layers": layer_weights(model)}
+
+    ref = on_master(serial)
+    backup_dir = str(tmp / "backup")
+
+    def run(callbacks):
+        model = tnt.Model(deferred(mlp), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                          num_pipeline_stages=tnt.get_size(), num_micro_batches=3)
+        model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"])
+        history = model.fit(ds(x, y, 8), epochs=epochs, verbose=0,
+                            callbacks=[keras.callbacks.BackupAndRestore(backup_dir), *callbacks])
+        return model, history
+
+    interrupted = False
+    try:
+        run([StopAtEpoch(stop)])
+    except Interrupted:
+        interrupted = True
+    model, history = run([])
+    resumed_epochs = len(history.history["loss"])
+    tail = {k: v[stop:] for k, v in ref["history"].items()}
+    return {"interrupted": interrupted, "resumed_epochs": resumed_epochs,
+            "history_diff": _job.history_diff(tail, history.history),
+            "weight_diff": stage_weight_diff(model, ref["layers"]),
+            "backup_removed": not Path(backup_dir).exists()}
 
 
 def validation_split_check() -> float:
@@ -246,6 +372,7 @@ def validation_split_check() -> float:
 def main() -> None:
     args = sys.argv[1:]
     layout = args[args.index("--layout") + 1] if "--layout" in args else "pipelining"
+    shared = Path(args[args.index("--shared") + 1]) if "--shared" in args else None
     sys.argv = [sys.argv[0], *args[:2]]
     out = _job.out_path()
     size = tnt.get_size()
@@ -284,8 +411,13 @@ def main() -> None:
         tmp = Path(tnt_comm.broadcast_object(tmp_local, 0))  # one directory for all ranks
         first = next(n for n in names if n.startswith("mlp") and ("1f1b" in n))
         if layout == "all" or size == 2:  # 3 ranks: no save/load (the others cover q = 2, 4)
-            load_stages = [size, 2] if layout == "all" else [size]
-            extra["save_load"] = save_load_checks(results[first], strategy, p, tmp, load_stages)
+            load_stages = [size, 2] if layout == "all" else [size, 1]
+            extra["save_load"] = save_load_checks(results[first], strategy, p, tmp, load_stages,
+                                                  shared if size == 2 else None)
+        if layout == "pipelining" and size == 3:
+            if shared is not None:
+                extra["load_p2_file"] = load_saved_at_p2(shared)
+            extra["backup_resume"] = backup_resume_check(tmp)
         tnt_comm.barrier()
     if layout == "pipelining" and size == 2:
         extra["validation_split_history_diff"] = validation_split_check()

@@ -10,6 +10,7 @@ See docs/pipelining.md.
 
 from __future__ import annotations
 
+from ._deferred import deferred_variables
 from ._errors import PipelineError
 from ._local import LocalPipeline
 from ._model import PipelinedModel, pipelined_model
@@ -31,6 +32,7 @@ __all__ = [
     "actions",
     "build_stage",
     "compute_order",
+    "deferred_variables",
     "load_model",
     "micro_batch_sizes",
     "peak_in_flight",

@@ -19,14 +19,16 @@ import tensorflow as tf
 
 import tnt_data
 
-from .. import _io, _runtime
-from .._inputs import InputError, Sharding, common_seed, rank_dataset, split_arrays
+from .. import _backup, _runtime
+from .._inputs import InputError, Sharding, at_epoch, common_seed, rank_dataset, split_arrays
 from .._rank_callbacks import callbacks_for_rank
+from ._deferred import materialise
 from ._errors import PipelineError
 from ._plan import Plan
 from ._plan import plan as make_plan
 from ._saving import (
     assign_optimizer_state,
+    gather_serial_model,
     load_pipelined_weights,
     optimizer_state,
     save_pipelined,
@@ -254,12 +256,6 @@ class PipelinedModel(keras.Model):
             sample_weight=None, initial_epoch=0, validation_batch_size=None, **kwargs):
         """Keras' ``fit``; ``x`` batched with the global batch size (or arrays + batch_size)."""
         self._assert_compiled("fit")
-        if any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in callbacks or []):
-            raise PipelineError(
-                "BackupAndRestore is not supported with pipelining yet. Save with "
-                "keras.callbacks.ModelCheckpoint (one .keras file, gathered from the stages) and "
-                "resume with tnt.models.load_model(path, parallel_strategy=..., "
-                "num_pipeline_stages=p) and fit(initial_epoch=...).")
         if validation_split:
             if isinstance(x, tf.data.Dataset):
                 raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
@@ -275,6 +271,13 @@ class PipelinedModel(keras.Model):
             val = self._replica_data(
                 vx, vy, vsw, shuffle=False, method="fit(validation_data)",
                 batch_size=None if isinstance(vx, tf.data.Dataset) else (validation_batch_size or batch_size))
+        callbacks, backup = _backup.adapt(callbacks)
+        if backup is not None:  # every rank reads its stage of the backup (and optimizer state)
+            restored = backup.restore(self)
+            if restored is not None:
+                initial_epoch = restored
+        if initial_epoch > 0:
+            train = at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
         self._prepare()
         with self._rank_callbacks(callbacks) as rank_callbacks:
             return super().fit(train, epochs=epochs, verbose=self._verbose(verbose),
@@ -320,9 +323,13 @@ class PipelinedModel(keras.Model):
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load a serial weights file; this rank keeps its stage's layers."""
-        with _io.master_file(filepath) as local:
-            load_pipelined_weights(self, local)
+        load_pipelined_weights(self, filepath)
         self._tnt_synced = False
+
+    def _tnt_gather_serial(self) -> keras.Model | None:
+        """The whole serial model with optimizer state on the master (None elsewhere); all
+        ranks call it (BackupAndRestore writes it)."""
+        return gather_serial_model(self)
 
 
 _OPTIONS = ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan")
@@ -352,5 +359,6 @@ def pipelined_model(*args, strategies, **kwargs) -> PipelinedModel | None:
         _check_micro_batches(options["num_micro_batches"])
     options.pop("num_pipeline_stages", None)
     if _runtime.get_size() == 1 or plan.num_stages == 1:
+        materialise(model)  # built under deferred_variables: the whole model trains here
         return None
     return PipelinedModel(model, parallel_strategy=strategy.value, pipeline_plan=plan, **options)

@@ -3,7 +3,9 @@
 Each layer of the stage is re-created from its config (so the stage never references the
 user's model and the rest of the model can be freed) and called on fresh ``keras.Input``s
 for the stage's inputs, in the model's execution order; the weights are then copied
-from the original layers, so stage s starts exactly where the serial model starts.
+from the original layers, so stage s starts exactly where the serial model starts. The
+original model may be deferred (``deferred_variables``): it then holds no memory for its
+weights, and only the stage's variables are ever created on this rank.
 
 Stage model signature (all stages): inputs = [model inputs it reads (in the model's
 order)] + [boundary tensors it receives (by boundary index)]; outputs = the boundary
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import keras
 
+from ._deferred import current_or_initial
 from ._graph import Call
 from ._plan import Plan
 
@@ -91,9 +94,10 @@ def build_stage(plan: Plan, s: int, *, copy_weights: bool = True) -> StageModel:
     else:
         outputs = [resolve(plan.boundaries[b].tensor) for b in stage.outputs]
     model = keras.Model(inputs=inputs, outputs=outputs, name=f"{graph.model_name}_stage{s}")
-    if copy_weights:
+    if copy_weights:  # deferred originals (deferred_variables) give their initial values
         for key, clone in clones.items():
-            clone.set_weights(originals[key].get_weights())
+            for var, original in zip(clone.weights, originals[key].weights):
+                var.assign(current_or_initial(original))
     return StageModel(s, model, stage.data_inputs, stage.inputs, stage.outputs, last)
 
 
