@@ -20,6 +20,7 @@ after the variable's path, which differs between a stage model and the serial mo
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import pickle
@@ -133,6 +134,13 @@ def _stage_payload(pm) -> dict:
     }
 
 
+def serial_model_from_config(pm) -> keras.Model:
+    """A new serial model from the config kept at construction (Keras' from_config consumes
+    the dict it is given, so it gets a copy)."""
+    cls, config = pm._tnt_serial_config
+    return cls.from_config(copy.deepcopy(config))
+
+
 def gather_serial_model(pm, with_optimizer: bool = True) -> keras.Model | None:
     """The whole serial model, filled from all stages, on the master; None elsewhere."""
     transport = pm._tnt_stage.transport
@@ -149,8 +157,7 @@ def gather_serial_model(pm, with_optimizer: bool = True) -> keras.Model | None:
 
 
 def _filled_serial_model(pm, payloads: list[dict], with_optimizer: bool) -> keras.Model:
-    cls, config = pm._tnt_serial_config
-    full = cls.from_config(config)
+    full = serial_model_from_config(pm)
     weights = {}
     for p in payloads:
         weights.update(p["weights"])
@@ -182,9 +189,8 @@ def save_pipelined_weights(pm, filepath, **kwargs) -> None:
 
 def load_pipelined_weights(pm, filepath) -> None:
     """Load a serial weights file: this rank reads its stage's layers (and optimizer) only."""
-    cls, config = pm._tnt_serial_config
     with deferred_variables():  # the whole model's shapes, for the file's layout only
-        full = cls.from_config(config)
+        full = serial_model_from_config(pm)
     optimizer = pm._tnt_compile_args["optimizer"] if pm._tnt_stage.optimizer is not None else None
     with _stage_file(filepath) as (local, archive):
         read_stage_state(pm, full, optimizer, _internals.weights_store(local, archive))
