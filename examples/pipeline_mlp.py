@@ -5,6 +5,8 @@
     python examples/pipeline_mlp.py                       # 1 rank: plain data-parallel path
 
 A SplitLayer marks where stage 0 ends; each rank builds and trains only its own stage.
+The model is built under `tnt.pipelining.deferred_variables()`, so no rank ever holds
+all of its weights (the layers know their shapes; each rank gives values to its stage's).
 Compared with a serial Keras script: `import tarantella as tnt`, the marker, and
 `tnt.Model(model, parallel_strategy=..., num_micro_batches=...)`. The dataset is batched
 with the GLOBAL batch size; it is cut into micro-batches that flow through the stages.
@@ -59,7 +61,9 @@ def main() -> None:
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.batch_size)
 
     strategy = tnt.ParallelStrategy.ALL if args.all else tnt.ParallelStrategy.PIPELINING
-    model = tnt.Model(mlp(), parallel_strategy=strategy, num_micro_batches=args.micro_batches,
+    with tnt.pipelining.deferred_variables():
+        keras_model = mlp()
+    model = tnt.Model(keras_model, parallel_strategy=strategy, num_micro_batches=args.micro_batches,
                       pipeline_schedule="1f1b")
     model.summary()  # the pipeline plan (stages, layers, boundary tensors) on the master
     model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy",
