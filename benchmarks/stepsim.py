@@ -10,8 +10,9 @@ The step, per rank, on the timeline of one step (seconds from its start):
    (tensors are listed in the engine's slot order, which is backprop order in tnt-keras).
 2. The fusion plan (``plan_buckets``: the rule of ``tnt_comm.plan_buckets``) groups them
    into buckets. A bucket is submitted when its last tensor exists; the submit costs host
-   time (``Engine.per_bucket_s`` + its bytes at ``Engine.copy_Bps``), which on a CPU rank
-   runs on the compute thread and delays the rest of backprop (``submit_blocks_compute``).
+   time (``Engine.per_bucket_s`` + its bytes at ``Engine.copy_Bps``), one submit after
+   another, which on a CPU rank runs on the compute thread and delays the rest of
+   backprop (``submit_blocks_compute``).
 3. Buckets start in plan order (the engine's cursor), at most ``k`` in flight. An
    allreduce costs a latency part (``alpha`` terms) and a bandwidth part (``bytes/beta``
    terms, ``allreduce_parts``); buckets in flight overlap their latency parts, but share
@@ -199,13 +200,15 @@ def _planned_buckets(profile: Profile, engine: Engine) -> tuple[list[tuple[float
     plan = plan_buckets([g.nbytes for g in profile.grads], engine.threshold_bytes)
     out = []
     delay = 0.0  # host time the submits took from backprop so far
+    host_free = 0.0  # submits run one after another on one host thread
     for bucket in plan:
         nbytes = sum(profile.grads[i].nbytes for i in bucket)
         ready = max(profile.grads[i].ready_s for i in bucket) + delay
         cost = engine.per_bucket_s + nbytes / engine.copy_Bps
+        host_free = max(ready, host_free) + cost
         if engine.submit_blocks_compute:
             delay += cost
-        out.append((ready + cost, nbytes))
+        out.append((host_free, nbytes))
     return out, delay
 
 

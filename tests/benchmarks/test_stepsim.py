@@ -113,6 +113,15 @@ def test_submit_costs_on_the_compute_thread():
     assert r.step_s == pytest.approx(0.039)
 
 
+def test_submits_run_one_after_another():
+    # Both gradients exist at 10 ms; 1 ms per submit on a host thread beside the compute.
+    net = Network("bw", 0.0, 1e9)
+    eng = Engine(threshold_bytes=10**6, per_bucket_s=0.001)
+    r = simulate(two_grads(10**6, (0.010, 0.010)), 2, net, eng)
+    assert r.launches == pytest.approx([0.011, 0.012])
+    assert r.compute_end_s == pytest.approx(0.030)
+
+
 def test_horovod_cycle_fuses_what_is_ready():
     # Ready at 1 and 2 ms; every 5 ms the ready tensors are fused (up to the threshold).
     net = Network("bw", 0.0, 1e9)
