@@ -49,7 +49,6 @@ AT_SCALE = (8, 64, 512, 1024)
 # == measurement (under mpirun) ==========================================================
 def measure(args) -> None:
     import benchlib as bl  # first: pins threads
-
     import keras
     import numpy as np
     import tensorflow as tf
