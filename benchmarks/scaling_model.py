@@ -244,7 +244,7 @@ def local_inputs(m: dict):
 
 def validate(measured: dict[int, dict]) -> dict:
     """Predicted vs measured step time per rank count and threshold."""
-    from stepsim import simulate
+    from stepsim import plan_buckets, simulate
 
     rows = []
     base2 = measured.get(2)
@@ -256,6 +256,10 @@ def validate(measured: dict[int, dict]) -> dict:
                 row = {"ranks": 1, "threshold_kb": kb, "measured_s": meas, "predicted_s": pred}
             else:
                 prof, net, eng, jit = local_inputs(m)
+                mine = [len(b) for b in plan_buckets([g.nbytes for g in prof.grads], kb << 10)]
+                if mine != m["plans"][f"tnt@{kb}"]:
+                    raise SystemExit(f"stepsim.plan_buckets differs from the engine's plan at {kb} KB: "
+                                     f"{mine} vs {m['plans'][f'tnt@{kb}']}")
                 r = simulate(prof, n, net, replace(eng, threshold_bytes=kb << 10), jit)
                 row = {"ranks": n, "threshold_kb": kb, "measured_s": meas, "predicted_s": r.step_s,
                        "buckets": r.buckets, "exposed_s": r.exposed_s, "compute_end_s": r.compute_end_s,
