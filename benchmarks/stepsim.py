@@ -22,7 +22,9 @@ The step, per rank, on the timeline of one step (seconds from its start):
 
 Lockstep jitter: a collective completes only when the slowest rank arrives, so the
 compute part of an N-rank step is stretched by the expected maximum of N draws of the
-per-step relative deviation (``Jitter.stretch``), drawn from a measured sample.
+per-step relative deviation (``Jitter.stretch``), drawn from a sample; or, where the
+ranks' deviations were measured side by side, by the measured mean of the slowest rank
+over the mean of the average rank (``Jitter.lockstep``).
 
 Efficiency (weak scaling, fixed micro-batch) = 1-rank step time / N-rank step time; one
 rank runs Keras' own step (no engine), so its time is ``Profile.compute_end_s + tail_s``.
@@ -148,6 +150,20 @@ class Jitter:
     """Relative per-step deviations of one rank's compute time (e.g. t/median - 1)."""
 
     sample: tuple[float, ...] = (0.0,)
+    #: Measured lockstep stretch for one rank count (``lockstep``), used instead of the
+    #: i.i.d. maximum: on a shared machine load hits all ranks at once.
+    measured: tuple[int, float] | None = None
+
+    @staticmethod
+    def lockstep(rows: Sequence[Sequence[float]]) -> Jitter:
+        """From per-rank rows of per-step deviations, aligned by step (rows[r][k]): the
+        stretch is mean over steps of the slowest rank / mean over steps of the average
+        rank, so deviations that hit every rank together cost nothing."""
+        steps = list(zip(*rows))
+        slowest = sum(1 + max(s) for s in steps) / len(steps)
+        average = sum(1 + sum(s) / len(s) for s in steps) / len(steps)
+        flat = tuple(d for row in rows for d in row)
+        return Jitter(flat, (len(rows), slowest / average))
 
     @staticmethod
     def normal(sigma: float, points: int = 2000) -> Jitter:
@@ -162,7 +178,10 @@ class Jitter:
         return sum(x * ((i / m) ** n - ((i - 1) / m) ** n) for i, x in enumerate(xs, 1))
 
     def stretch(self, n: int) -> float:
-        """Factor on compute time in lockstep: 1 + E[max of n] - E[one draw]."""
+        """Factor on compute time in lockstep: 1 + E[max of n] - E[one draw] (i.i.d.
+        draws), or the measured stretch when n is the rank count it was measured at."""
+        if self.measured is not None and self.measured[0] == n:
+            return self.measured[1]
         return 1.0 + self.expected_max(n) - self.expected_max(1)
 
 

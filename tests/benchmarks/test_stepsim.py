@@ -150,6 +150,16 @@ def test_jitter_expected_maximum():
     assert simulate(prof, 2, Network("bw", 0.0, 1e9), Engine(), j).step_s == pytest.approx(0.035 * 1.025)
 
 
+def test_lockstep_jitter_from_aligned_steps():
+    # step 0: ranks at +0 and +10 %; step 1: +10 % and +0: slowest 1.1, average 1.05
+    j = Jitter.lockstep([[0.0, 0.1], [0.1, 0.0]])
+    assert j.stretch(2) == pytest.approx(1.1 / 1.05)
+    # load that hits both ranks at once costs nothing in lockstep
+    assert Jitter.lockstep([[0.0, 0.3], [0.0, 0.3]]).stretch(2) == pytest.approx(1.0)
+    # other rank counts: the i.i.d. maximum of the pooled sample
+    assert j.stretch(3) == pytest.approx(Jitter(j.sample).stretch(3))
+
+
 def test_best_engine_fuses_when_per_bucket_costs_dominate():
     grads = tuple(Grad(f"g{i}", 1000, 0.001 * (i + 1)) for i in range(10))
     prof = Profile("small", grads, 0.010)
