@@ -269,20 +269,21 @@ def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_mic
 
     strategy = getattr(parallel_strategy, "value", parallel_strategy)
     with _stage_file(filepath) as (local, archive):
-        if archive is None:  # a legacy .h5 model: Keras loads it whole
-            full = keras.saving.load_model(local, custom_objects=custom_objects, compile=compile, **kwargs)
-            return Model(full)
-        full = _deferred_from_file(archive, custom_objects, compile, safe_mode)
+        legacy = archive is None  # an HDF5 (.h5) model: Keras loads it whole
+        full = keras.saving.load_model(local, custom_objects=custom_objects, compile=compile, **kwargs) \
+            if legacy else _deferred_from_file(archive, custom_objects, compile, safe_mode)
         pipeline_plan = make_plan(full, num_pipeline_stages,
                                   use_markers=_markers_agree(full, num_pipeline_stages))
         if _runtime.get_size() == 1 or pipeline_plan.num_stages == 1:
-            full = keras.saving.load_model(archive.filename, custom_objects=custom_objects, compile=compile,
-                                           safe_mode=safe_mode, **kwargs)
+            if not legacy:
+                full = keras.saving.load_model(archive.filename, custom_objects=custom_objects,
+                                               compile=compile, safe_mode=safe_mode, **kwargs)
             return Model(full)  # one rank or one stage: data parallelism
         model = PipelinedModel(full, parallel_strategy=strategy, num_micro_batches=num_micro_batches,
                                pipeline_schedule=pipeline_schedule, pipeline_plan=pipeline_plan)
-        full_optimizer = full.optimizer if compile and getattr(full, "optimizer", None) is not None else None
-        read_stage_state(model, full, full_optimizer, _internals.weights_store(local, archive))
+        if not legacy:
+            full_optimizer = full.optimizer if compile and getattr(full, "optimizer", None) is not None else None
+            read_stage_state(model, full, full_optimizer, _internals.weights_store(local, archive))
     del full
     return model
 
