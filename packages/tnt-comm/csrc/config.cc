@@ -34,6 +34,7 @@ Config load_config() {
   c.timeout_s = env_number(kTimeoutEnv, kDefaultTimeoutSeconds, "600");
   c.poll_spin_us = env_number(kPollSpinEnv, kDefaultPollSpinUs, "200", true);
   c.poll_max_sleep_us = env_number(kPollMaxSleepEnv, kDefaultPollMaxSleepUs, "200");
+  c.wait_spin_us = env_number(kWaitSpinEnv, kDefaultWaitSpinUs, "2000", true);
   return c;
 }
 

@@ -13,12 +13,17 @@ inline constexpr const char* kTimeoutEnv = "TNT_COMM_TIMEOUT";
 inline constexpr double kDefaultTimeoutSeconds = 600.0;
 
 // Polling of an in-flight collective (see Note [Polling] in engine.cc): spin on
-// MPI_Test this long, then sleep, doubling from kPollMinSleepUs up to this cap.
+// MPI_Test this long, then sleep, doubling from kPollMinSleepUs up to this cap. The same
+// spin bounds both sides of a hand-off (Note [Hand-off]).
 inline constexpr const char* kPollSpinEnv = "TNT_COMM_POLL_SPIN_US";
 inline constexpr double kDefaultPollSpinUs = 200.0;
 inline constexpr const char* kPollMaxSleepEnv = "TNT_COMM_POLL_MAX_SLEEP_US";
 inline constexpr double kDefaultPollMaxSleepUs = 200.0;
 inline constexpr double kPollMinSleepUs = 10.0;
+// While a caller is blocked on a result, test without sleeping this long after the last
+// progress (Note [Polling]); 0 = sleep between tests as during backprop.
+inline constexpr const char* kWaitSpinEnv = "TNT_COMM_WAIT_SPIN_US";
+inline constexpr double kDefaultWaitSpinUs = 2000.0;
 
 // How often an idle communication thread wakes to answer stall queries of other ranks.
 inline constexpr std::chrono::milliseconds kIdleServiceInterval{50};
@@ -29,6 +34,7 @@ struct Config {
   double timeout_s = kDefaultTimeoutSeconds;
   double poll_spin_us = kDefaultPollSpinUs;
   double poll_max_sleep_us = kDefaultPollMaxSleepUs;
+  double wait_spin_us = kDefaultWaitSpinUs;
 };
 
 // Reads all TNT_COMM_* variables. Throws std::invalid_argument naming the variable,

@@ -20,6 +20,16 @@ def test_collectives_and_fused_engine(run_job, ranks: int) -> None:
     assert all(int(n) >= 24 for _, n in ok), explain(proc)
 
 
+def test_collectives_with_polling_spins_off(run_job) -> None:
+    # The sleep-only paths of the communication thread and of waiting callers (Note
+    # [Polling], Note [Hand-off]): no spin anywhere, every result still right.
+    env = {"TNT_COMM_POLL_SPIN_US": "0", "TNT_COMM_WAIT_SPIN_US": "0"}
+    proc = run_job("job_collectives.py", 2, env=env)
+    assert proc.returncode == 0, explain(proc)
+    ok = re.findall(r"rank (\d+): CHECKS OK (\d+)", proc.stdout)
+    assert sorted(int(r) for r, _ in ok) == [0, 1], explain(proc)
+
+
 def test_stall_of_a_skipped_allreduce_raises_quickly(run_job) -> None:
     t0 = time.perf_counter()
     proc = run_job("job_stall.py", 2, env={"MODE": "plain", "TNT_COMM_TIMEOUT": "1.5"}, timeout=60)
