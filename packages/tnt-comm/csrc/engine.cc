@@ -107,7 +107,7 @@ void Engine::wait_for(std::future<void>& done, const std::string& what) {
   // Note [Hand-off]: the result of a short collective arrives within the spin; a
   // futex wake-up would cost more than the collective.
   const auto ready = [&done] { return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
-  if (spin_until(ready, Clock::now() + std::chrono::duration_cast<Clock::duration>(Micros(config_.poll_spin_us)))) {
+  if (spin_until(ready, Clock::now() + std::chrono::duration_cast<Clock::duration>(Micros(handoff_spin_us())))) {
     done.get();
     return;
   }
@@ -229,34 +229,35 @@ void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
 // Note [Polling]
 // An in-flight request only progresses when MPI is called (MPI_Test), but a thread
 // spinning on MPI_Test takes a whole core from the compute threads (and, on a loaded or
-// oversubscribed host, from the very rank it waits for). So the thread tests without
-// sleeping only where that cannot cost compute:
-// - for TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within
-//   it) and the moment a caller starts waiting (woken at once, not after its sleep);
-// - while a caller is blocked on a result (nothing else needs this core then), for up
-//   to TNT_COMM_WAIT_SPIN_US since the last progress: a peer arriving late or a long
-//   transfer's protocol rounds are followed at once, as MPI_Wait would;
-// past that it sleeps between tests: while a caller waits at kPollMinSleepUs, otherwise
-// (backprop computing) doubling up to TNT_COMM_POLL_MAX_SLEEP_US, back to the minimum
-// after every progress. With more ranks on the host than cores there is no waiting spin
-// and the sleeps double also while a caller waits: measured on 3 ranks on 2 cores, 100k
-// wake-ups per second took the CPU from the slower rank. Every spin yields the core
-// (sched_yield) after every test. A new task wakes the thread at once; its timer slack
-// is 1 ns so short sleeps stay short.
+// oversubscribed host, from the very rank it waits for). So the thread spins for
+// TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within it), and
+// again the moment a caller starts waiting (woken at once, not after its sleep); past
+// that it sleeps between tests. While a caller waits (nothing else needs this core) the
+// sleeps stay at kPollMinSleepUs, after an optional tight test loop of
+// TNT_COMM_WAIT_SPIN_US (default 0: on this 2-core VM every spinning thread takes the
+// core some other thread of the job needs); otherwise (backprop computing) they double up
+// to TNT_COMM_POLL_MAX_SLEEP_US and return to the minimum after every progress. With
+// more ranks on the host than cores they double also while a caller waits: measured on
+// 3 ranks on 2 cores, 100k wake-ups per second took the CPU from the slower rank. No
+// spin ever calls sched_yield (see spin.h). A new task wakes the thread at once; its
+// timer slack is 1 ns so short sleeps stay short.
 //
 // Note [Hand-off]
 // A blocking call is two hand-offs between threads: the caller's task to this thread,
-// its result back. As futex wake-ups they cost 10-60 us each on a loaded VM, several
-// times a small collective. So both sides spin, bounded, where someone is blocked
-// anyway: the caller spins on its result for TNT_COMM_POLL_SPIN_US before it sleeps on
-// the future (Engine::wait_for, FusedAllreduce::wait); and after a task a caller waited
-// for completed, this thread spins for TNT_COMM_POLL_SPIN_US on `pokes_` before it goes
-// to sleep idle, so the caller's next call (a loop of small collectives, the next
-// step's first bucket) is taken without a wake-up. During backprop, with nobody
-// waiting, the idle thread sleeps as before. benchmarks/allreduce.py measures both.
+// its result back, each a futex wake-up (10-15 us on this VM, more under load). Where
+// every rank on the host has a spare core for its second thread (e.g. one rank per GPU
+// on a many-core node), both sides spin instead, bounded by TNT_COMM_HANDOFF_SPIN_US
+// (default 30 us there, 0 elsewhere): the caller on its result before it sleeps (Engine::wait_for,
+// FusedAllreduce::wait), and this thread, after a task a caller waited for completed,
+// on `pokes_` before it sleeps idle, so the caller's next call is taken without a
+// wake-up. Without a spare core a spinner holds the very core the other thread needs:
+// measured on 2 ranks on 2 cores, a 4 B allreduce took ~35-45 us without the spins,
+// ~95 us with 30 us spins and ~260 us with 100 us spins. So there they are off.
+// benchmarks/allreduce.py measures the latency.
 void Engine::loop() {
   const auto spin = std::chrono::duration_cast<Clock::duration>(Micros(config_.poll_spin_us));
   const auto wait_spin = std::chrono::duration_cast<Clock::duration>(Micros(config_.wait_spin_us));
+  const auto handoff = std::chrono::duration_cast<Clock::duration>(Micros(handoff_spin_us()));
   auto last_progress = Clock::now();
   auto last_serve = last_progress;
   Clock::time_point idle_spin_until{};  // Note [Hand-off]
@@ -308,7 +309,7 @@ void Engine::loop() {
     if (progressed) {
       last_progress = now;
       sleep_us = kPollMinSleepUs;
-      if (waiting) idle_spin_until = now + spin;
+      if (waiting) idle_spin_until = now + handoff;
       continue;
     }
     for (Active& a : active_) {
@@ -337,7 +338,6 @@ void Engine::loop() {
     const auto quiet = now - last_progress;
     if (quiet < spin || (waiting && !oversubscribed && quiet < wait_spin)) {
       for (int i = 0; i < 8; ++i) cpu_relax();
-      ::sched_yield();
       continue;
     }
     std::unique_lock<std::mutex> lock(mu_);
@@ -347,6 +347,13 @@ void Engine::loop() {
     if (!waiting || oversubscribed) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
   }
   finish_shutdown();
+}
+
+double Engine::handoff_spin_us() const {
+  if (config_.handoff_spin_us >= 0.0) return config_.handoff_spin_us;  // set by the user
+  // Note [Hand-off]: by default only with a spare core per rank for its second thread.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return 2u * static_cast<unsigned>(std::max(1, world_.local_size)) <= cores ? kAutoHandoffSpinUs : 0.0;
 }
 
 bool Engine::spin_for_work(std::unique_lock<std::mutex>& lock, Clock::time_point until) {

@@ -121,6 +121,12 @@ class Engine {
   void wait_for(std::future<void>& done, const std::string& what);
   // Spins (bounded) for work after a task a caller waited for completed; false if none came.
   bool spin_for_work(std::unique_lock<std::mutex>& lock, Clock::time_point until);
+ public:
+  // TNT_COMM_HANDOFF_SPIN_US if set; else 30 us where every rank on the host has a spare
+  // core, 0 where not (Note [Hand-off]).
+  double handoff_spin_us() const;
+
+ private:
   void finish_shutdown();
 
   const Config config_;

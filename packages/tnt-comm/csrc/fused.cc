@@ -301,7 +301,7 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
   spin_until([&s] { return s.finished.load(std::memory_order_acquire) >= s.buckets.size(); },
              std::chrono::steady_clock::now() +
                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double, std::micro>(s.engine->config().poll_spin_us)));
+                     std::chrono::duration<double, std::micro>(s.engine->handoff_spin_us())));
   std::unique_lock<std::mutex> lock(s.mu);
   while (s.done_count < s.buckets.size() && !s.closed && s.broken.empty()) {
     if (s.cv.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
