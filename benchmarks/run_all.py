@@ -57,6 +57,8 @@ BENCHMARKS: list[Benchmark] = [
       for n in SCALING_RANKS),
     # Pipelining (issue 11): 2 stages pinned to a core each; rows come with the JSON.
     Benchmark("pipeline", "pipeline.py", ranks=2, mpi_args=PINNED),
+    # Graph bridge cost per bucket, and overlap with jit_compile (issue 12, items 4-5).
+    Benchmark("step_bridge", "step_bridge.py", ranks=2, mpi_args=PINNED),
     Benchmark("summary", "summary.py", quick=False),
 ]
 
