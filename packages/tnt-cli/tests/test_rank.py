@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,33 @@ def test_hidden_rank_killed_by_signal() -> None:
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     assert run_hidden([PY, "-c", code], rank=1, err=err) == 128 + 9
     assert b"[1] tarantella: rank 1 was killed by signal SIGKILL" in err.getvalue()
+
+
+def _signalled_while_aborting(error: str) -> bytes:
+    """A rank that prints a traceback and is then signalled by its starter (what MPI_Abort
+    does: the starter kills every rank, the aborting one included, before it exits)."""
+    code = f"""
+import os, signal, sys, time, traceback
+try:
+    raise {error}
+except BaseException:
+    traceback.print_exc()
+sys.stderr.flush()
+os.kill(os.getppid(), signal.SIGTERM)  # the starter's kill reaches the wrapper first
+time.sleep(30)
+"""
+    err = io.BytesIO()
+    assert run_hidden([PY, "-c", code], rank=1, err=err) == 128 + signal.SIGTERM
+    return err.getvalue()
+
+
+def test_hidden_rank_that_aborts_the_job_shows_its_traceback_although_signalled() -> None:
+    shown = _signalled_while_aborting("RuntimeError('injected on rank 1')")
+    assert b"[1] RuntimeError: injected on rank 1" in shown
+
+
+def test_hidden_rank_stopped_by_a_forwarded_ctrl_c_stays_quiet() -> None:
+    assert _signalled_while_aborting("KeyboardInterrupt()") == b""
 
 
 def test_prefixed_output_keeps_streams_apart_and_ends_partial_lines() -> None:

@@ -119,6 +119,17 @@ def worth_showing(tail: list[bytes]) -> list[bytes]:
     return [line for line in tail if not is_startup_noise(line)]
 
 
+def failed_on_its_own(tail: list[bytes]) -> bool:
+    """Whether a rank that was also signalled had failed first: a program that prints its
+    traceback and then ends the job (MPI_Abort) is signalled by the starter while it
+    aborts, and its error is the one the user must see. A KeyboardInterrupt traceback is
+    the forwarded Ctrl-C, shown by the master already."""
+    shown = worth_showing(tail)
+    if not shown or not shown[0].startswith(_TRACEBACK):
+        return False
+    return not any(line.startswith(b"KeyboardInterrupt") for line in shown)
+
+
 def _copy_prefixed(src: IO[bytes], dst: IO[bytes], prefix: bytes, quiet: bool = False) -> None:
     for line in src:
         if quiet and is_startup_noise(line):
@@ -162,7 +173,7 @@ def run_hidden(command: Sequence[str], rank: int, err: IO[bytes], verbose: bool 
     reader.start()
     returncode = proc.wait()
     _finish([reader], [proc.stderr])
-    if returncode != 0 and forwarder.received is None:
+    if returncode != 0 and (forwarder.received is None or failed_on_its_own(list(tail))):
         prefix = f"[{rank}] ".encode()
         err.write(prefix + f"tarantella: rank {rank} {_describe(returncode)}; "
                   "the end of its stderr:\n".encode())
