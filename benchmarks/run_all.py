@@ -57,6 +57,8 @@ BENCHMARKS: list[Benchmark] = [
       for n in SCALING_RANKS),
     # Pipelining (issue 11): 2 stages pinned to a core each; rows come with the JSON.
     Benchmark("pipeline", "pipeline.py", ranks=2, mpi_args=PINNED),
+    # Graph bridge cost per bucket, and overlap with jit_compile (issue 12, items 4-5).
+    Benchmark("step_bridge", "step_bridge.py", ranks=2, mpi_args=PINNED),
     # Issue 15: a step-time model checked here on 1-4 ranks (it launches its own mpirun
     # jobs), then predicting 8-1024 GPUs from published profiles; rows come with the JSON.
     Benchmark("scaling_model", "scaling_model.py", timeout=3600.0),

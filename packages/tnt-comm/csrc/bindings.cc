@@ -21,9 +21,27 @@ namespace py = pybind11;
 namespace tnt {
 namespace {
 
+// numpy's dtype.name runs Python code (~1-10 us, more than a small collective): the
+// builtin numeric types are named from the C fields, anything else asks numpy.
+std::string dtype_name_of(const py::dtype& dt) {
+  const char kind = dt.kind();
+  const auto bits = std::to_string(8 * dt.itemsize());
+  if (dt.num() < 24) {  // NPY_NTYPES_LEGACY: a builtin type, no extension dtype
+    switch (kind) {
+      case 'f': return "float" + bits;
+      case 'i': return "int" + bits;
+      case 'u': return "uint" + bits;
+      case 'c': return "complex" + bits;
+      case 'b': return "bool";
+      default: break;
+    }
+  }
+  return py::str(dt.attr("name"));
+}
+
 ArrayDesc describe(const py::array& a) {
   ArrayDesc d;
-  d.dtype = py::str(a.dtype().attr("name"));
+  d.dtype = dtype_name_of(a.dtype());
   d.itemsize = a.itemsize();
   d.shape.assign(a.shape(), a.shape() + a.ndim());
   return d;
@@ -161,7 +179,7 @@ class PyComm {
     Engine& e = runtime_engine();
     const py::dtype dt = py::dtype::from_args(dtype);
     ArrayDesc d;
-    d.dtype = py::str(dt.attr("name"));
+    d.dtype = dtype_name_of(dt);
     d.itemsize = dt.itemsize();
     d.shape = shape;
     std::shared_ptr<Message> m = tnt::irecv(e, c_, source, d, header);
@@ -177,7 +195,8 @@ class PyFused {
   // Reduces over a private duplicate of `comm` (nullptr: the world), Note [One
   // communicator per engine].
   PyFused(const std::vector<std::tuple<std::string, std::int64_t, std::string>>& specs,
-          std::int64_t threshold, int op, std::vector<py::object> dtypes, const PyComm* comm)
+          std::int64_t threshold, int op, std::vector<py::object> dtypes, const PyComm* comm,
+          std::int64_t slot_align_bytes)
   {
     for (auto& d : dtypes) dtypes_.push_back(py::dtype::from_args(d));
     auto parsed = to_specs(specs);
@@ -185,10 +204,16 @@ class PyFused {
     CommPtr over = comm != nullptr ? comm->ptr() : engine.world_comm();
     py::gil_scoped_release release;
     impl_ = std::make_unique<FusedAllreduce>(engine, dup(engine, over), std::move(parsed), threshold,
-                                             static_cast<ReduceOp>(op));
+                                             static_cast<ReduceOp>(op), slot_align_bytes);
   }
 
   Plan plan() const { return impl_->plan(); }
+  // Element offset of each tensor inside its bucket (spec order).
+  std::vector<std::int64_t> slot_offsets() const {
+    std::vector<std::int64_t> out;
+    for (const TensorSlot& s : impl_->layout().slots) out.push_back(s.offset);
+    return out;
+  }
 
   // The Python layer checks the array of submit() against its spec and owns that message;
   // every array is re-checked here (cheaply) so a direct caller cannot corrupt a bucket.
@@ -358,8 +383,9 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<PyFused>(m, "FusedAllreduce")
       .def(py::init<const std::vector<std::tuple<std::string, std::int64_t, std::string>>&,
-                    std::int64_t, int, std::vector<py::object>, const PyComm*>())
+                    std::int64_t, int, std::vector<py::object>, const PyComm*, std::int64_t>())
       .def_property_readonly("plan", &PyFused::plan)
+      .def_property_readonly("slot_offsets", &PyFused::slot_offsets)
       .def("submit", &PyFused::submit)
       .def("submit_many", &PyFused::submit_many)
       .def("wait", &PyFused::wait)

@@ -1,12 +1,20 @@
 #include "buffer.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <stdexcept>
+#include <string>
 
 namespace tnt {
 
-FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan) {
+FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan,
+                         std::int64_t align_bytes) {
+  if (align_bytes < 1 || align_bytes > 4096 || (align_bytes & (align_bytes - 1)) != 0) {
+    throw std::invalid_argument("slot alignment must be a power of two between 1 and 4096 bytes, got " +
+                                std::to_string(align_bytes));
+  }
   FusionLayout layout;
   layout.slots.assign(specs.size(), TensorSlot{-1, 0, 0});
   layout.buckets.reserve(plan.size());
@@ -14,12 +22,15 @@ FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan)
     BucketLayout bucket;
     if (plan[b].empty()) throw std::logic_error("empty bucket in plan");
     bucket.dtype = specs.at(static_cast<std::size_t>(plan[b].front())).dtype;
+    const std::int64_t step =
+        std::max<std::int64_t>(1, align_bytes / static_cast<std::int64_t>(dtype_size(bucket.dtype)));
     for (const std::int64_t t : plan[b]) {
       const TensorSpec& s = specs.at(static_cast<std::size_t>(t));
       if (s.dtype != bucket.dtype) throw std::logic_error("bucket mixes dtypes");
       if (layout.slots[static_cast<std::size_t>(t)].bucket != -1) {
         throw std::logic_error("tensor in two buckets");
       }
+      bucket.count = (bucket.count + step - 1) / step * step;
       layout.slots[static_cast<std::size_t>(t)] = {static_cast<std::int64_t>(b), bucket.count, s.count};
       bucket.count += s.count;
       bucket.tensors.push_back(t);
@@ -39,6 +50,7 @@ FusionBuffer::FusionBuffer(std::size_t nbytes) : size_(nbytes) {
   const std::size_t rounded = ((nbytes + kAlign - 1) / kAlign) * kAlign;
   void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
   if (p == nullptr) throw std::bad_alloc();
+  std::memset(p, 0, rounded == 0 ? kAlign : rounded);  // padding between slots stays zero
   data_.reset(static_cast<std::byte*>(p));
 }
 

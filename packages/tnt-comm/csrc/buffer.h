@@ -30,9 +30,13 @@ struct FusionLayout {
   std::vector<TensorSlot> slots;  // indexed by tensor
 };
 
-// Packs each bucket's tensors back to back in plan order (no padding: a bucket holds
-// one dtype, so every tensor stays aligned to its element size).
-FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan);
+// Packs each bucket's tensors in plan order, each starting at a multiple of
+// `align_bytes` from the bucket's start (1: back to back; a bucket holds one dtype, so
+// every tensor stays aligned to its element size). Padding between slots is reduced
+// with the rest (zeros). TensorFlow hands out a slice of a tensor without copying only
+// when it starts 64-byte aligned: tnt-keras asks for 64.
+FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan,
+                         std::int64_t align_bytes = 1);
 
 // One bucket's bytes, heap-allocated and 64-byte aligned. Shared so that arrays handed
 // to Python can keep it alive after the engine moved on to a fresh buffer.

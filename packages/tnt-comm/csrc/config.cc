@@ -34,6 +34,8 @@ Config load_config() {
   c.timeout_s = env_number(kTimeoutEnv, kDefaultTimeoutSeconds, "600");
   c.poll_spin_us = env_number(kPollSpinEnv, kDefaultPollSpinUs, "200", true);
   c.poll_max_sleep_us = env_number(kPollMaxSleepEnv, kDefaultPollMaxSleepUs, "200");
+  c.wait_spin_us = env_number(kWaitSpinEnv, kDefaultWaitSpinUs, "1000", true);
+  c.handoff_spin_us = env_number(kHandoffSpinEnv, -1.0, "30", true);
   return c;
 }
 

@@ -19,6 +19,16 @@ inline constexpr double kDefaultPollSpinUs = 200.0;
 inline constexpr const char* kPollMaxSleepEnv = "TNT_COMM_POLL_MAX_SLEEP_US";
 inline constexpr double kDefaultPollMaxSleepUs = 200.0;
 inline constexpr double kPollMinSleepUs = 10.0;
+// While a caller is blocked on a result, test without sleeping this long after the last
+// progress (Note [Polling]); 0 = sleep between tests as during backprop.
+inline constexpr const char* kWaitSpinEnv = "TNT_COMM_WAIT_SPIN_US";
+inline constexpr double kDefaultWaitSpinUs = 0.0;
+// How long either side of a hand-off spins before it blocks (Note [Hand-off]): a small
+// collective's result usually arrives within it; past it a futex wake-up is cheaper
+// than taking the core from the rank or thread being waited for. 0 = block at once.
+// Unset: kAutoHandoffSpinUs where every rank on the host has a spare core, else 0.
+inline constexpr const char* kHandoffSpinEnv = "TNT_COMM_HANDOFF_SPIN_US";
+inline constexpr double kAutoHandoffSpinUs = 30.0;
 
 // How often an idle communication thread wakes to answer stall queries of other ranks.
 inline constexpr std::chrono::milliseconds kIdleServiceInterval{50};
@@ -29,6 +39,8 @@ struct Config {
   double timeout_s = kDefaultTimeoutSeconds;
   double poll_spin_us = kDefaultPollSpinUs;
   double poll_max_sleep_us = kDefaultPollMaxSleepUs;
+  double wait_spin_us = kDefaultWaitSpinUs;
+  double handoff_spin_us = -1.0;  // -1: unset, chosen by Engine::handoff_spin_us()
 };
 
 // Reads all TNT_COMM_* variables. Throws std::invalid_argument naming the variable,

@@ -9,11 +9,11 @@
 #include <unistd.h>
 
 #include "errors.h"
+#include "spin.h"
 #include "stall.h"
 
 namespace tnt {
 
-using Clock = std::chrono::steady_clock;
 using Micros = std::chrono::duration<double, std::micro>;
 
 namespace {
@@ -84,6 +84,7 @@ void Engine::enqueue(std::shared_ptr<Task> task) {
 bool Engine::admit(std::shared_ptr<Task>& task, std::string& why) {
   if (!stopping_ && broken_.empty()) {
     queue_.push_back(std::move(task));
+    pokes_.fetch_add(1, std::memory_order_release);
     cv_.notify_one();
     return true;
   }
@@ -102,7 +103,15 @@ void Engine::await(std::future<void>& done, const std::string& what) {
   wait_for(done, what);
 }
 
-void Engine::wait_for(std::future<void>& done, const std::string& what) {  // Every request has its own deadline on the thread; this only catches a thread that
+void Engine::wait_for(std::future<void>& done, const std::string& what) {
+  // Note [Hand-off]: the result of a short collective arrives within the spin; a
+  // futex wake-up would cost more than the collective.
+  const auto ready = [&done] { return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
+  if (spin_until(ready, Clock::now() + std::chrono::duration_cast<Clock::duration>(Micros(handoff_spin_us())))) {
+    done.get();
+    return;
+  }
+  // Every request has its own deadline on the thread; this only catches a thread that
   // stopped looping (stuck in a blocking MPI call, e.g. a split a rank never joined).
   while (done.wait_for(std::chrono::milliseconds(500)) == std::future_status::timeout) {
     if (thread_stuck()) {
@@ -132,6 +141,7 @@ void Engine::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    pokes_.fetch_add(1, std::memory_order_release);
     cv_.notify_one();
   }
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
@@ -141,6 +151,7 @@ void Engine::abort(int code) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     abort_code_ = code;
+    pokes_.fetch_add(1, std::memory_order_release);
     cv_.notify_one();
   }
   // The thread reacts within one poll interval; if it cannot (stuck inside MPI), abort
@@ -163,6 +174,7 @@ void Engine::mark_broken(const std::string& why) {
 Engine::Waiting::Waiting(Engine& e) : e_(e) {
   std::lock_guard<std::mutex> lock(e_.mu_);
   e_.waiting_.fetch_add(1);
+  e_.pokes_.fetch_add(1, std::memory_order_release);
   e_.cv_.notify_one();  // a sleeping thread now polls without sleeping
 }
 
@@ -171,7 +183,7 @@ Engine::Waiting::Waiting(Engine& e, std::shared_ptr<Task> task) : e_(e) {
   {
     std::lock_guard<std::mutex> lock(e_.mu_);
     e_.waiting_.fetch_add(1);
-    if (e_.admit(task, why)) return;  // one lock and one wake-up for both
+    if (e_.admit(task, why)) return;  // admit pokes  // one lock and one wake-up for both
   }
   e_.fail(*task, why);
 }
@@ -221,19 +233,37 @@ void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
 // TNT_COMM_POLL_SPIN_US after any progress (a short collective completes within it), and
 // again the moment a caller starts waiting (woken at once, not after its sleep); past
 // that it sleeps between tests. While a caller waits (nothing else needs this core) the
-// sleeps stay at kPollMinSleepUs, so a peer arriving late or a long transfer's protocol
-// rounds lose little; otherwise (backprop computing) they double up to
-// TNT_COMM_POLL_MAX_SLEEP_US and return to the minimum after every progress. With more
-// ranks on the host than cores they double also while a caller waits: measured on 3 ranks
-// on 2 cores, 100k wake-ups per second took the CPU from the slower rank. A new task
-// wakes the thread at once; its timer slack is 1 ns so short sleeps stay short.
-// benchmarks/allreduce.py measures the latency this gives.
+// sleeps stay at kPollMinSleepUs, after an optional tight test loop of
+// TNT_COMM_WAIT_SPIN_US (default 0: on this 2-core VM every spinning thread takes the
+// core some other thread of the job needs); otherwise (backprop computing) they double up
+// to TNT_COMM_POLL_MAX_SLEEP_US and return to the minimum after every progress. With
+// more ranks on the host than cores they double also while a caller waits: measured on
+// 3 ranks on 2 cores, 100k wake-ups per second took the CPU from the slower rank. No
+// spin ever calls sched_yield (see spin.h). A new task wakes the thread at once; its
+// timer slack is 1 ns so short sleeps stay short.
+//
+// Note [Hand-off]
+// A blocking call is two hand-offs between threads: the caller's task to this thread,
+// its result back, each a futex wake-up (10-15 us on this VM, more under load). Where
+// every rank on the host has a spare core for its second thread (e.g. one rank per GPU
+// on a many-core node), both sides spin instead, bounded by TNT_COMM_HANDOFF_SPIN_US
+// (default 30 us there, 0 elsewhere): the caller on its result before it sleeps (Engine::wait_for,
+// FusedAllreduce::wait), and this thread, after a task a caller waited for completed,
+// on `pokes_` before it sleeps idle, so the caller's next call is taken without a
+// wake-up. Without a spare core a spinner holds the very core the other thread needs:
+// measured on 2 ranks on 2 cores, a 4 B allreduce took ~35-45 us without the spins,
+// ~95 us with 30 us spins and ~260 us with 100 us spins. So there they are off.
+// benchmarks/allreduce.py measures the latency.
 void Engine::loop() {
+  const auto spin = std::chrono::duration_cast<Clock::duration>(Micros(config_.poll_spin_us));
+  const auto wait_spin = std::chrono::duration_cast<Clock::duration>(Micros(config_.wait_spin_us));
+  const auto handoff = std::chrono::duration_cast<Clock::duration>(Micros(handoff_spin_us()));
   auto last_progress = Clock::now();
   auto last_serve = last_progress;
+  Clock::time_point idle_spin_until{};  // Note [Hand-off]
   bool was_waiting = false;
-  // More ranks on this host than cores: short sleeps would take the core from the rank
-  // being waited for (see Note [Polling]).
+  // More ranks on this host than cores: spinning and short sleeps would take the core
+  // from the rank being waited for (see Note [Polling]).
   const bool oversubscribed =
       static_cast<unsigned>(world_.local_size) > std::max(1u, std::thread::hardware_concurrency());
   double sleep_us = kPollMinSleepUs;
@@ -248,6 +278,11 @@ void Engine::loop() {
         take_startable(starting);
         if (!starting.empty() || !active_.empty()) break;
         if (stopping_ && queue_.empty()) break;
+        if (Clock::now() < idle_spin_until) {  // Note [Hand-off]
+          spin_for_work(lock, idle_spin_until);
+          idle_spin_until = {};
+          continue;
+        }
         // Idle: sleep, waking now and then to answer other ranks' stall queries.
         if (cv_.wait_for(lock, kIdleServiceInterval) == std::cv_status::timeout) {
           lock.unlock();
@@ -274,6 +309,7 @@ void Engine::loop() {
     if (progressed) {
       last_progress = now;
       sleep_us = kPollMinSleepUs;
+      if (waiting) idle_spin_until = now + handoff;
       continue;
     }
     for (Active& a : active_) {
@@ -299,7 +335,11 @@ void Engine::loop() {
       sleep_us = kPollMinSleepUs;
     }
     was_waiting = waiting;
-    if (now - last_progress < Micros(config_.poll_spin_us)) continue;
+    const auto quiet = now - last_progress;
+    if (quiet < spin || (waiting && !oversubscribed && quiet < wait_spin)) {
+      for (int i = 0; i < 8; ++i) cpu_relax();
+      continue;
+    }
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, Micros(sleep_us), [this, waiting] {
       return !queue_.empty() || (waiting_ > 0 && !waiting) || stopping_ || abort_code_ >= 0;
@@ -307,6 +347,24 @@ void Engine::loop() {
     if (!waiting || oversubscribed) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
   }
   finish_shutdown();
+}
+
+double Engine::handoff_spin_us() const {
+  if (config_.handoff_spin_us >= 0.0) return config_.handoff_spin_us;  // set by the user
+  // Note [Hand-off]: by default only with a spare core per rank for its second thread.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return 2u * static_cast<unsigned>(std::max(1, world_.local_size)) <= cores ? kAutoHandoffSpinUs : 0.0;
+}
+
+bool Engine::spin_for_work(std::unique_lock<std::mutex>& lock, Clock::time_point until) {
+  // Read under mu_, after the queue was found empty: a poke after this is never missed.
+  const std::uint64_t seen = pokes_.load(std::memory_order_acquire);
+  lock.unlock();
+  const bool poked =
+      spin_until([&] { return pokes_.load(std::memory_order_acquire) != seen; }, until);
+  heartbeat_ns_.store(now_ns());
+  lock.lock();
+  return poked;
 }
 
 void Engine::finish_shutdown() {

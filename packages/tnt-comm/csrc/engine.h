@@ -31,6 +31,8 @@ struct WorldInfo {
   std::string library;
 };
 
+using Clock = std::chrono::steady_clock;
+
 class Engine {
  public:
   using ControlFactory = std::function<std::unique_ptr<ControlPlane>()>;
@@ -117,6 +119,14 @@ class Engine {
   void fail(Task& task, const std::string& why) noexcept;
   bool admit(std::shared_ptr<Task>& task, std::string& why);  // with mu_ held
   void wait_for(std::future<void>& done, const std::string& what);
+  // Spins (bounded) for work after a task a caller waited for completed; false if none came.
+  bool spin_for_work(std::unique_lock<std::mutex>& lock, Clock::time_point until);
+ public:
+  // TNT_COMM_HANDOFF_SPIN_US if set; else 30 us where every rank on the host has a spare
+  // core, 0 where not (Note [Hand-off]).
+  double handoff_spin_us() const;
+
+ private:
   void finish_shutdown();
 
   const Config config_;
@@ -141,6 +151,9 @@ class Engine {
   std::string broken_;
   int abort_code_ = -1;
   std::atomic<int> waiting_{0};  // callers blocked in await(); raised under mu_
+  // Raised (under mu_) by everything that gives the thread work or a reason to look: a
+  // new task, a new waiter, shutdown, abort. The idle spin watches it (Note [Hand-off]).
+  std::atomic<std::uint64_t> pokes_{0};
   std::atomic<int> local_work_{0};
   std::atomic<std::int64_t> heartbeat_ns_{0};  // last loop iteration of the thread
   std::thread thread_;

@@ -1,6 +1,7 @@
 #include "fused.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -10,6 +11,7 @@
 #include "arith.h"
 #include "config.h"
 #include "errors.h"
+#include "spin.h"
 #include "task.h"
 
 namespace tnt {
@@ -38,6 +40,7 @@ struct FusedAllreduce::State {
   std::vector<char> submitted;
   std::size_t next_bucket = 0;
   std::size_t done_count = 0;
+  std::atomic<std::size_t> finished{0};  // done_count, readable without mu (the caller's spin)
   bool closed = false;
   std::string broken;
 
@@ -55,6 +58,7 @@ struct FusedAllreduce::State {
     std::fill(submitted.begin(), submitted.end(), 0);
     next_bucket = 0;
     done_count = 0;
+    finished.store(0, std::memory_order_relaxed);
   }
 };
 
@@ -103,6 +107,7 @@ class BucketTask final : public Task {
     bs.done = true;
     bs.error = error;
     ++s_->done_count;
+    s_->finished.store(s_->done_count, std::memory_order_release);
     s_->cv.notify_all();
   }
 
@@ -124,7 +129,7 @@ std::uint64_t fnv1a(std::uint64_t h, std::int64_t v) {
 // All ranks must agree on counts, dtypes, threshold and op (names may differ).
 void verify_same_everywhere(Engine& engine, const std::shared_ptr<Comm>& comm,
                             const std::vector<TensorSpec>& specs, std::int64_t threshold,
-                            ReduceOp op) {
+                            ReduceOp op, std::int64_t align) {
   struct Sig {
     std::uint64_t hash;
     std::int64_t n;
@@ -135,6 +140,7 @@ void verify_same_everywhere(Engine& engine, const std::shared_ptr<Comm>& comm,
   std::uint64_t h = 14695981039346656037ull;
   h = fnv1a(h, threshold);
   h = fnv1a(h, static_cast<std::int64_t>(op));
+  h = fnv1a(h, align);
   std::int64_t elements = 0;
   for (const auto& s : specs) {
     h = fnv1a(fnv1a(h, s.count), static_cast<std::int64_t>(s.dtype));
@@ -156,7 +162,8 @@ void verify_same_everywhere(Engine& engine, const std::shared_ptr<Comm>& comm,
     }
     if (bad) {
       throw std::invalid_argument(
-          "FusedAllreduce: the tensor specs, threshold_bytes or op differ across ranks (" +
+          "FusedAllreduce: the tensor specs, threshold_bytes, op or slot_alignment differ across "
+          "ranks (" +
           differ.str() +
           "). Every rank must build it from the same ordered list of (count, dtype), e.g. the "
           "model's trainable weights in the same order.");
@@ -180,13 +187,13 @@ void verify_same_everywhere(Engine& engine, const std::shared_ptr<Comm>& comm,
 // construction), and engines can never cross.
 FusedAllreduce::FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm,
                                std::vector<TensorSpec> specs, std::int64_t threshold_bytes,
-                               ReduceOp op)
+                               ReduceOp op, std::int64_t slot_align_bytes)
     : state_(std::make_shared<State>()) {
   State& s = *state_;
   s.engine = &engine;
   s.comm = std::move(comm);
   s.plan = plan_buckets(specs, threshold_bytes);
-  s.layout = make_layout(specs, s.plan);
+  s.layout = make_layout(specs, s.plan, slot_align_bytes);
   s.specs = std::move(specs);
   s.op = op;
   if (op == ReduceOp::kAvg) {
@@ -198,12 +205,13 @@ FusedAllreduce::FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm,
   s.buckets.resize(s.plan.size());
   s.submitted.assign(s.specs.size(), 0);
   s.arm_round();
-  verify_same_everywhere(engine, s.comm, s.specs, threshold_bytes, op);
+  verify_same_everywhere(engine, s.comm, s.specs, threshold_bytes, op, slot_align_bytes);
 }
 
 FusedAllreduce::~FusedAllreduce() { close(); }
 
 const Plan& FusedAllreduce::plan() const { return state_->plan; }
+const FusionLayout& FusedAllreduce::layout() const { return state_->layout; }
 const std::vector<TensorSpec>& FusedAllreduce::specs() const { return state_->specs; }
 
 void FusedAllreduce::submit(std::int64_t index, const void* data, std::int64_t count, DType dtype) {
@@ -289,6 +297,11 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeout_s));
   Engine::Waiting waiting(*s.engine);  // the thread completes buckets without sleeping
+  // Note [Hand-off] in engine.cc: the last bucket of a short round lands within the spin.
+  spin_until([&s] { return s.finished.load(std::memory_order_acquire) >= s.buckets.size(); },
+             std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double, std::micro>(s.engine->handoff_spin_us())));
   std::unique_lock<std::mutex> lock(s.mu);
   while (s.done_count < s.buckets.size() && !s.closed && s.broken.empty()) {
     if (s.cv.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +

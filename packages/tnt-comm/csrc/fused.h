@@ -28,13 +28,16 @@ class FusedAllreduce {
   // checks, and raises on every rank if they differ). Blocking: release the GIL.
   // `comm`: the communicator to reduce over; use one per engine (Note [One communicator
   // per engine] in fused.cc).
+  // `slot_align_bytes`: each tensor starts at a multiple of it inside its bucket
+  // (make_layout); 1 packs them back to back.
   FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm, std::vector<TensorSpec> specs,
-                 std::int64_t threshold_bytes, ReduceOp op);
+                 std::int64_t threshold_bytes, ReduceOp op, std::int64_t slot_align_bytes = 1);
   ~FusedAllreduce();
   FusedAllreduce(const FusedAllreduce&) = delete;
   FusedAllreduce& operator=(const FusedAllreduce&) = delete;
 
   const Plan& plan() const;
+  const FusionLayout& layout() const;
   const std::vector<TensorSpec>& specs() const;
 
   // Copies `data` (count elements of dtype) into the tensor's bucket slot; launches the

@@ -67,6 +67,10 @@ def test_bad_timeout_variable_names_itself() -> None:
     assert "TNT_COMM_TIMEOUT='soon' is not a number > 0" in proc.stderr
     proc = _python("import tnt_comm as t\nt.init()", TNT_COMM_POLL_SPIN_US="-3")
     assert "TNT_COMM_POLL_SPIN_US='-3' is not a number >= 0" in proc.stderr
+    proc = _python("import tnt_comm as t\nt.init()", TNT_COMM_WAIT_SPIN_US="long")
+    assert "TNT_COMM_WAIT_SPIN_US='long' is not a number >= 0" in proc.stderr
+    proc = _python("import tnt_comm as t\nt.init()", TNT_COMM_HANDOFF_SPIN_US="-1")
+    assert "TNT_COMM_HANDOFF_SPIN_US='-1' is not a number >= 0" in proc.stderr
 
 
 def test_mpi4py_initialised_first() -> None:

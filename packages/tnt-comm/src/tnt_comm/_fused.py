@@ -71,6 +71,12 @@ class FusedAllreduce:
     ``comm``: the ranks to reduce over (e.g. a replica group from ``world().split``);
     default: the world. Either way the engine works on its own duplicate of it, so two
     engines used at the same time can never mix up their buckets.
+
+    ``slot_alignment``: each tensor starts at a multiple of this many bytes inside its
+    bucket (a power of two; 1 packs them back to back). With 64, a framework can take
+    each tensor out of a ``wait_buckets`` result without a copy (TensorFlow shares a
+    slice's memory only when it starts 64-byte aligned); ``slot_offsets`` says where
+    each tensor starts. The padding is zeros.
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class FusedAllreduce:
         threshold_bytes: int,
         op: Op = Op.SUM,
         comm: Communicator | None = None,
+        slot_alignment: int = 1,
     ) -> None:
         self._specs = tuple(specs)
         raw = _raw(self._specs)
@@ -87,15 +94,26 @@ class FusedAllreduce:
             raise TypeError(f"FusedAllreduce: comm must be a tnt_comm.Communicator, got {type(comm).__name__}")
         _runtime.ensure()
         self._core = _core.FusedAllreduce(
-            raw, int(threshold_bytes), int(op), [s.dtype for s in self._specs], None if comm is None else comm._core
+            raw,
+            int(threshold_bytes),
+            int(op),
+            [s.dtype for s in self._specs],
+            None if comm is None else comm._core,
+            int(slot_alignment),
         )
         self._plan = [list(b) for b in self._core.plan]
+        self._offsets = list(self._core.slot_offsets)
         self._op = op
 
     @property
     def plan(self) -> list[list[int]]:
         """The buckets, as lists of spec indices in launch order (see plan_buckets)."""
         return [list(b) for b in self._plan]
+
+    @property
+    def slot_offsets(self) -> list[int]:
+        """Where each tensor (spec order) starts inside its bucket, in elements."""
+        return list(self._offsets)
 
     @property
     def specs(self) -> tuple[TensorSpec, ...]:
@@ -132,9 +150,10 @@ class FusedAllreduce:
     def wait_buckets(self) -> list[np.ndarray]:
         """As ``wait``, but one 1-D array per bucket, in plan order; re-arms.
 
-        Bucket ``b`` holds the tensors ``plan[b]`` back to back in that order, so
-        ``np.split(result[b], np.cumsum(counts)[:-1])`` gives them. With many small
-        tensors this skips creating one array object per tensor.
+        Bucket ``b`` holds the tensors ``plan[b]`` in that order, back to back (so
+        ``np.split(result[b], np.cumsum(counts)[:-1])`` gives them) unless
+        ``slot_alignment`` > 1: tensor ``i`` then starts at ``slot_offsets[i]``. With many
+        small tensors this skips creating one array object per tensor.
         """
         return self._core.wait_buckets()
 

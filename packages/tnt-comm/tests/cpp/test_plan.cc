@@ -58,6 +58,20 @@ TNT_TEST(layout_offsets) {
   CHECK_THROWS(make_layout(s, Plan{{0, 1}, {1, 2, 3}}), std::logic_error, "two buckets");
 }
 
+TNT_TEST(layout_aligned_slots) {
+  // 64-byte slots: float32 tensors start at multiples of 16 elements.
+  const auto s = issue_specs();
+  const auto layout = make_layout(s, Plan{{0, 1, 2, 3}}, 64);
+  CHECK(layout.slots[0].offset == 0);
+  CHECK(layout.slots[1].offset == 96);   // 94 -> 96
+  CHECK(layout.slots[2].offset == 128);  // 96 + 17 = 113 -> 128
+  CHECK(layout.slots[3].offset == 144);  // 128 + 2 = 130 -> 144
+  CHECK(layout.buckets[0].count == 144 + 81);
+  CHECK(make_layout(s, Plan{{0, 1, 2, 3}}, 2).slots[1].offset == 94);  // below the element size
+  CHECK_THROWS(make_layout(s, Plan{{0, 1, 2, 3}}, 48), std::invalid_argument, "power of two");
+  CHECK_THROWS(make_layout(s, Plan{{0, 1, 2, 3}}, 0), std::invalid_argument, "power of two");
+}
+
 TNT_TEST(buffer_reuse_only_when_unshared) {
   auto a = std::make_shared<FusionBuffer>(100);
   CHECK(a->size() == 100);

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -312,6 +313,46 @@ def fused_submit_many_is_all_or_nothing() -> None:
         expect_equal(b, np.full(2, N, np.float32), "bias after failed batches")
         expect_equal(k, np.full(4, N, np.float32), "after failed batches")
         expect_equal(st, np.full(1, N, np.int64), "int64 after failed batches")
+
+
+@check
+def back_to_back_small_collectives_and_late_ranks() -> None:
+    # The hand-off paths (Note [Hand-off]): calls that follow each other within the
+    # spin windows, mixed with a fused round, and a rank that arrives late so the other
+    # waits past the spins (sleeps). Every result is checked.
+    with t.FusedAllreduce([t.TensorSpec("g", 1024, "float32")], 1 << 20) as f:
+        for it in range(300):
+            if it % 50 == 49 and R == it // 50 % N:
+                time.sleep(0.003)  # this rank is late for this round
+            got = t.allreduce(np.array([it * (R + 1)], np.int64))
+            expect_equal(got, np.array([it * RANK_SUM], np.int64), f"4-byte allreduce {it}")
+            f.submit(0, np.full(1024, it + R, np.float32))
+            (b,) = f.wait_buckets()
+            want = np.full(1024, N * it + N * (N - 1) // 2, np.float32)
+            expect_equal(b, want, f"fused round {it}")
+
+
+@check
+def fused_slots_aligned_to_64_bytes() -> None:
+    specs = [t.TensorSpec("a", 5, "float32"), t.TensorSpec("b", 17, "float32"),
+             t.TensorSpec("c", 3, "float64"), t.TensorSpec("d", 9, "float64")]
+    with t.FusedAllreduce(specs, 1 << 20, slot_alignment=64) as f:
+        # float32 slots at multiples of 16 elements, float64 at multiples of 8
+        assert f.slot_offsets == [0, 16, 0, 8], f.slot_offsets
+        for it in range(3):
+            for i, sp in enumerate(specs):
+                f.submit(i, np.full(sp.count, it + R + i, sp.dtype))
+            buckets = f.wait_buckets()
+            for i, sp in enumerate(specs):
+                b = next(k for k, members in enumerate(f.plan) if i in members)
+                got = buckets[b][f.slot_offsets[i]:f.slot_offsets[i] + sp.count]
+                expect_equal(got, np.full(sp.count, N * (it + i) + N * (N - 1) // 2, sp.dtype), f"slot {i}")
+            expect_equal(buckets[0][5:16], np.zeros(11, np.float32), "padding")
+            for i, sp in enumerate(specs):
+                f.submit(i, np.full(sp.count, R, sp.dtype))
+            per_tensor = f.wait()
+            expect_equal(per_tensor[1], np.full(17, N * (N - 1) // 2, np.float32), "wait() with padding")
+    expect_raises(ValueError, "power of two", t.FusedAllreduce, specs, 0, t.Op.SUM, None, 48)
 
 
 @check

@@ -6,7 +6,10 @@ inputs exist, so a bucket goes to the engine (and on the wire) the moment its la
 gradient is computed, while backprop of earlier layers continues. One wait op then
 returns each bucket's SUM as one flat tensor, which the graph splits into the slots.
 One Python call per bucket (not per tensor) keeps the step's host overhead independent
-of the number of weights. The engine buckets the tensors by a plan that is a pure
+of the number of weights. No extra pass over the gradients: a rank without data masks
+its gradients inside the submit (zeros instead of the values: rare, so free in the common
+case), and every slot starts 64-byte aligned in its bucket, so ``tf.split`` hands out
+views instead of copies. The engine buckets the tensors by a plan that is a pure
 function of the specs and the fusion threshold, so every rank issues the same
 collectives in the same order.
 
@@ -33,6 +36,9 @@ import tensorflow as tf
 import tnt_comm
 
 _TOKEN = np.zeros((), dtype=np.int32)
+# TensorFlow's Split shares the input's memory for an output that starts 64-byte aligned
+# (EIGEN_MAX_ALIGN_BYTES) and copies the others.
+_SLOT_ALIGNMENT = 64
 
 
 _start_variable: tf.Variable | None = None
@@ -70,26 +76,42 @@ class GraphReducer:
     def __init__(self, slots: Sequence[Slot], threshold_bytes: int) -> None:
         self.slots = list(slots)
         specs = [tnt_comm.TensorSpec(s.name, s.count, s.dtype.as_numpy_dtype) for s in self.slots]
-        self._engine = tnt_comm.FusedAllreduce(specs, threshold_bytes, tnt_comm.Op.SUM)
+        self._engine = tnt_comm.FusedAllreduce(
+            specs, threshold_bytes, tnt_comm.Op.SUM, slot_alignment=_SLOT_ALIGNMENT
+        )
         self._plan = self._engine.plan
+        self._offsets = self._engine.slot_offsets
 
     @property
     def plan(self) -> list[list[int]]:
         return [list(b) for b in self._plan]
 
-    def _submit_np(self, members: list[int], _start: np.ndarray, *values: np.ndarray) -> np.ndarray:
-        self._engine.submit_many(members, [np.ascontiguousarray(v).reshape(-1) for v in values])
+    def _submit_np(
+        self, members: list[int], keep_from: int, _start: np.ndarray, keep: np.ndarray, *values: np.ndarray
+    ) -> np.ndarray:
+        arrays = [np.ascontiguousarray(v).reshape(-1) for v in values]
+        if not keep:  # a rank without data: zeros for the masked slots (rare)
+            arrays = [np.zeros_like(a) if i >= keep_from else a for i, a in zip(members, arrays)]
+        self._engine.submit_many(members, arrays)
         return _TOKEN
 
     def _wait_np(self, *_tokens: np.ndarray) -> list[np.ndarray]:
         return list(self._engine.wait_buckets())
 
-    def reduce(self, values: Sequence[tf.Tensor], start: tf.Tensor | None = None) -> list[tf.Tensor]:
+    def reduce(
+        self,
+        values: Sequence[tf.Tensor],
+        start: tf.Tensor | None = None,
+        keep: tf.Tensor | None = None,
+        keep_from: int = 0,
+    ) -> list[tf.Tensor]:
         """The SUM over ranks of each value (one per slot, in slot order), shaped like it.
 
         ``start``: a run-time-only tensor every submit op waits for (see the module
         docstring); :func:`start_token` made here when not given. Passing the result of
-        an earlier reduction orders this one after it on every rank.
+        an earlier reduction orders this one after it on every rank. ``keep``: a scalar
+        bool; where false, the slots from ``keep_from`` on contribute zeros (this rank's
+        values there are garbage, e.g. gradients of an empty micro-batch's stand-in rows).
         """
         if len(values) != len(self.slots):
             raise ValueError(f"GraphReducer.reduce: {len(values)} values for {len(self.slots)} slots")
@@ -100,14 +122,15 @@ class GraphReducer:
         ]
         if start is None:
             start = start_token()
+        keep = tf.constant(True) if keep is None else tf.convert_to_tensor(keep, tf.bool)
         # stateful=False on purpose: a stateful op would be chained after every earlier
         # side-effecting op of the step (tf.function's automatic control dependencies), so
         # no bucket could start before backprop ends. The start token keeps Grappler from
         # constant-folding it instead.
         tokens = [
             tf.numpy_function(
-                lambda *arrays, members=members: self._submit_np(members, *arrays),
-                [start, *(values[i] for i in members)],
+                lambda *arrays, members=members: self._submit_np(members, keep_from, *arrays),
+                [start, keep, *(values[i] for i in members)],
                 tf.int32,
                 stateful=False,
                 name="tnt_submit_bucket",
@@ -123,11 +146,19 @@ class GraphReducer:
         )
         out: list[tf.Tensor | None] = [None] * len(self.slots)
         for members, flat in zip(self._plan, buckets):
-            counts = [self.slots[i].count for i in members]
-            flat.set_shape([sum(counts)])
-            parts = tf.split(flat, counts) if len(members) > 1 else [flat]
-            for i, part in zip(members, parts):
-                out[i] = tf.reshape(part, self.slots[i].shape)
+            # pieces: each slot, and the padding before the next slot where there is any
+            sizes, slot_piece = [], []
+            for k, i in enumerate(members):
+                slot_piece.append(len(sizes))
+                sizes.append(self.slots[i].count)
+                end = self._offsets[i] + self.slots[i].count
+                pad = self._offsets[members[k + 1]] - end if k + 1 < len(members) else 0
+                if pad:
+                    sizes.append(pad)
+            flat.set_shape([sum(sizes)])
+            parts = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
+            for i, p in zip(members, slot_piece):
+                out[i] = tf.reshape(parts[p], self.slots[i].shape)
         return out
 
     def close(self) -> None:

@@ -190,12 +190,10 @@ class DistributedSteps:
         b = tf.cast(local_n, tf.float32)
         before, contribution = self._train_metrics.contributions(begun, local_n, has_data)
         weighted = [g if sizes is not None else g * tf.cast(b, g.dtype) for g in reversed(grads)]
-        to_reduce = [
-            tf.reshape(b, [1]),
-            *contribution,
-            *(tf.where(has_data, g, tf.zeros_like(g)) for g in weighted),
-        ]
-        return before, to_reduce
+        # No tf.where pass here: the reducer submits zeros for the gradients of a rank
+        # without data (GraphReducer.reduce, keep=has_data).
+        to_reduce = [tf.reshape(b, [1]), *contribution, *weighted]
+        return before, to_reduce, has_data
 
     def _global_part(self, before, reduced, divide_by_total: bool):
         """Everything after the exchange: global metric states, then the optimizer step."""
@@ -220,13 +218,15 @@ class DistributedSteps:
             model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
-        before, to_reduce = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
+        before, to_reduce, has_data = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
         if has_sync_batch_norm(model):
             # Its collectives run inside backprop: no bucket may start before they end,
             # or ranks could interleave the two kinds differently.
             with tf.control_dependencies(to_reduce):
                 start = tf.identity(start)
-        reduced = self.train_reducer().reduce(to_reduce, start=start)
+        reduced = self.train_reducer().reduce(
+            to_reduce, start=start, keep=has_data, keep_from=1 + len(before)
+        )
         done = self._compiled("global", self._global_part)(before, reduced, sizes is None)
         with tf.control_dependencies([done]):  # read the metrics after they became global
             return model.get_metrics_result()

@@ -1,0 +1,224 @@
+"""Host cost of the graph bridge per bucket, and overlap with and without jit_compile.
+
+    mpirun -n 2 python benchmarks/step_bridge.py [--quick]
+
+1. ``step_host_overhead_per_bucket_us``: an MLP of 16 Dense(32) layers (33 gradient and
+   metric tensors, tiny compute) trained by ``tnt.Model`` with ``TNT_FUSION_THRESHOLD=0``
+   (one bucket per tensor) and with a threshold that puts everything in one bucket,
+   timed round-robin in the same job. (step time with B buckets - step time with 1) /
+   (B - 1) is what one more bucket costs a training step: its submit op
+   (``tf.numpy_function``: GIL, array conversion), its slice of the wait op, the split,
+   and its collective's share not hidden by the others in flight.
+2. jit: ResNet-20 trained by ``tnt.Model`` (64 KB fusion threshold, so that there are
+   buckets to overlap) with ``jit_compile=False`` and ``True``,
+   round-robin: samples/s of each and ``overlap_fraction`` = the share of buckets
+   submitted earlier than the step's last submit by at least 5 % of the step (with jit
+   the part before the exchange is one XLA cluster, so every bucket is submitted, back to
+   back, when backprop has ended), and the spread of the submits over the step.
+
+The engine's submits are timed by wrapping the public ``tnt_comm.FusedAllreduce`` (as
+training.py does); tnt-keras is unchanged. Rank 0 prints a table and writes
+benchmarks/results/step_bridge.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import benchlib as bl  # first: pins threads before TensorFlow starts
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tarantella as tnt
+import tnt_comm
+
+bl.pin_threads(tf)
+
+HERE = Path(__file__).parent
+JIT_THRESHOLD_KB = 64  # ResNet-20's 1.09 MB of gradients in ~17 buckets
+EARLY_SHARE = 0.05  # submitted this share of the step before the last submit: overlapped
+
+
+class SubmitClock:
+    """perf_counter() of every submit since the last reset, and of every wait."""
+
+    submits: list[float] = []
+    waits: list[float] = []
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.submits, cls.waits = [], []
+
+
+class TimedEngine(tnt_comm.FusedAllreduce):
+    def submit_many(self, indices, arrays) -> None:
+        SubmitClock.submits.append(time.perf_counter())
+        super().submit_many(indices, arrays)
+
+    def wait_buckets(self):
+        SubmitClock.waits.append(time.perf_counter())
+        return super().wait_buckets()
+
+
+tnt_comm.FusedAllreduce = TimedEngine  # tnt-keras looks it up when building a reducer
+
+
+def mlp(depth: int = 16, width: int = 32) -> keras.Model:
+    layers = [keras.Input((width,))]
+    layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth - 1)]
+    layers += [keras.layers.Dense(bl.CLASSES)]
+    return keras.Sequential(layers)
+
+
+def epoch_seconds(model, ds, epochs: int) -> list[float]:
+    timer = bl.EpochTimer.make(keras)
+    model.fit(ds, epochs=epochs, verbose=0, callbacks=[timer])
+    return timer.seconds
+
+
+def bridge(quick: bool) -> dict:
+    steps, rounds = (40, 3) if quick else (100, 5)
+    rng = np.random.default_rng(0)
+    n = tnt.get_size()
+    x = rng.standard_normal((8 * n * steps, 32), dtype=np.float32)
+    y = rng.integers(0, bl.CLASSES, len(x)).astype(np.int32)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8 * n)
+    weights = mlp().get_weights()
+    models, buckets = {}, {}
+    for name, kb in (("one_bucket", 1 << 20), ("bucket_per_tensor", 0)):
+        os.environ["TNT_FUSION_THRESHOLD"] = str(kb)
+        m = tnt.Model(mlp())
+        os.environ.pop("TNT_FUSION_THRESHOLD")
+        m.set_weights(weights)
+        m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        SubmitClock.reset()
+        m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up: traces, builds the reducer
+        buckets[name] = len(SubmitClock.submits) // 2
+        models[name] = m
+    per_round = {k: [] for k in models}
+    for _ in range(rounds):
+        for name, m in models.items():
+            tnt_comm.barrier()
+            per_round[name].append(bl.median(epoch_seconds(m, ds, 1)) / steps)
+    step = {k: bl.median(v) for k, v in per_round.items()}
+    extra = buckets["bucket_per_tensor"] - buckets["one_bucket"]
+    per_bucket = [(b - a) / extra for a, b in zip(per_round["one_bucket"], per_round["bucket_per_tensor"])]
+    return {
+        "buckets": buckets,
+        "step_s": step,
+        "step_s_per_round": per_round,
+        "step_host_overhead_per_bucket_us": bl.median(per_bucket) * 1e6,
+    }
+
+
+def overlap(quick: bool) -> dict:
+    cfg = bl.MODELS["resnet"]
+    steps = max(4, cfg["steps"] // (2 if quick else 1))
+    rounds = 2 if quick else 4
+    n = tnt.get_size()
+    ds = bl.dataset(tf, "resnet", cfg["micro_batch"] * n, steps)
+    weights = bl.build(keras, "resnet").get_weights()
+    models = {}
+    for jit in (False, True):
+        os.environ["TNT_FUSION_THRESHOLD"] = str(JIT_THRESHOLD_KB)  # several buckets to overlap
+        m = tnt.Model(bl.build(keras, "resnet"))
+        os.environ.pop("TNT_FUSION_THRESHOLD")
+        m.set_weights(weights)
+        m.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                  jit_compile=jit)
+        m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up (traces and compiles)
+        models[f"jit_{str(jit).lower()}"] = m
+    sps = {k: [] for k in models}
+    fractions = {k: [] for k in models}
+    spreads = {k: [] for k in models}
+    for _ in range(rounds):
+        for name, m in models.items():
+            tnt_comm.barrier()
+            SubmitClock.reset()
+            seconds = epoch_seconds(m, ds, 1)
+            sps[name].append(cfg["micro_batch"] * n * steps / seconds[0])
+            # split the submits into steps at each wait (one wait per step)
+            submits, waits = SubmitClock.submits, SubmitClock.waits
+            start = 0
+            for prev, w in itertools.pairwise(waits):  # whole steps only: between two waits
+                step = [s for s in submits[start:] if prev < s <= w]
+                start = submits.index(step[-1]) + 1 if step else start
+                if step:
+                    last, period = max(step), w - prev
+                    fractions[name].append(sum(s < last - EARLY_SHARE * period for s in step) / len(step))
+                    spreads[name].append((last - min(step)) / period)
+    out = {}
+    for name in models:
+        out[name] = {
+            "samples_per_s": bl.median(sps[name]),
+            "overlap_fraction": float(np.mean(fractions[name])),
+            "submit_spread_share_of_step": bl.median(spreads[name]),
+        }
+    out["jit_over_nojit_speed"] = out["jit_true"]["samples_per_s"] / out["jit_false"]["samples_per_s"]
+    return out
+
+
+def rows(result: dict) -> list[dict]:
+    """summary.py's rows (it reads them from this JSON)."""
+    load = result["machine_before"]["loadavg"][0]
+    out = []
+    if "bridge" in result:
+        b = result["bridge"]
+        out.append({"name": "step_host_overhead_per_bucket_us", "value": b["step_host_overhead_per_bucket_us"],
+                    "target": 30.0, "higher_is_better": False, "unit": "us per bucket per step",
+                    "detail": f"MLP step {b['step_s']['one_bucket'] * 1e3:.2f} ms with "
+                              f"{b['buckets']['one_bucket']} bucket, {b['step_s']['bucket_per_tensor'] * 1e3:.2f} "
+                              f"ms with {b['buckets']['bucket_per_tensor']} (step_bridge.py, load {load:.1f})"})
+    if "jit" in result:
+        j = result["jit"]
+        out.append({"name": "overlap_fraction_jit", "value": j["jit_true"]["overlap_fraction"], "target": None,
+                    "higher_is_better": True, "unit": "share of buckets submitted before backprop ends",
+                    "detail": f"ResNet-20, 2 ranks: jit {j['jit_true']['samples_per_s']:.1f} samples/s vs no jit "
+                              f"{j['jit_false']['samples_per_s']:.1f} (overlap without jit "
+                              f"{j['jit_false']['overlap_fraction']:.2f}; step_bridge.py)"})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=("bridge", "jit"), default=None)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "step_bridge.json")
+    args = p.parse_args()
+    result = {"ranks": tnt.get_size(), "machine_before": bl.machine()}
+    if args.only in (None, "bridge"):
+        result["bridge"] = bridge(args.quick)
+    if args.only in (None, "jit"):
+        result["jit"] = overlap(args.quick)
+    result["machine_after"] = bl.machine()
+    result["rows"] = rows(result)
+    if tnt.get_rank() != 0:
+        return
+    load = result["machine_before"]["loadavg"][0]
+    print(f"\ngraph bridge on {result['ranks']} ranks (load {load:.2f} -> "
+          f"{result['machine_after']['loadavg'][0]:.2f})")
+    if "bridge" in result:
+        b = result["bridge"]
+        print(f"  MLP step: {b['step_s']['one_bucket'] * 1e3:.2f} ms with {b['buckets']['one_bucket']} bucket(s), "
+              f"{b['step_s']['bucket_per_tensor'] * 1e3:.2f} ms with {b['buckets']['bucket_per_tensor']}: "
+              f"step_host_overhead_per_bucket_us = {b['step_host_overhead_per_bucket_us']:.1f}")
+    if "jit" in result:
+        j = result["jit"]
+        for name in ("jit_false", "jit_true"):
+            print(f"  ResNet-20 {name}: {j[name]['samples_per_s']:.1f} samples/s, overlap_fraction "
+                  f"{j[name]['overlap_fraction']:.2f}, submits spread over "
+                  f"{100 * j[name]['submit_spread_share_of_step']:.1f} % of the step")
+        print(f"  jit / no jit speed: {j['jit_over_nojit_speed']:.3f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
