@@ -1,0 +1,115 @@
+"""The shard layers a rank builds in place of a split Keras layer.
+
+Each holds only its rank's slice of the serial layer's variables and computes what the
+serial layer computes, with the group collectives of ``_collectives`` where the shards'
+results meet. They are never saved: ``get_weights`` of a tensor-parallel model gathers the
+serial-shaped weights instead. The arithmetic mirrors Keras' own ``Dense``/``Embedding``
+call (matmul, add bias, activation; take), so only the summation order of a row split
+differs from serial. Variables start at zero (no random draw): the model assigns every
+shard its slice of the serial weights right after building.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
+
+
+def _dense_args(layer: keras.layers.Dense) -> dict:
+    return dict(name=layer.name, dtype=layer.dtype_policy)
+
+
+class ColumnDense(keras.layers.Layer):
+    """Output columns ``[rank*w, (rank+1)*w)`` of a Dense layer (kernel ``[:, cols]``,
+    bias ``[cols]``). With ``gather`` the group's columns are joined (allgather) before
+    the activation, so the output is the serial one; without, the output stays split and
+    a row-split layer must follow (through elementwise layers only)."""
+
+    def __init__(self, serial: keras.layers.Dense, group: TensorGroup, gather: bool) -> None:
+        super().__init__(**_dense_args(serial))
+        self.group = group
+        self.gather = gather
+        self.units = serial.units // group.size
+        self.full_units = serial.units
+        self.use_bias = serial.use_bias
+        self.activation = serial.activation
+
+    def build(self, input_shape) -> None:
+        self.kernel = self.add_weight(name="kernel", shape=(input_shape[-1], self.units),
+                                      initializer="zeros")
+        self.bias = self.add_weight(name="bias", shape=(self.units,),
+                                    initializer="zeros") if self.use_bias else None
+
+    def call(self, inputs):
+        x = ops.matmul(copy_to_group(inputs, self.group), self.kernel)
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        if self.gather:
+            x = gather_last_axis(x, self.group)
+        return self.activation(x) if self.activation is not None else x
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.full_units if self.gather else self.units)
+
+
+class RowDense(keras.layers.Layer):
+    """A Dense layer fed with its input's column slice ``rank``: kernel rows of that
+    slice; partial products SUM-allreduced, then the (replicated) bias and activation."""
+
+    def __init__(self, serial: keras.layers.Dense, group: TensorGroup) -> None:
+        super().__init__(**_dense_args(serial))
+        self.group = group
+        self.units = serial.units
+        self.use_bias = serial.use_bias
+        self.activation = serial.activation
+
+    def build(self, input_shape) -> None:
+        self.kernel = self.add_weight(name="kernel", shape=(input_shape[-1], self.units),
+                                      initializer="zeros")
+        self.bias = self.add_weight(name="bias", shape=(self.units,),
+                                    initializer="zeros") if self.use_bias else None
+
+    def call(self, inputs):
+        x = reduce_from_group(ops.matmul(inputs, self.kernel), self.group)
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        return self.activation(x) if self.activation is not None else x
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+
+class VocabEmbedding(keras.layers.Layer):
+    """Rows ``[rank*v, (rank+1)*v)`` of an Embedding table: ids outside them look up
+    zeros, and the group's SUM gives every id its one row (exact: one term is non-zero)."""
+
+    def __init__(self, serial: keras.layers.Embedding, group: TensorGroup) -> None:
+        super().__init__(name=serial.name, dtype=serial.dtype_policy)
+        self.group = group
+        self.rows = serial.input_dim // group.size
+        self.start = group.rank * self.rows
+        self.output_dim = serial.output_dim
+        self.mask_zero = serial.mask_zero
+        self.supports_masking = self.mask_zero
+
+    def build(self, input_shape=None) -> None:
+        self.embeddings = self.add_weight(name="embeddings", shape=(self.rows, self.output_dim),
+                                          initializer="zeros")
+
+    def call(self, inputs):
+        if inputs.dtype not in ("int32", "int64"):
+            inputs = ops.cast(inputs, "int32")
+        local = inputs - ops.cast(self.start, inputs.dtype)
+        inside = ops.logical_and(local >= 0, local < self.rows)
+        rows = ops.take(self.embeddings, ops.where(inside, local, ops.zeros_like(local)), axis=0)
+        rows = rows * ops.expand_dims(ops.cast(inside, rows.dtype), -1)
+        return reduce_from_group(rows, self.group)
+
+    def compute_mask(self, inputs, mask=None):
+        return ops.not_equal(inputs, 0) if self.mask_zero else None
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, self.output_dim)
+
