@@ -12,6 +12,7 @@ shard its slice of the serial weights right after building.
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
@@ -113,3 +114,28 @@ class VocabEmbedding(keras.layers.Layer):
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.output_dim)
 
+
+
+class SliceDropout(keras.layers.Layer):
+    """A Dropout layer between a column- and a row-split Dense: it draws the serial
+    layer's whole mask (same seed generator, so the same draws as serial Keras) and keeps
+    this rank's slice of its last axis, so training with dropout equals serial too."""
+
+    def __init__(self, serial: keras.layers.Dropout, group: TensorGroup) -> None:
+        super().__init__(name=serial.name, dtype=serial.dtype_policy)
+        self.group = group
+        self.rate = serial.rate
+        object.__setattr__(self, "_serial", serial)  # its seed generator; not tracked twice
+
+    def call(self, inputs, training=False):
+        if not training or self.rate <= 0:
+            return inputs
+        width = inputs.shape[-1]
+        whole = tf.concat([tf.shape(inputs)[:-1], [width * self.group.size]], axis=0)
+        mask = keras.random.dropout(tf.ones(whole, dtype=inputs.dtype), self.rate,
+                                    seed=self._serial.seed_generator)
+        start = self.group.rank * width
+        return inputs * mask[..., start:start + width]
+
+    def compute_output_shape(self, input_shape):
+        return input_shape

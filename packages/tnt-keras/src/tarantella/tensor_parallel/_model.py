@@ -25,8 +25,18 @@ from .._logging import logger
 from ..pipelining._graph import model_graph
 from ._collectives import TensorGroup
 from ._errors import TensorParallelError
-from ._layers import ColumnDense, RowDense, VocabEmbedding
-from ._plan import COLUMN, COLUMN_GATHER, REPLICATED, ROW, SPLIT_AXES, VOCAB, Plan, check_model, check_size
+from ._layers import ColumnDense, RowDense, SliceDropout, VocabEmbedding
+from ._plan import (
+    COLUMN,
+    COLUMN_GATHER,
+    REPLICATED,
+    ROW,
+    SPLIT_AXES,
+    VOCAB,
+    Plan,
+    check_model,
+    check_size,
+)
 from ._plan import plan as make_plan
 
 _OPTIONS = ("tensor_parallel_size", "tensor_parallel_plan")
@@ -111,7 +121,9 @@ class TensorParallelModel(keras.Model):
         for call in graph.calls:
             kind = self.plan.kind(call.layer.name)
             layer = call.layer
-            if kind != REPLICATED:
+            if layer.name in self.plan.split_dropouts:
+                layer = SliceDropout(layer, self.group)
+            elif kind != REPLICATED:
                 if layer.name not in self._tnt_shards:
                     self._tnt_shards[layer.name] = _shard_layer(layer, kind, self.group)
                 layer = self._tnt_shards[layer.name]

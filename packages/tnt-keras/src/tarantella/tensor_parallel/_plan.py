@@ -73,6 +73,8 @@ class Plan:
     model_name: str
     tensor_parallel_size: int
     layers: list[LayerSplit] = field(default_factory=list)
+    #: Dropout layers inside a column -> row chain: each rank applies its slice of the serial mask
+    split_dropouts: list[str] = field(default_factory=list)
 
     def kind(self, layer_name: str) -> str:
         """How ``layer_name`` is held (``replicated`` for a layer without weights)."""
@@ -103,6 +105,9 @@ class Plan:
         for s in self.layers:
             rows.append(f"{s.name:24} {s.class_name:20} {s.kind:17} {s.params:>10} "
                         f"{_local_params(s, t):>10}  {s.note}")
+        for name in self.split_dropouts:
+            rows.append(f"{name:24} {'Dropout':20} {'mask slice':17} {0:>10} {0:>10}  "
+                        "draws the serial mask, keeps this rank's columns")
         serial = sum(s.params for s in self.layers)
         fwd, bwd = self.collectives_per_step()
         rows.append(f"weights per rank: {self.params_per_rank()} of {serial} "
@@ -145,6 +150,8 @@ def _refusal(layer, split_dim: int, t: int) -> str:
 
 
 def _elementwise(layer) -> bool:
+    if isinstance(layer, keras.layers.Dropout) and type(layer) is keras.layers.Dropout:
+        return layer.noise_shape is None
     if isinstance(layer, _ELEMENTWISE_ACTIVATION_LAYERS):
         return True
     if isinstance(layer, keras.layers.Activation):
@@ -156,22 +163,26 @@ def _dense_activation_elementwise(layer: keras.layers.Dense) -> bool:
     return getattr(layer.activation, "__name__", "") not in _NOT_ELEMENTWISE
 
 
-def _row_partner(graph: ModelGraph, c: int, uses: dict[int, int]) -> int | None:
+def _row_partner(graph: ModelGraph, c: int, uses: dict[int, int]) -> tuple[int | None, list[str]]:
     """The call of the Dense layer a column-split Dense at call ``c`` feeds through
-    elementwise layers only (each output consumed once), if any."""
+    elementwise layers only (each output consumed once), if any, and the Dropout layers
+    on the way."""
     consumers = graph.consumers()
     tensor = graph.calls[c].outputs[0]
+    dropouts: list[str] = []
     while True:
         nxt = consumers.get(tensor, [])
         if len(nxt) != 1 or tensor in graph.outputs:
-            return None
+            return None, []
         call = graph.calls[nxt[0]]
         if len(call.inputs) != 1 or len(call.outputs) != 1 or uses[id(call.layer)] != 1:
-            return None
+            return None, []
         if isinstance(call.layer, keras.layers.Dense):
-            return call.index
+            return call.index, dropouts
         if not _elementwise(call.layer):
-            return None
+            return None, []
+        if isinstance(call.layer, keras.layers.Dropout):
+            dropouts.append(call.layer.name)
         tensor = call.outputs[0]
 
 
@@ -217,6 +228,7 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
     for call in graph.calls:
         uses[id(call.layer)] = uses.get(id(call.layer), 0) + 1
     kinds: dict[str, tuple[str, str]] = {}
+    split_dropouts: list[str] = []
     for call in graph.calls:
         layer = call.layer
         if layer.name in kinds or not layer.weights:
@@ -233,13 +245,15 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
             kinds[layer.name] = (REPLICATED, why) if why else (VOCAB, "")
         elif type(layer) is keras.layers.Dense:
             why = _refusal(layer, layer.units, t)
-            partner = _row_partner(graph, call.index, uses) if _dense_activation_elementwise(layer) else None
+            partner, dropouts = _row_partner(graph, call.index, uses) \
+                if _dense_activation_elementwise(layer) else (None, [])
             if not why and partner is not None:
                 row = graph.calls[partner].layer
                 row_why = _refusal(row, layer.units, t)
                 if not row_why:
                     kinds[layer.name] = (COLUMN, f"feeds {row.name}")
                     kinds[row.name] = (ROW, f"fed by {layer.name}")
+                    split_dropouts.extend(dropouts)
                     continue
                 why = f"{row.name} cannot be row-split: {row_why}"
             if not why and _params(layer) < min_split_params:
@@ -254,4 +268,4 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
         kind, note = kinds.get(layer.name, (REPLICATED, ""))
         layers.append(LayerSplit(layer.name, type(layer).__name__, kind, _params(layer),
                                  _split_params(layer, kind), note))
-    return Plan(model.name, t, layers)
+    return Plan(model.name, t, layers, split_dropouts)
