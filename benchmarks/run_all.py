@@ -57,6 +57,8 @@ BENCHMARKS: list[Benchmark] = [
       for n in SCALING_RANKS),
     # Pipelining (issue 11): 2 stages pinned to a core each; rows come with the JSON.
     Benchmark("pipeline", "pipeline.py", ranks=2, mpi_args=PINNED),
+    # Tensor parallelism (issue 18): host time per in-graph collective on a group of 2.
+    Benchmark("tensor_parallel", "tensor_parallel.py", ranks=2, mpi_args=PINNED),
     Benchmark("summary", "summary.py", quick=False),
 ]
 

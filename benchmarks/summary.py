@@ -376,7 +376,7 @@ def main() -> int:
             res[n] = None
     rows = rows_from(res)
     # Benchmarks that state their own rows (pipeline.py) bring them in their JSON.
-    for extra in ("pipeline",):
+    for extra in ("pipeline", "tensor_parallel"):
         res[extra] = load(extra)
         rows.extend(res[extra]["rows"] if res[extra] else [])
     loads = loads_of(res)

@@ -232,12 +232,14 @@ class TensorParallelModel(keras.Model):
         return history
 
     def save(self, *args, **kwargs):
+        """Not available yet: raises TensorParallelError naming the way round (get_weights)."""
         raise TensorParallelError(
             "saving a tensor-parallel model is not available yet. Gather the serial weights with "
             "model.get_weights(), set them on the Keras model (keras_model.set_weights(w)) and save that "
             "on rank 0.")
 
     def save_weights(self, *args, **kwargs):
+        """Not available yet: raises TensorParallelError naming the way round (get_weights)."""
         self.save()
 
 
