@@ -51,6 +51,7 @@ def _pytest(session: nox.Session, package: str) -> None:
     session.run(
         "pytest",
         str(PKG / package / "tests"),
+        "--durations=15",  # CI logs show where the suite's time goes
         *session.posargs,
         env=MPI_ENV,
     )
