@@ -1,5 +1,9 @@
 """ParallelStrategy.TENSOR on 2 ranks (t = 2) equals serial Keras; plan and errors.
 
+Cases: an MLP stack (SGD momentum, Adam) and a Transformer encoder block (Embedding by
+vocabulary, attention by heads with dropout, an FFN pair with Dropout inside, LayerNorm
+and residuals replicated; Adam).
+
 One launch (jobs/tensor_parallel.py) trains each case serially and tensor-parallel in the
 same job. Tolerances are those of float32 summation order, as in test_exactness.py.
 """
@@ -10,9 +14,10 @@ import pytest
 from conftest import assert_check, launch
 
 RANKS = 2
-CASES = ("mlp_sgd_momentum", "mlp_adam", "embed_adam", "dropout_sgd_momentum")
+CASES = ("mlp_sgd_momentum", "mlp_adam", "block_adam")
 CHECKS = (
-    "plan_mlp", "plan_embed", "plan_dropout", "plan_non_divisible_replicated_with_note",
+    "plan_mlp", "plan_embed", "plan_dropout", "plan_block", "plan_heads_not_divisible_replicated",
+    "plan_non_divisible_replicated_with_note",
     "plan_default_keeps_small_lone_dense_replicated", "plan_t1_replicates_all",
     "error_subclassed", "error_t_below_1", "error_t_not_job_size", "error_size_with_data_strategy",
     "error_missing_size", "error_clipnorm", "error_save_not_built",
@@ -68,9 +73,13 @@ def test_each_rank_holds_only_its_shards(report):
         assert shapes["down1/kernel"] == [8, 12] and shapes["down1/bias"] == [12]  # row: bias whole
         assert shapes["up2/kernel"] == [12, 12] and shapes["down2/kernel"] == [12, 8]
         assert shapes["head/kernel"] == [8, 2] and shapes["head/bias"] == [2]      # column+allgather
-    emb = report["cases"]["embed_adam"]["local_shapes"]
-    for rank_vars in emb:
-        assert [s for p, s in rank_vars.items() if p.endswith("embeddings")] == [[15, 8]]
+    for rank_vars in report["cases"]["block_adam"]["local_shapes"]:
+        assert rank_vars["emb/embeddings"] == [15, 16]                     # vocab rows: 30 / 2
+        assert rank_vars["mha/query/kernel"] == [16, 2, 4]                 # 4 heads / 2
+        assert rank_vars["mha/value/bias"] == [2, 4]
+        assert rank_vars["mha/attention_output/kernel"] == [2, 4, 16]      # rows of its heads
+        assert rank_vars["mha/attention_output/bias"] == [16]              # whole, added once
+        assert rank_vars["ln1/gamma"] == [16] and rank_vars["ffn_up/kernel"] == [16, 16]
 
 
 def test_optimizer_slots_are_shard_shaped(report):

@@ -61,11 +61,27 @@ def dropout(seed: int) -> keras.Model:
     return keras.Model(x, y, name="dropout")
 
 
+def block(seed: int) -> keras.Model:
+    """A Transformer encoder block: Embedding (vocab), attention by heads with dropout,
+    residuals and LayerNorm (replicated), an FFN pair with Dropout inside, a softmax head."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((6,), dtype="int32")
+    e = keras.layers.Embedding(30, 16, name="emb")(x)
+    a = keras.layers.MultiHeadAttention(4, 4, dropout=0.1, name="mha")(e, e)
+    h = keras.layers.LayerNormalization(name="ln1")(keras.layers.Add(name="res1")([e, a]))
+    f = keras.layers.Dense(32, activation="relu", name="ffn_up")(h)
+    f = keras.layers.Dropout(0.1, name="ffn_drop")(f)
+    f = keras.layers.Dense(16, name="ffn_down")(f)
+    h = keras.layers.LayerNormalization(name="ln2")(keras.layers.Add(name="res2")([h, f]))
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(x, keras.layers.Dense(4, activation="softmax", name="head")(pooled), name="block")
+
+
 def data(kind: str, n: int):
     rng = np.random.default_rng(11)
     y = rng.integers(0, 4, size=n)
-    if kind == "embed":
-        return rng.integers(0, 30, size=(n, 7)).astype("int32"), y
+    if kind in ("embed", "block"):
+        return rng.integers(0, 30, size=(n, 7 if kind == "embed" else 6)).astype("int32"), y
     return rng.normal(size=(n, 10)).astype("float32"), y
 
 
@@ -75,18 +91,20 @@ def optimizer(name: str):
     return keras.optimizers.Adam(0.01)
 
 
-BUILD = {"mlp": mlp, "embed": embed, "dropout": dropout}
+BUILD = {"mlp": mlp, "embed": embed, "dropout": dropout, "block": block}
 EXPECTED_PLANS = {
     "mlp": {"up1": "column", "down1": "row", "up2": "column", "down2": "row", "head": "column+allgather"},
     "embed": {"emb": "vocab", "up": "column", "down": "row"},
     "dropout": {"up": "column", "down": "row", "head": "column+allgather"},
+    "block": {"emb": "vocab", "mha": "heads", "ffn_up": "column", "ffn_down": "row", "head": "column+allgather"},
 }
-# name: (model, optimizer, global batch, samples, epochs, tol losses, tol weights)
+EXPECTED_SPLIT_DROPOUTS = {"mlp": [], "embed": [], "dropout": ["drop_split"], "block": ["ffn_drop"]}
+# name: (model, optimizer, global batch, samples, epochs, tol losses, tol weights). The
+# embedding and dropout models' pieces are all in the block, so only their plans are checked.
 CASES = {
-    "mlp_sgd_momentum": ("mlp", "sgd_momentum", 12, 12 * 4 + 5, 3, 1e-5, 2e-5),
-    "mlp_adam": ("mlp", "adam", 11, 11 * 4 + 1, 3, 1e-5, 2e-5),
-    "embed_adam": ("embed", "adam", 12, 12 * 4 + 3, 3, 1e-5, 2e-5),
-    "dropout_sgd_momentum": ("dropout", "sgd_momentum", 12, 12 * 4 + 2, 3, 1e-5, 2e-5),
+    "mlp_sgd_momentum": ("mlp", "sgd_momentum", 12, 12 * 4 + 5, 2, 1e-5, 2e-5),
+    "mlp_adam": ("mlp", "adam", 11, 11 * 4 + 1, 2, 1e-5, 2e-5),
+    "block_adam": ("block", "adam", 12, 12 * 3 + 4, 2, 1e-5, 2e-5),
 }
 
 
@@ -151,8 +169,12 @@ class Subclassed(keras.Model):
 
 def plan_and_error_checks(t: int) -> None:
     for kind, expected in EXPECTED_PLANS.items():
-        got = TP.plan(BUILD[kind](0), tensor_parallel_size=t, min_split_params=0).split_layers()
-        check(f"plan_{kind}", got == expected, got)
+        p = TP.plan(BUILD[kind](0), tensor_parallel_size=t, min_split_params=0)
+        got = (p.split_layers(), p.split_dropouts)
+        check(f"plan_{kind}", got == (expected, EXPECTED_SPLIT_DROPOUTS[kind]), got)
+    heads3 = TP.plan(block(0), tensor_parallel_size=3, min_split_params=0)
+    check("plan_heads_not_divisible_replicated", heads3.kind("mha") == "replicated" and
+          "num_heads 4 does not divide by t=3" in heads3.summary(print_fn=lambda s: None), heads3.split_layers())
     odd = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="five"),
                             keras.layers.Dense(3, name="three")], name="odd")
     p = TP.plan(odd, tensor_parallel_size=2, min_split_params=0)

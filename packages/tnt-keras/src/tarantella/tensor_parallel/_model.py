@@ -25,10 +25,11 @@ from .._logging import logger
 from ..pipelining._graph import model_graph
 from ._collectives import TensorGroup
 from ._errors import TensorParallelError
-from ._layers import ColumnDense, RowDense, SliceDropout, VocabEmbedding
+from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
 from ._plan import (
     COLUMN,
     COLUMN_GATHER,
+    HEADS,
     REPLICATED,
     ROW,
     SPLIT_AXES,
@@ -36,14 +37,11 @@ from ._plan import (
     Plan,
     check_model,
     check_size,
+    var_name,
 )
 from ._plan import plan as make_plan
 
 _OPTIONS = ("tensor_parallel_size", "tensor_parallel_plan")
-
-
-def _var_name(variable) -> str:
-    return variable.path.rsplit("/", 1)[-1]
 
 
 def _shard_layer(layer, kind: str, group: TensorGroup):
@@ -55,6 +53,8 @@ def _shard_layer(layer, kind: str, group: TensorGroup):
         return RowDense(layer, group)
     if kind == VOCAB:
         return VocabEmbedding(layer, group)
+    if kind == HEADS:
+        return HeadsAttention(layer, group)
     raise TensorParallelError(f"layer {layer.name!r}: unknown split {kind!r}")
 
 
@@ -138,9 +138,10 @@ class TensorParallelModel(keras.Model):
         serial_layers = {layer.name: layer for layer in self._serial.layers}
         for name, shard in self._tnt_shards.items():
             axes = SPLIT_AXES[self.plan.kind(name)]
-            local = {_var_name(w): w for w in shard.weights}
-            for w in serial_layers[name].weights:
-                yield w, local[_var_name(w)], axes.get(_var_name(w))
+            local = {var_name(w, shard): w for w in shard.weights}
+            serial = serial_layers[name]
+            for w in serial.weights:
+                yield w, local[var_name(w, serial)], axes.get(var_name(w, serial))
 
     def _assign_shards(self) -> None:
         """Each shard gets its slice of the serial layer's weights."""

@@ -34,20 +34,23 @@ COLUMN = "column"            # split outputs, feeding a row-split Dense
 ROW = "row"                  # split inputs, SUM-allreduce of the outputs
 COLUMN_GATHER = "column+allgather"
 VOCAB = "vocab"
+HEADS = "heads"
 REPLICATED = "replicated"
-KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, REPLICATED)
+KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, REPLICATED)
 
-#: kind -> {variable name: axis it is split along}; variables not named are replicated.
+#: kind -> {variable path inside the layer: axis it is split along}; others are replicated.
 SPLIT_AXES: dict[str, dict[str, int]] = {
     COLUMN: {"kernel": 1, "bias": 0},
     COLUMN_GATHER: {"kernel": 1, "bias": 0},
     ROW: {"kernel": 0},
     VOCAB: {"embeddings": 0},
+    HEADS: {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
+            "value/kernel": 1, "value/bias": 0, "attention_output/kernel": 0},
     REPLICATED: {},
 }
 #: kind -> (SUM-allreduce or allgather forward, allreduce backward) per step.
 COLLECTIVES: dict[str, tuple[int, int]] = {
-    COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), REPLICATED: (0, 0),
+    COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), HEADS: (1, 1), REPLICATED: (0, 0),
 }
 
 _ELEMENTWISE_ACTIVATION_LAYERS = (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
@@ -128,11 +131,25 @@ def _params(layer) -> int:
 
 def _split_params(layer, kind: str) -> int:
     axes = SPLIT_AXES[kind]
-    return int(sum(np.prod(w.shape) for w in layer.weights if _var_name(w) in axes))
+    return int(sum(np.prod(w.shape) for w in layer.weights if var_name(w, layer) in axes))
 
 
-def _var_name(variable) -> str:
-    return variable.path.rsplit("/", 1)[-1]
+def var_name(variable, layer) -> str:
+    """The variable's path inside ``layer`` (``kernel``; ``query/kernel`` for attention)."""
+    path = variable.path
+    prefix = f"{layer.name}/"
+    return path[path.rfind(prefix) + len(prefix):] if prefix in path else path.rsplit("/", 1)[-1]
+
+
+def _attention_refusal(layer, t: int, query_shape: tuple) -> str:
+    if layer.num_heads % t:
+        return f"num_heads {layer.num_heads} does not divide by t={t}"
+    config = layer.get_config()
+    if config.get("use_gate") or config.get("sliding_window") is not None:
+        return "gated or sliding-window attention is not split"
+    if tuple(config.get("attention_axes") or (1,)) != (1,) or len(query_shape) != 2:
+        return "only (batch, sequence, features) inputs with the default attention_axes are split"
+    return _refusal(layer, t, t)
 
 
 def _refusal(layer, split_dim: int, t: int) -> str:
@@ -239,7 +256,10 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
         if uses[id(layer)] > 1:
             kinds[layer.name] = (REPLICATED, "called more than once")
             continue
-        if type(layer) is keras.layers.Embedding:
+        if type(layer) is keras.layers.MultiHeadAttention:
+            why = _attention_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
+            kinds[layer.name] = (REPLICATED, why) if why else (HEADS, "")
+        elif type(layer) is keras.layers.Embedding:
             why = _refusal(layer, layer.input_dim, t) or (
                 f"smaller than min_split_params={min_split_params}" if _params(layer) < min_split_params else "")
             kinds[layer.name] = (REPLICATED, why) if why else (VOCAB, "")
