@@ -12,16 +12,18 @@ from __future__ import annotations
 
 from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
 from ._errors import TensorParallelError
-from ._layers import ColumnDense, RowDense, VocabEmbedding
+from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
 from ._model import TensorParallelModel, tensor_parallel_model
 from ._plan import KINDS, LayerSplit, Plan, plan
 
 __all__ = [
     "KINDS",
     "ColumnDense",
+    "HeadsAttention",
     "LayerSplit",
     "Plan",
     "RowDense",
+    "SliceDropout",
     "TensorGroup",
     "TensorParallelError",
     "TensorParallelModel",
