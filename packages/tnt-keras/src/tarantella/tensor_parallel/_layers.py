@@ -19,22 +19,14 @@ from keras.src.backend.common import masking as _masking
 from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
 
 
-def _dense_args(layer: keras.layers.Dense) -> dict:
-    return dict(name=layer.name, dtype=layer.dtype_policy)
+class _DenseShard(keras.layers.Layer):
+    """What both Dense shards hold: ``units`` outputs of a (possibly split) kernel and
+    the serial layer's bias and activation."""
 
-
-class ColumnDense(keras.layers.Layer):
-    """Output columns ``[rank*w, (rank+1)*w)`` of a Dense layer (kernel ``[:, cols]``,
-    bias ``[cols]``). With ``gather`` the group's columns are joined (allgather) before
-    the activation, so the output is the serial one; without, the output stays split and
-    a row-split layer must follow (through elementwise layers only)."""
-
-    def __init__(self, serial: keras.layers.Dense, group: TensorGroup, gather: bool) -> None:
-        super().__init__(**_dense_args(serial))
+    def __init__(self, serial: keras.layers.Dense, group: TensorGroup, units: int) -> None:
+        super().__init__(name=serial.name, dtype=serial.dtype_policy)
         self.group = group
-        self.gather = gather
-        self.units = serial.units // group.size
-        self.full_units = serial.units
+        self.units = units
         self.use_bias = serial.use_bias
         self.activation = serial.activation
 
@@ -45,13 +37,32 @@ class ColumnDense(keras.layers.Layer):
         self.bias = self.add_weight(name="bias", shape=(self.units,),
                                     initializer="zeros") if self.use_bias else None
 
+    def _finish(self, x):
+        """Bias and activation, as Keras' Dense applies them."""
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        return self.activation(x) if self.activation is not None else x
+
+
+class ColumnDense(_DenseShard):
+    """Output columns ``[rank*w, (rank+1)*w)`` of a Dense layer (kernel ``[:, cols]``,
+    bias ``[cols]``). With ``gather`` the group's columns are joined (allgather) before
+    the activation, so the output is the serial one; without, the output stays split and
+    a row-split layer must follow (through elementwise layers only)."""
+
+    def __init__(self, serial: keras.layers.Dense, group: TensorGroup, gather: bool) -> None:
+        super().__init__(serial, group, serial.units // group.size)
+        self.gather = gather
+        self.full_units = serial.units
+
     def call(self, inputs):
         """f, this rank's columns, then (with ``gather``) the allgather and the activation."""
         x = ops.matmul(copy_to_group(inputs, self.group), self.kernel)
+        if not self.gather:
+            return self._finish(x)
         if self.bias is not None:
             x = ops.add(x, self.bias)
-        if self.gather:
-            x = gather_last_axis(x, self.group)
+        x = gather_last_axis(x, self.group)
         return self.activation(x) if self.activation is not None else x
 
     def compute_output_shape(self, input_shape):
@@ -59,30 +70,16 @@ class ColumnDense(keras.layers.Layer):
         return (*input_shape[:-1], self.full_units if self.gather else self.units)
 
 
-class RowDense(keras.layers.Layer):
+class RowDense(_DenseShard):
     """A Dense layer fed with its input's column slice ``rank``: kernel rows of that
     slice; partial products SUM-allreduced, then the (replicated) bias and activation."""
 
     def __init__(self, serial: keras.layers.Dense, group: TensorGroup) -> None:
-        super().__init__(**_dense_args(serial))
-        self.group = group
-        self.units = serial.units
-        self.use_bias = serial.use_bias
-        self.activation = serial.activation
-
-    def build(self, input_shape) -> None:
-        """Create this rank's kernel (and bias) shard, zero until the model assigns it."""
-        self.kernel = self.add_weight(name="kernel", shape=(input_shape[-1], self.units),
-                                      initializer="zeros")
-        self.bias = self.add_weight(name="bias", shape=(self.units,),
-                                    initializer="zeros") if self.use_bias else None
+        super().__init__(serial, group, serial.units)
 
     def call(self, inputs):
         """This rank's partial product, SUM over the group (g), bias, activation."""
-        x = reduce_from_group(ops.matmul(inputs, self.kernel), self.group)
-        if self.bias is not None:
-            x = ops.add(x, self.bias)
-        return self.activation(x) if self.activation is not None else x
+        return self._finish(reduce_from_group(ops.matmul(inputs, self.kernel), self.group))
 
     def compute_output_shape(self, input_shape):
         """The serial Dense layer's output shape."""
