@@ -7,6 +7,7 @@
     nox -s docs         # the site (MkDocs, strict) into site/, its code blocks and examples/ run
     nox -s build        # wheels + sdists into dist/, installed in fresh venvs as users do
     nox -s bench        # benchmarks/: print tables, write benchmarks/results/*.json
+    nox -s benchmodel   # the scaling model's arithmetic (benchmarks/stepsim.py), seconds
     nox -s demo         # the main job: LeNet-5 on 2 processes
 
 Each session installs the packages it needs from packages/ into its own venv
@@ -24,7 +25,8 @@ ROOT = Path(__file__).parent
 PKG = ROOT / "packages"
 
 nox.options.default_venv_backend = "uv|virtualenv"
-nox.options.sessions = ["lint", "comm", "data", "cli", "keras", "multihost", "docs", "build"]
+nox.options.sessions = ["lint", "benchmodel", "comm", "data", "cli", "keras", "multihost", "docs",
+                        "build"]
 nox.options.reuse_existing_virtualenvs = False
 
 # Open MPI refuses to start as root unless told; containers and CI run as root.
@@ -125,6 +127,14 @@ def bench(session: nox.Session) -> None:
         "mpi4py", "matplotlib", "tf_keras",
     )
     session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs, env=MPI_ENV)
+
+
+@nox.session
+def benchmodel(session: nox.Session) -> None:
+    """The scaling model of benchmarks/scaling_model.py: its step simulator against cases
+    computed by hand and the published anchors (tests/benchmarks; pure Python, no timing)."""
+    session.install("pytest>=8")
+    session.run("pytest", str(ROOT / "tests" / "benchmarks"), *session.posargs)
 
 
 @nox.session
