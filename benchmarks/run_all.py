@@ -59,6 +59,8 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("pipeline", "pipeline.py", ranks=2, mpi_args=PINNED),
     # Graph bridge cost per bucket, and overlap with jit_compile (issue 12, items 4-5).
     Benchmark("step_bridge", "step_bridge.py", ranks=2, mpi_args=PINNED),
+    # Tensor parallelism (issue 18): host time per in-graph collective on a group of 2.
+    Benchmark("tensor_parallel", "tensor_parallel.py", ranks=2, mpi_args=PINNED),
     # Issue 15: a step-time model checked here on 1-4 ranks (it launches its own mpirun
     # jobs), then predicting 8-1024 GPUs from published profiles; rows come with the JSON.
     Benchmark("scaling_model", "scaling_model.py", timeout=3600.0),

@@ -375,8 +375,9 @@ def main() -> int:
         if res[n] and scaling.exists() and (RESULTS / f"{n}.json").stat().st_mtime < scaling.stat().st_mtime:
             res[n] = None
     rows = rows_from(res)
-    # Benchmarks that state their own rows (pipeline, scaling_model, step_bridge) bring them in their JSON.
-    for extra in ("pipeline", "scaling_model", "step_bridge"):
+    # Benchmarks that state their own rows (pipeline, scaling_model, step_bridge,
+    # tensor_parallel) bring them in their JSON.
+    for extra in ("pipeline", "scaling_model", "step_bridge", "tensor_parallel"):
         res[extra] = load(extra)
         rows.extend(res[extra]["rows"] if res[extra] else [])
     loads = loads_of(res)

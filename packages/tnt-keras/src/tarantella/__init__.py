@@ -9,7 +9,7 @@ Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run
 
 from __future__ import annotations
 
-from . import keras, models, pipelining
+from . import keras, models, pipelining, tensor_parallel
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._inputs import InputError
 from ._internals import UnsupportedVersionError
@@ -39,6 +39,7 @@ __all__ = [
     "local_batch_size",
     "models",
     "pipelining",
+    "tensor_parallel",
 ]
 
 # Errors show under their public names (tnt.InputError), not the private modules'.

@@ -34,11 +34,13 @@ _KERAS_MODEL_KWARGS = frozenset({"name", "trainable", "dtype"})
 
 
 class ParallelStrategy(enum.Enum):
-    """How the model is parallelised: DATA, PIPELINING (N == p stages), ALL (N/p pipelines)."""
+    """How the model is parallelised: DATA, PIPELINING (N == p stages), ALL (N/p pipelines),
+    TENSOR (layers split over N == t ranks, see docs/tensor_parallel.md)."""
 
     DATA = "data"
     PIPELINING = "pipelining"
     ALL = "all"
+    TENSOR = "tensor"
 
 
 class Model(keras.Model):
@@ -54,9 +56,14 @@ class Model(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        # PIPELINING / ALL on several ranks and stages build a pipelined model instead.
+        # TENSOR builds a tensor-parallel model; PIPELINING / ALL on several ranks and
+        # stages a pipelined one.
         from .pipelining import pipelined_model
+        from .tensor_parallel import tensor_parallel_model
 
+        tensor = tensor_parallel_model(*args, strategies=ParallelStrategy, **kwargs)
+        if tensor is not None:
+            return tensor
         pipelined = pipelined_model(*args, strategies=ParallelStrategy, **kwargs)
         return pipelined if pipelined is not None else super().__new__(cls, *args, **kwargs)
 
@@ -70,7 +77,7 @@ class Model(keras.Model):
         if isinstance(model, Model):
             raise TypeError("This model is already a tnt.Model; wrap the Keras model only once.")
         if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:  # 1 rank or 1 stage
-            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("num_pipeline", "num_micro", "pipeline_"))}
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("num_pipeline", "num_micro", "pipeline_", "tensor_parallel_"))}
         unknown = sorted(set(kwargs) - _KERAS_MODEL_KWARGS)
         if unknown:
             raise TypeError(

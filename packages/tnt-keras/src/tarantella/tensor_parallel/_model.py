@@ -1,0 +1,273 @@
+"""``tnt.Model(..., parallel_strategy=TENSOR, tensor_parallel_size=t)``: one rank's shards.
+
+Every rank of the tensor group builds the *local model*: the user's functional graph with
+each split layer replaced by its shard layer (``_layers``) and every other layer reused
+as it is. All ranks of the group read the same global batch, so replicated layers see
+the same inputs, compute the same outputs and gradients, and the optimizer keeps them
+identical without any exchange; the shards meet only in the in-graph collectives. Loss,
+metrics and logs are therefore the same on every rank, and Keras' own ``train_step``,
+``fit``, callbacks and History run unchanged on the wrapper (with ``jit_compile=False``:
+the collectives cannot live inside XLA).
+
+``TENSOR`` runs one group of N == t ranks; data replicas of groups (``ALL``) are not
+built yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import keras
+import numpy as np
+
+from .. import _runtime, _sync
+from .._logging import logger
+from ..pipelining._graph import model_graph
+from ._collectives import TensorGroup
+from ._errors import TensorParallelError
+from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
+from ._plan import (
+    COLUMN,
+    COLUMN_GATHER,
+    HEADS,
+    REPLICATED,
+    ROW,
+    SPLIT_AXES,
+    VOCAB,
+    Plan,
+    check_model,
+    check_size,
+    var_name,
+)
+from ._plan import plan as make_plan
+
+_OPTIONS = ("tensor_parallel_size", "tensor_parallel_plan")
+
+
+def _shard_layer(layer, kind: str, group: TensorGroup):
+    if kind == COLUMN:
+        return ColumnDense(layer, group, gather=False)
+    if kind == COLUMN_GATHER:
+        return ColumnDense(layer, group, gather=True)
+    if kind == ROW:
+        return RowDense(layer, group)
+    if kind == VOCAB:
+        return VocabEmbedding(layer, group)
+    if kind == HEADS:
+        return HeadsAttention(layer, group)
+    raise TensorParallelError(f"layer {layer.name!r}: unknown split {kind!r}")
+
+
+def check_layout(size: int, t: int) -> None:
+    """TENSOR runs one tensor group over all N ranks: N must equal t."""
+    if size != t:
+        raise TensorParallelError(
+            f"ParallelStrategy.TENSOR splits layers over tensor_parallel_size={t} ranks, but the job "
+            f"has {size} rank(s). Launch with `tarantella -n {t}` (or pass tensor_parallel_size={size}); "
+            "data replicas of tensor groups (ParallelStrategy.ALL) are not available yet.")
+
+
+class TensorParallelModel(keras.Model):
+    """This rank's shards of a model whose large layers are split over ``t`` ranks."""
+
+    def __init__(self, model: keras.Model, *, tensor_parallel_size: int,
+                 tensor_parallel_plan: Plan | None = None) -> None:
+        t = check_size(tensor_parallel_size)
+        check_model(model)
+        plan = tensor_parallel_plan if tensor_parallel_plan is not None else make_plan(model, t)
+        if plan.tensor_parallel_size != t:
+            raise TensorParallelError(
+                f"tensor_parallel_plan was made for tensor_parallel_size={plan.tensor_parallel_size} "
+                f"but tensor_parallel_size={t}; make them agree.")
+        if plan.model_name != model.name:
+            raise TensorParallelError(f"tensor_parallel_plan is the plan of model {plan.model_name!r}, "
+                                      f"not of {model.name!r}; make the plan from this model.")
+        check_layout(_runtime.get_size(), t)
+        super().__init__(name=f"tnt_{model.name}")
+        self._tnt_settings = _runtime.setup()
+        self.plan = plan
+        self.group = TensorGroup.of_world(t)
+        self._tnt_check_same_plan()
+        if _runtime.get_size() > 1:  # every rank starts from rank 0's weights
+            _sync.broadcast_from_master(model.weights)
+        # Not tracked by Keras: the wrapper's variables are the local model's only.
+        object.__setattr__(self, "_serial", model)
+        object.__setattr__(self, "_tnt_shards", {})
+        self.local_model = self._build_local(model)
+        self._assign_shards()
+        self.built = True
+
+    # -- building ----------------------------------------------------------------------
+    def _tnt_check_same_plan(self) -> None:
+        mine = [(s.name, s.kind) for s in self.plan.layers]
+        if self.group.comm is not None and self.group.comm.broadcast_object(mine, 0) != mine:
+            raise TensorParallelError(
+                f"rank {_runtime.get_rank()} computed another tensor-parallel plan than rank 0; every "
+                "rank must build the same model with the same plan.")
+
+    def _build_local(self, model: keras.Model) -> keras.Model:
+        graph = model_graph(model)
+        names = {layer.name for layer in model.layers}
+        unknown = sorted(set(self.plan.split_layers()) - names)
+        if unknown:
+            raise TensorParallelError(f"tensor_parallel_plan names layers the model does not have: {unknown}.")
+        values: dict[int, object] = {}
+        inputs = []
+        for j, name in enumerate(graph.inputs):
+            kt = graph.keras_tensors[name]
+            new = keras.Input(shape=kt.shape[1:], dtype=kt.dtype, name=graph.input_layer_names[j])
+            values[id(kt)] = new
+            inputs.append(new)
+        for call in graph.calls:
+            kind = self.plan.kind(call.layer.name)
+            layer = call.layer
+            if layer.name in self.plan.split_dropouts:
+                layer = SliceDropout(layer, self.group)
+            elif kind != REPLICATED:
+                if layer.name not in self._tnt_shards:
+                    self._tnt_shards[layer.name] = _shard_layer(layer, kind, self.group)
+                layer = self._tnt_shards[layer.name]
+            args, kwargs = call.node.arguments.fill_in(values)
+            for name, new in zip(call.outputs, keras.tree.flatten(layer(*args, **kwargs))):
+                values[id(graph.keras_tensors[name])] = new
+        outputs = keras.tree.map_structure(lambda n: values[id(graph.keras_tensors[n])], graph.output_struct)
+        return keras.Model(inputs=inputs, outputs=outputs, name=f"{model.name}_tp{self.group.rank}")
+
+    def _split_variables(self):
+        """(serial variable, local variable, split axis or None) for every serial weight."""
+        serial_layers = {layer.name: layer for layer in self._serial.layers}
+        for name, shard in self._tnt_shards.items():
+            axes = SPLIT_AXES[self.plan.kind(name)]
+            local = {var_name(w, shard): w for w in shard.weights}
+            serial = serial_layers[name]
+            for w in serial.weights:
+                yield w, local[var_name(w, serial)], axes.get(var_name(w, serial))
+
+    def _assign_shards(self) -> None:
+        """Each shard gets its slice of the serial layer's weights."""
+        t, r = self.group.size, self.group.rank
+        for serial, local, axis in self._split_variables():
+            full = np.asarray(serial.numpy())
+            local.assign(np.split(full, t, axis=axis)[r] if axis is not None else full)
+
+    # -- what this rank holds --------------------------------------------------------------
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks sharing one copy of each split layer."""
+        return self.group.size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This rank's shard index in its tensor group."""
+        return self.group.rank
+
+    def call(self, inputs, training=None):
+        """The local model's forward pass (outputs identical on every rank of the group)."""
+        return self.local_model(inputs, training=training)
+
+    def _gather(self, local, axis: int | None) -> np.ndarray:
+        value = np.asarray(local.numpy())
+        if axis is None or self.group.comm is None:
+            return value
+        whole = self.group.comm.allgather(np.ascontiguousarray(np.moveaxis(value, axis, 0)))
+        return np.moveaxis(whole, 0, axis)
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The serial model's weights, serial-shaped, in its order (collective on the group)."""
+        gathered = {id(s): self._gather(local, axis) for s, local, axis in self._split_variables()}
+        return [gathered[id(w)] if id(w) in gathered else np.asarray(w.numpy()) for w in self._serial.weights]
+
+    def set_weights(self, weights) -> None:
+        """Set the serial-shaped weights (rank 0's values win); shards take their slices."""
+        self._serial.set_weights(weights)
+        if _runtime.get_size() > 1:
+            _sync.broadcast_from_master(self._serial.weights)
+        self._assign_shards()
+
+    def replicated_checksum(self) -> str:
+        """A digest of every replicated variable's bytes (equal on all ranks of a healthy group)."""
+        shard_vars = {id(v) for shard in self._tnt_shards.values() for v in shard.weights}
+        digest = hashlib.sha256()
+        for v in self.local_model.weights:
+            if id(v) not in shard_vars:
+                digest.update(np.ascontiguousarray(v.numpy()).tobytes())
+        return digest.hexdigest()
+
+    def verify_group(self) -> None:
+        """Raise if replicated weights differ within the group (the ranks did not read the
+        same batches: unseeded shuffles)."""
+        if self.group.comm is None:
+            return
+        sums = self.group.comm.allgather_object(self.replicated_checksum())
+        if len(set(sums)) != 1:
+            raise TensorParallelError(
+                f"replicated weights differ between the ranks of the tensor group (rank {_runtime.get_rank()}): "
+                "the ranks did not train on the same batches. Every rank must read the same global batch "
+                "in the same order: seed shuffles (keras.utils.set_random_seed(s) before building the "
+                "data, or dataset.shuffle(n, seed=s)).")
+
+    def summary(self, *args, **kwargs) -> None:
+        if _runtime.is_master_rank():
+            self.plan.summary()
+
+    # -- compile / run ---------------------------------------------------------------------
+    def compile(self, optimizer="rmsprop", loss=None, *, jit_compile="auto", **kwargs):
+        """Keras' compile of the local model's wrapper (``jit_compile`` is always off: the
+        group collectives are host ops XLA cannot hold)."""
+        optimizer = keras.optimizers.get(optimizer)
+        if self.plan.split_layers() and (getattr(optimizer, "clipnorm", None) or
+                                         getattr(optimizer, "global_clipnorm", None)):
+            raise TensorParallelError(
+                "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards "
+                "of the split layers' gradients. Use clipvalue=, or train with ParallelStrategy.DATA.")
+        if jit_compile is True:
+            logger.warning("tnt.Model(TENSOR): jit_compile=True is ignored; the tensor-group "
+                           "collectives run outside XLA.")
+        super().compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
+
+    def fit(self, *args, **kwargs):
+        """Keras' fit on every rank of the group (same batches everywhere); afterwards the
+        replicated weights are checked to be identical across the group."""
+        history = super().fit(*args, **kwargs)
+        self.verify_group()
+        return history
+
+    def save(self, *args, **kwargs):
+        """Not available yet: raises TensorParallelError naming the way round (get_weights)."""
+        raise TensorParallelError(
+            "saving a tensor-parallel model is not available yet. Gather the serial weights with "
+            "model.get_weights(), set them on the Keras model (keras_model.set_weights(w)) and save that "
+            "on rank 0.")
+
+    def save_weights(self, *args, **kwargs):
+        """Not available yet: raises TensorParallelError naming the way round (get_weights)."""
+        self.save()
+
+
+def tensor_parallel_model(*args, strategies, **kwargs) -> TensorParallelModel | None:
+    """What ``tnt.Model(...)`` builds for TENSOR; None for the other strategies."""
+    strategy = strategies(args[1] if len(args) > 1 else kwargs.get("parallel_strategy", strategies.DATA))
+    given = [k for k in _OPTIONS if k in kwargs]
+    if strategy is not strategies.TENSOR:
+        if given and (strategy is not strategies.ALL or kwargs.get("tensor_parallel_size", 1) != 1):
+            raise TensorParallelError(
+                f"{', '.join(given)} only apply to ParallelStrategy.TENSOR (ALL with tensor groups is not "
+                "available yet); pass parallel_strategy=tnt.ParallelStrategy.TENSOR.")
+        return None  # ALL with tensor_parallel_size=1: nothing to split
+    model = args[0] if args else kwargs.get("model")
+    extra = sorted(set(kwargs) - {"model", "parallel_strategy", *_OPTIONS})
+    if extra:
+        raise TensorParallelError(
+            f"tnt.Model(parallel_strategy=TENSOR) got unknown keyword argument(s): {', '.join(extra)}; it "
+            "takes the Keras model, tensor_parallel_size= and tensor_parallel_plan=.")
+    if "tensor_parallel_size" not in kwargs:
+        raise TensorParallelError("ParallelStrategy.TENSOR needs tensor_parallel_size= (the ranks sharing "
+                                  "each split layer), e.g. tnt.Model(m, parallel_strategy=tnt.ParallelStrategy."
+                                  "TENSOR, tensor_parallel_size=2).")
+    if not isinstance(model, keras.Model):
+        raise TensorParallelError(f"tnt.Model wraps a keras.Model, got {type(model).__name__}.")
+    return TensorParallelModel(model, tensor_parallel_size=kwargs["tensor_parallel_size"],
+                               tensor_parallel_plan=kwargs.get("tensor_parallel_plan"))
+
+
+__all__ = ["TensorParallelModel", "check_layout", "tensor_parallel_model"]

@@ -1,0 +1,291 @@
+"""Which layers of a Keras model split over a tensor group, and how.
+
+The plan is a pure function of the model and ``tensor_parallel_size``, so every rank
+computes the same one without talking. Rules (DESIGN.md, "Layer parallelism"):
+
+- ``Dense -> (elementwise layers) -> Dense``: the first column-split, the second
+  row-split: one SUM-allreduce forward (g after the second), one backward (f before the
+  first), and the activations between them stay split.
+- a lone ``Dense`` with at least ``min_split_params`` weights: column-split, outputs
+  joined by an allgather before the activation.
+- ``Embedding``: vocabulary rows per rank, masked lookup, SUM-allreduce.
+- anything else: replicated (same inputs on every rank, so same gradients).
+
+A layer is replicated, with a note saying why, when its split dimension does not divide
+by t, when it is called more than once, when it has a regulariser or constraint (their
+values on a shard are not the shard of the serial value), or when it is smaller than
+``min_split_params``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+
+from ..pipelining._graph import ModelGraph, model_graph
+from ._errors import TensorParallelError
+
+#: Lone layers below this many weights are not worth a collective per step.
+DEFAULT_MIN_SPLIT_PARAMS = 1 << 16
+
+COLUMN = "column"            # split outputs, feeding a row-split Dense
+ROW = "row"                  # split inputs, SUM-allreduce of the outputs
+COLUMN_GATHER = "column+allgather"
+VOCAB = "vocab"
+HEADS = "heads"
+REPLICATED = "replicated"
+KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, REPLICATED)
+
+#: kind -> {variable path inside the layer: axis it is split along}; others are replicated.
+SPLIT_AXES: dict[str, dict[str, int]] = {
+    COLUMN: {"kernel": 1, "bias": 0},
+    COLUMN_GATHER: {"kernel": 1, "bias": 0},
+    ROW: {"kernel": 0},
+    VOCAB: {"embeddings": 0},
+    HEADS: {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
+            "value/kernel": 1, "value/bias": 0, "attention_output/kernel": 0},
+    REPLICATED: {},
+}
+#: kind -> (SUM-allreduce or allgather forward, allreduce backward) per step.
+COLLECTIVES: dict[str, tuple[int, int]] = {
+    COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), HEADS: (1, 1), REPLICATED: (0, 0),
+}
+
+_ELEMENTWISE_ACTIVATION_LAYERS = (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
+_NOT_ELEMENTWISE = {"softmax", "log_softmax"}
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """How one layer is held: ``kind`` (one of KINDS) and why, when it is not split."""
+
+    name: str
+    class_name: str
+    kind: str
+    params: int
+    split_params: int = 0  # of ``params``, those in variables split over the group
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """The split of every layer with weights, in ``model.layers`` order."""
+
+    model_name: str
+    tensor_parallel_size: int
+    layers: list[LayerSplit] = field(default_factory=list)
+    #: Dropout layers inside a column -> row chain: each rank applies its slice of the serial mask
+    split_dropouts: list[str] = field(default_factory=list)
+
+    def kind(self, layer_name: str) -> str:
+        """How ``layer_name`` is held (``replicated`` for a layer without weights)."""
+        for split in self.layers:
+            if split.name == layer_name:
+                return split.kind
+        return REPLICATED
+
+    def split_layers(self) -> dict[str, str]:
+        """{layer name: kind} of the layers that are split."""
+        return {s.name: s.kind for s in self.layers if s.kind != REPLICATED}
+
+    def params_per_rank(self) -> int:
+        """Weights one rank holds (split layers' shards plus every replicated weight)."""
+        return sum(_local_params(s, self.tensor_parallel_size) for s in self.layers)
+
+    def collectives_per_step(self) -> tuple[int, int]:
+        """(forward, backward) collectives of one training step on the tensor group."""
+        fwd = sum(COLLECTIVES[s.kind][0] for s in self.layers)
+        bwd = sum(COLLECTIVES[s.kind][1] for s in self.layers)
+        return fwd, bwd
+
+    def summary(self, print_fn=print) -> str:
+        """A table: per layer its split, weights serial and per rank, and notes."""
+        t = self.tensor_parallel_size
+        rows = [f"Tensor-parallel plan of {self.model_name!r}, tensor_parallel_size={t}",
+                f"{'layer':24} {'class':20} {'split':17} {'params':>10} {'per rank':>10}  note"]
+        for s in self.layers:
+            rows.append(f"{s.name:24} {s.class_name:20} {s.kind:17} {s.params:>10} "
+                        f"{_local_params(s, t):>10}  {s.note}")
+        for name in self.split_dropouts:
+            rows.append(f"{name:24} {'Dropout':20} {'mask slice':17} {0:>10} {0:>10}  "
+                        "draws the serial mask, keeps this rank's columns")
+        serial = sum(s.params for s in self.layers)
+        fwd, bwd = self.collectives_per_step()
+        rows.append(f"weights per rank: {self.params_per_rank()} of {serial} "
+                    f"({self.params_per_rank() / max(serial, 1):.2f}); collectives per training step: "
+                    f"{fwd} forward, at most {bwd} backward (each a blocking call on the group)")
+        text = "\n".join(rows)
+        print_fn(text)
+        return text
+
+
+def _local_params(split: LayerSplit, t: int) -> int:
+    return split.params - split.split_params * (t - 1) // t
+
+
+def _params(layer) -> int:
+    return int(sum(np.prod(w.shape) for w in layer.weights))
+
+
+def _split_params(layer, kind: str) -> int:
+    axes = SPLIT_AXES[kind]
+    return int(sum(np.prod(w.shape) for w in layer.weights if var_name(w, layer) in axes))
+
+
+def var_name(variable, layer) -> str:
+    """The variable's path inside ``layer`` (``kernel``; ``query/kernel`` for attention)."""
+    path = variable.path
+    prefix = f"{layer.name}/"
+    return path[path.rfind(prefix) + len(prefix):] if prefix in path else path.rsplit("/", 1)[-1]
+
+
+def _attention_refusal(layer, t: int, query_shape: tuple) -> str:
+    if layer.num_heads % t:
+        return f"num_heads {layer.num_heads} does not divide by t={t}"
+    config = layer.get_config()
+    if config.get("use_gate") or config.get("sliding_window") is not None:
+        return "gated or sliding-window attention is not split"
+    if tuple(config.get("attention_axes") or (1,)) != (1,) or len(query_shape) != 2:
+        return "only (batch, sequence, features) inputs with the default attention_axes are split"
+    return _refusal(layer, t, t)
+
+
+def _refusal(layer, split_dim: int, t: int) -> str:
+    """Why ``layer`` cannot be split (empty: it can)."""
+    if split_dim % t:
+        return f"split dimension {split_dim} does not divide by t={t}"
+    for attr in ("kernel_regularizer", "bias_regularizer", "embeddings_regularizer",
+                 "activity_regularizer", "kernel_constraint", "bias_constraint",
+                 "embeddings_constraint"):
+        if getattr(layer, attr, None) is not None:
+            return f"has a {attr.replace('_', ' ')}"
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return "LoRA or quantized layers are not split"
+    return ""
+
+
+def _elementwise(layer) -> bool:
+    if isinstance(layer, keras.layers.Dropout) and type(layer) is keras.layers.Dropout:
+        return layer.noise_shape is None
+    if isinstance(layer, _ELEMENTWISE_ACTIVATION_LAYERS):
+        return True
+    if isinstance(layer, keras.layers.Activation):
+        return getattr(layer.activation, "__name__", "") not in _NOT_ELEMENTWISE
+    return False
+
+
+def _dense_activation_elementwise(layer: keras.layers.Dense) -> bool:
+    return getattr(layer.activation, "__name__", "") not in _NOT_ELEMENTWISE
+
+
+def _row_partner(graph: ModelGraph, c: int, uses: dict[int, int]) -> tuple[int | None, list[str]]:
+    """The call of the Dense layer a column-split Dense at call ``c`` feeds through
+    elementwise layers only (each output consumed once), if any, and the Dropout layers
+    on the way."""
+    consumers = graph.consumers()
+    tensor = graph.calls[c].outputs[0]
+    dropouts: list[str] = []
+    while True:
+        nxt = consumers.get(tensor, [])
+        if len(nxt) != 1 or tensor in graph.outputs:
+            return None, []
+        call = graph.calls[nxt[0]]
+        if len(call.inputs) != 1 or len(call.outputs) != 1 or uses[id(call.layer)] != 1:
+            return None, []
+        if isinstance(call.layer, keras.layers.Dense):
+            return call.index, dropouts
+        if not _elementwise(call.layer):
+            return None, []
+        if isinstance(call.layer, keras.layers.Dropout):
+            dropouts.append(call.layer.name)
+        tensor = call.outputs[0]
+
+
+def check_model(model) -> None:
+    """A TensorParallelError naming the fix unless ``model`` is functional or a built Sequential."""
+    if not isinstance(model, keras.Model):
+        raise TensorParallelError(f"tensor parallelism needs a keras.Model, got {type(model).__name__}.")
+    functional = isinstance(model, keras.Sequential) or (
+        hasattr(model, "_nodes_by_depth") and getattr(model, "_inputs_struct", None) is not None)
+    if not functional:
+        raise TensorParallelError(
+            f"{type(model).__name__} {model.name!r} is a subclassed model: its call() is Python code "
+            "whose layers cannot be replaced by shards. Build it with the functional API "
+            "(keras.Model(inputs, outputs)) or keras.Sequential, or train it with "
+            "tnt.ParallelStrategy.DATA.")
+    if isinstance(model, keras.Sequential) and getattr(model, "_functional", None) is None:
+        raise TensorParallelError(
+            f"The Sequential model {model.name!r} is not built, so its layers' shapes are unknown. "
+            "Start it with keras.Input(shape) (or call model.build(input_shape)) first.")
+
+
+def check_size(tensor_parallel_size) -> int:
+    """``tensor_parallel_size`` as an int >= 1, or a TensorParallelError naming the fix."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int | np.integer) \
+            or tensor_parallel_size < 1:
+        raise TensorParallelError(
+            f"tensor_parallel_size must be an integer >= 1 (the ranks sharing one copy of each split "
+            f"layer), got {tensor_parallel_size!r}. Pass e.g. tensor_parallel_size=2.")
+    return int(tensor_parallel_size)
+
+
+def plan(model: keras.Model, tensor_parallel_size: int, *,
+         min_split_params: int = DEFAULT_MIN_SPLIT_PARAMS) -> Plan:
+    """The automatic tensor-parallel plan of a functional or built Sequential model.
+
+    ``min_split_params``: a lone Dense or an Embedding with fewer weights stays replicated
+    (a collective per step costs more than it saves); Dense pairs split regardless.
+    """
+    t = check_size(tensor_parallel_size)
+    check_model(model)
+    graph = model_graph(model)
+    uses: dict[int, int] = {}
+    for call in graph.calls:
+        uses[id(call.layer)] = uses.get(id(call.layer), 0) + 1
+    kinds: dict[str, tuple[str, str]] = {}
+    split_dropouts: list[str] = []
+    for call in graph.calls:
+        layer = call.layer
+        if layer.name in kinds or not layer.weights:
+            continue
+        if t == 1:
+            kinds[layer.name] = (REPLICATED, "t=1")
+            continue
+        if uses[id(layer)] > 1:
+            kinds[layer.name] = (REPLICATED, "called more than once")
+            continue
+        if type(layer) is keras.layers.MultiHeadAttention:
+            why = _attention_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
+            kinds[layer.name] = (REPLICATED, why) if why else (HEADS, "")
+        elif type(layer) is keras.layers.Embedding:
+            why = _refusal(layer, layer.input_dim, t) or (
+                f"smaller than min_split_params={min_split_params}" if _params(layer) < min_split_params else "")
+            kinds[layer.name] = (REPLICATED, why) if why else (VOCAB, "")
+        elif type(layer) is keras.layers.Dense:
+            why = _refusal(layer, layer.units, t)
+            partner, dropouts = _row_partner(graph, call.index, uses) \
+                if _dense_activation_elementwise(layer) else (None, [])
+            if not why and partner is not None:
+                row = graph.calls[partner].layer
+                row_why = _refusal(row, layer.units, t)
+                if not row_why:
+                    kinds[layer.name] = (COLUMN, f"feeds {row.name}")
+                    kinds[row.name] = (ROW, f"fed by {layer.name}")
+                    split_dropouts.extend(dropouts)
+                    continue
+                why = f"{row.name} cannot be row-split: {row_why}"
+            if not why and _params(layer) < min_split_params:
+                why = f"smaller than min_split_params={min_split_params}"
+            kinds[layer.name] = (REPLICATED, why) if why else (COLUMN_GATHER, "")
+        else:
+            kinds[layer.name] = (REPLICATED, "")
+    layers = []
+    for layer in model.layers:
+        if not layer.weights:
+            continue
+        kind, note = kinds.get(layer.name, (REPLICATED, ""))
+        layers.append(LayerSplit(layer.name, type(layer).__name__, kind, _params(layer),
+                                 _split_params(layer, kind), note))
+    return Plan(model.name, t, layers, split_dropouts)

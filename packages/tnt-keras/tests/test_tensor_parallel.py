@@ -1,0 +1,93 @@
+"""ParallelStrategy.TENSOR on 2 ranks (t = 2) equals serial Keras; plan and errors.
+
+Cases: an MLP stack (SGD momentum, Adam) and a Transformer encoder block (Embedding by
+vocabulary, attention by heads with dropout, an FFN pair with Dropout inside, LayerNorm
+and residuals replicated; Adam).
+
+One launch (jobs/tensor_parallel.py) trains each case serially and tensor-parallel in the
+same job. Tolerances are those of float32 summation order, as in test_exactness.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_check, launch
+
+RANKS = 2
+CASES = ("mlp_sgd_momentum", "mlp_adam", "block_adam")
+CHECKS = (
+    "plan_mlp", "plan_embed", "plan_dropout", "plan_block", "plan_heads_not_divisible_replicated",
+    "plan_non_divisible_replicated_with_note",
+    "plan_default_keeps_small_lone_dense_replicated", "plan_t1_replicates_all",
+    "error_subclassed", "error_t_below_1", "error_t_not_job_size", "error_size_with_data_strategy",
+    "error_missing_size", "error_clipnorm", "error_save_not_built",
+)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tensor") / "tensor_parallel.json"
+    result = launch(RANKS, "tensor_parallel.py", out)
+    assert result["ranks"] == RANKS
+    rows = [f"{'case':24} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}"]
+    for name, c in result["cases"].items():
+        rows.append(f"{name:24} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
+                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
+    print(f"\ntensor parallel t={RANKS} (max abs difference to serial Keras)\n" + "\n".join(rows))
+    return result
+
+
+def test_every_case_ran(report):
+    assert sorted(report["cases"]) == sorted(CASES)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_serial(report, case):
+    c = report["cases"][case]
+    assert c["start_same"], "the tensor-parallel model did not start from the serial weights"
+    assert c["history_diff"] <= c["tol_loss"], c["history_diff"]
+    assert c["evaluate_diff"] <= c["tol_loss"], c["evaluate_diff"]
+    assert c["weight_diff"] <= c["tol_weights"], c["weight_diff"]
+    assert c["predict_diff"] <= c["tol_weights"], c["predict_diff"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rank_sees_the_same_logs_and_weights(report, case):
+    c = report["cases"][case]
+    assert c["histories_per_rank_equal"]
+    assert c["weights_per_rank_equal"]
+    assert c["gathered_shapes"] == c["serial_shapes"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replicated_variables_bitwise_equal_in_group(report, case):
+    sums = report["cases"][case]["replicated_checksums"]
+    assert len(sums) == RANKS and len(set(sums)) == 1, sums
+
+
+def test_each_rank_holds_only_its_shards(report):
+    local = report["cases"]["mlp_adam"]["local_shapes"]
+    for rank_vars in local:
+        shapes = {path.split("/")[0] + "/" + path.rsplit("/", 1)[-1]: s for path, s in rank_vars.items()}
+        assert shapes["up1/kernel"] == [10, 8] and shapes["up1/bias"] == [8]      # column: 16 / 2
+        assert shapes["down1/kernel"] == [8, 12] and shapes["down1/bias"] == [12]  # row: bias whole
+        assert shapes["up2/kernel"] == [12, 12] and shapes["down2/kernel"] == [12, 8]
+        assert shapes["head/kernel"] == [8, 2] and shapes["head/bias"] == [2]      # column+allgather
+    for rank_vars in report["cases"]["block_adam"]["local_shapes"]:
+        assert rank_vars["emb/embeddings"] == [15, 16]                     # vocab rows: 30 / 2
+        assert rank_vars["mha/query/kernel"] == [16, 2, 4]                 # 4 heads / 2
+        assert rank_vars["mha/value/bias"] == [2, 4]
+        assert rank_vars["mha/attention_output/kernel"] == [2, 4, 16]      # rows of its heads
+        assert rank_vars["mha/attention_output/bias"] == [16]              # whole, added once
+        assert rank_vars["ln1/gamma"] == [16] and rank_vars["ffn_up/kernel"] == [16, 16]
+
+
+def test_optimizer_slots_are_shard_shaped(report):
+    for slots in report["cases"]["mlp_adam"]["optimizer_slot_shapes"]:
+        shapes = {tuple(s) for s in slots}
+        assert (10, 8) in shapes and (10, 16) not in shapes, shapes
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_plan_and_errors(report, name):
+    assert_check(report["checks"], name)
