@@ -249,6 +249,16 @@ def check_same_length(dataset: tf.data.Dataset, what: str, method: str) -> None:
     )
 
 
+def unpack_validation(validation_data, validation_batch_size, batch_size):
+    """``fit(validation_data=...)`` as (x, y, sample_weight, batch size): a dataset is
+    already batched (batch size None); a tuple is batched by validation_batch_size,
+    else by the training batch size, as Keras does."""
+    if isinstance(validation_data, tf.data.Dataset):
+        return validation_data, None, None, None
+    vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+    return vx, vy, vsw, validation_batch_size or batch_size
+
+
 def split_arrays(arrays, validation_split: float):
     """Keras' rule: the last ``validation_split`` fraction of the samples validates."""
     if not 0 < validation_split < 1:

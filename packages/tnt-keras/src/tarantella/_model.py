@@ -305,13 +305,9 @@ class Model(keras.Model):
         )
         val = None
         if validation_data is not None:
-            if isinstance(validation_data, tf.data.Dataset):
-                vx, vy, vsw = validation_data, None, None
-            else:
-                vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
+            vx, vy, vsw, vbatch = _inputs.unpack_validation(validation_data, validation_batch_size, batch_size)
             val = rank_dataset(
-                vx, vy, vsw, batch_size=None if isinstance(vx, tf.data.Dataset) else (validation_batch_size or batch_size),
-                shuffle=False, method="fit(validation_data)",
+                vx, vy, vsw, batch_size=vbatch, shuffle=False, method="fit(validation_data)",
                 sharding=self._sharding(tnt_distribute_validation_dataset, tnt_validation_micro_batch_size),
             )
         if not steps_per_epoch:

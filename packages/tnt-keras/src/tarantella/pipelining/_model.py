@@ -20,7 +20,15 @@ import tensorflow as tf
 import tnt_data
 
 from .. import _backup, _runtime
-from .._inputs import InputError, Sharding, at_epoch, common_seed, rank_dataset, split_arrays
+from .._inputs import (
+    InputError,
+    Sharding,
+    at_epoch,
+    common_seed,
+    rank_dataset,
+    split_arrays,
+    unpack_validation,
+)
 from .._rank_callbacks import callbacks_for_rank
 from ._deferred import materialise
 from ._errors import PipelineError
@@ -264,13 +272,9 @@ class PipelinedModel(keras.Model):
                                    method="fit", with_sizes=True, class_weight=class_weight)
         val = None
         if validation_data is not None:
-            if isinstance(validation_data, tf.data.Dataset):
-                vx, vy, vsw = validation_data, None, None
-            else:
-                vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
-            val = self._replica_data(
-                vx, vy, vsw, shuffle=False, method="fit(validation_data)",
-                batch_size=None if isinstance(vx, tf.data.Dataset) else (validation_batch_size or batch_size))
+            vx, vy, vsw, vbatch = unpack_validation(validation_data, validation_batch_size, batch_size)
+            val = self._replica_data(vx, vy, vsw, shuffle=False, method="fit(validation_data)",
+                                     batch_size=vbatch)
         callbacks, backup = _backup.adapt(callbacks)
         if backup is not None:  # every rank reads its stage of the backup (and optimizer state)
             restored = backup.restore(self)
