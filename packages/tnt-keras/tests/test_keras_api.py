@@ -34,6 +34,7 @@ CHECKS = [
     "small_global_batches_same_steps",
     # NumPy inputs shuffled as plain Keras shuffles them
     "shuffled_arrays_equal_serial_script",
+    "unseeded_shuffle_each_sample_once_per_epoch",
     # the rest of the Model API
     "predict_uncompiled",
     "load_model_compile_false_predict",

@@ -63,10 +63,30 @@ def _from_arrays(
             batch_size = DEFAULT_BATCH_SIZE
     if not isinstance(batch_size, int | np.integer) or batch_size < 1:
         raise InputError(f"tnt.Model.{method}: batch_size must be a positive integer, got {batch_size!r}.")
-    dataset = _internals.keras_array_dataset(x, y, sample_weight, int(batch_size), shuffle)
+    if shuffle and sharding.shuffle_seed is not None and _internals.global_seed() is None:
+        # Keras draws the shuffle order from TensorFlow's global seed; with none set,
+        # every rank would draw its own order and the ranks' slices of "one" global batch
+        # would repeat some samples and drop others. The order comes from a seed common to
+        # all ranks instead, a new one for each shuffled input built.
+        with _internals.temporary_global_seed(_next_array_shuffle_seed(sharding.shuffle_seed)):
+            dataset = _internals.keras_array_dataset(x, y, sample_weight, int(batch_size), shuffle)
+    else:
+        dataset = _internals.keras_array_dataset(x, y, sample_weight, int(batch_size), shuffle)
     if class_weight is not None:
         dataset = dataset.map(class_weighted(class_weight))
     return dataset
+
+
+_array_shuffles: dict[int, int] = {}
+
+
+def _next_array_shuffle_seed(common: int) -> int:
+    """The seed of the next shuffled array input built from ``common``: every rank builds
+    the same inputs in the same order, so the n-th is seeded alike everywhere, and a run
+    of ``fit(..., epochs=1)`` calls does not repeat one order."""
+    count = _array_shuffles.get(common, 0)
+    _array_shuffles[common] = count + 1
+    return int(np.random.SeedSequence([common, count]).generate_state(1)[0] % (2**31 - 1))
 
 
 def class_weighted(class_weight: dict):

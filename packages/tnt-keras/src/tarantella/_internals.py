@@ -9,6 +9,7 @@ versions, instead of failing somewhere deep in a step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -87,6 +88,17 @@ def batch_norm_reduction_axes(layer: keras.layers.BatchNormalization) -> list[in
 def is_cached_eval_call(kwargs: dict[str, Any]) -> bool:
     """True when Keras' fit calls evaluate() for validation (data already prepared)."""
     return bool(kwargs.get("_use_cached_eval_dataset"))
+
+
+@contextlib.contextmanager
+def temporary_global_seed(seed: int):
+    """TensorFlow's global seed set to ``seed`` inside, and unset again afterwards (only
+    for code that runs while no global seed is set)."""
+    tf.random.set_seed(seed)
+    try:
+        yield
+    finally:
+        tf.random.set_seed(None)
 
 
 def global_seed() -> int | None:

@@ -305,6 +305,38 @@ def check_shuffled_arrays() -> None:
           max(_job.history_diff(h_serial, h), _job.max_abs_diff(w_serial, w)), TOL_WEIGHTS)
 
 
+def check_unseeded_shuffle_uses_each_sample_once() -> None:
+    """Without any global seed, Keras' default shuffle=True must still give every sample
+    exactly once per epoch across the ranks (one global order, not one per rank).
+
+    Sample i is the one-hot vector e_i with target 1, the kernel starts at 0 and there is
+    no bias: one SGD step on a batch holding sample i k times moves kernel[i] by k times
+    the same amount, so after one epoch every entry is equal iff each sample came once."""
+    # A user script: no global seed (earlier checks set one) and no op determinism (which
+    # would refuse unseeded random ops); TensorFlow has no public switch back.
+    from tensorflow.python.framework import config as tf_config
+    tf.random.set_seed(None)
+    tf_config.disable_op_determinism()
+    try:
+        _train_one_hot_epoch()
+    finally:
+        tf_config.enable_op_determinism()
+
+
+def _train_one_hot_epoch() -> None:
+    n = 24
+    x, y = np.eye(n, dtype="float32"), np.ones((n, 1), "float32")
+    model = tnt.Model(keras.Sequential([keras.Input((n,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="zeros")]))
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    model.fit(x, y, batch_size=6, epochs=1, verbose=0)  # shuffle=True, Keras' default
+    kernel = model.get_weights()[0].ravel()
+    expected = 0.5 * 2.0 / 6  # lr * d(mse)/dw for one sample of a batch of 6, from w = 0
+    check("unseeded_shuffle_each_sample_once_per_epoch",
+          bool(np.allclose(kernel, expected, atol=1e-6)),
+          f"kernel entries {np.round(kernel / expected, 3).tolist()} (in steps of one sample)")
+
+
 # -- 6. the rest of the Model API ---------------------------------------------------------
 def check_uncompiled_inference(tmp: Path) -> None:
     x, _ = rng_data(23, 10, 9)
@@ -492,6 +524,7 @@ def main() -> None:
             "gan": lambda: check_gan(11), "tracked": lambda: check_tracked(7),
             "custom_loops": check_custom_loops, "small_batches": check_small_batches,
             "shuffled_arrays": check_shuffled_arrays,
+            "unseeded_shuffle": check_unseeded_shuffle_uses_each_sample_once,
             "uncompiled": lambda: check_uncompiled_inference(tmp),
             "class_weight": check_class_weight, "on_batch": check_on_batch,
             "multi_output": check_multi_output, "export": lambda: check_export(tmp),
