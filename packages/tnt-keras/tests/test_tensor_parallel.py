@@ -21,6 +21,7 @@ CHECKS = (
     "plan_default_keeps_small_lone_dense_replicated", "plan_t1_replicates_all",
     "error_subclassed", "error_t_below_1", "error_t_not_job_size", "error_size_with_data_strategy",
     "error_missing_size", "error_clipnorm", "error_save_not_built",
+    "unseeded_shuffle_same_batches_on_all_ranks",
 )
 
 

@@ -68,7 +68,7 @@ def _from_arrays(
         # every rank would draw its own order and the ranks' slices of "one" global batch
         # would repeat some samples and drop others. The order comes from a seed common to
         # all ranks instead, a new one for each shuffled input built.
-        with _internals.temporary_global_seed(_next_array_shuffle_seed(sharding.shuffle_seed)):
+        with _internals.temporary_global_seed(next_array_shuffle_seed(sharding.shuffle_seed)):
             dataset = _internals.keras_array_dataset(x, y, sample_weight, int(batch_size), shuffle)
     else:
         dataset = _internals.keras_array_dataset(x, y, sample_weight, int(batch_size), shuffle)
@@ -80,7 +80,7 @@ def _from_arrays(
 _array_shuffles: dict[int, int] = {}
 
 
-def _next_array_shuffle_seed(common: int) -> int:
+def next_array_shuffle_seed(common: int) -> int:
     """The seed of the next shuffled array input built from ``common``: every rank builds
     the same inputs in the same order, so the n-th is seeded alike everywhere, and a run
     of ``fit(..., epochs=1)`` calls does not repeat one order."""

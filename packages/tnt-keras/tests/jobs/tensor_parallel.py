@@ -12,6 +12,7 @@ from __future__ import annotations
 import _job
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tarantella as tnt
 import tnt_comm
@@ -203,10 +204,35 @@ def plan_and_error_checks(t: int) -> None:
     expect_error("error_save_not_built", lambda: tp.save("/nonexistent/x.keras"), "get_weights")
 
 
+def unseeded_shuffle_check(t: int) -> None:
+    """Keras' default shuffle=True with no global seed and no op determinism (a user
+    script): every rank of the group must still read the same batches."""
+    from tensorflow.python.framework import config as tf_config  # no public switch back
+
+    x, y = data("mlp", 40)
+    source = mlp(5)  # seeds the global generators: unset them after
+    tf.random.set_seed(None)
+    tf_config.disable_op_determinism()
+    try:
+        # The default plan keeps this small model replicated, so ranks that read different
+        # batches end with different weights, which fit's group check reports.
+        model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t)
+        model.compile(optimizer("sgd_momentum"), "sparse_categorical_crossentropy")
+        try:
+            history = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+            same = len({repr(h) for h in tnt_comm.allgather_object(history)}) == 1
+            check("unseeded_shuffle_same_batches_on_all_ranks", same, history)
+        except Exception as err:  # the group check after fit raises when batches differed
+            check("unseeded_shuffle_same_batches_on_all_ranks", False, f"{type(err).__name__}: {err}")
+    finally:
+        tf_config.enable_op_determinism()
+
+
 def main() -> None:
     out = _job.out_path()
     t = tnt.get_size()
     plan_and_error_checks(t)
+    unseeded_shuffle_check(t)
     cases = {}
     for name, (kind, opt, batch, n, epochs, tol_l, tol_w) in CASES.items():
         cases[name] = run_case(kind, opt, batch, n, epochs, t)

@@ -20,7 +20,7 @@ import hashlib
 import keras
 import numpy as np
 
-from .. import _runtime, _sync
+from .. import _inputs, _internals, _runtime, _sync
 from .._logging import logger
 from ..pipelining._graph import model_graph
 from ._collectives import TensorGroup
@@ -225,10 +225,21 @@ class TensorParallelModel(keras.Model):
                            "collectives run outside XLA.")
         super().compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
 
+    def _common_seed(self) -> int:
+        if getattr(self, "_tnt_seed", None) is None:
+            self._tnt_seed = _inputs.common_seed()
+        return self._tnt_seed
+
     def fit(self, *args, **kwargs):
         """Keras' fit on every rank of the group (same batches everywhere); afterwards the
         replicated weights are checked to be identical across the group."""
-        history = super().fit(*args, **kwargs)
+        if _internals.global_seed() is not None:
+            history = super().fit(*args, **kwargs)
+        else:
+            # Without a global seed Keras would shuffle arrays differently on every rank of
+            # the group; all of them must read the same batches.
+            with _internals.temporary_global_seed(_inputs.next_array_shuffle_seed(self._common_seed())):
+                history = super().fit(*args, **kwargs)
         self.verify_group()
         return history
 
