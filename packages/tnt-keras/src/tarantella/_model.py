@@ -49,7 +49,10 @@ class Model(keras.Model):
     Args:
         model: a built or unbuilt Keras 3 model (Sequential, functional or subclassed,
             with or without its own ``train_step``/``test_step``/``predict_step``).
-        parallel_strategy: ``tnt.ParallelStrategy.DATA`` (the only one supported).
+        parallel_strategy: ``tnt.ParallelStrategy.DATA`` (default); ``PIPELINING`` or
+            ``ALL`` (with ``num_pipeline_stages``, see docs/pipelining.md) and ``TENSOR``
+            (with ``tensor_parallel_size``, see docs/tensor_parallel.md) return the
+            pipelined or tensor-parallel model instead.
         sync_batch_norm: make every ``BatchNormalization`` layer normalise with the
             statistics of the global batch (as ``tnt.keras.layers.SyncBatchNormalization``
             does), so a model with batch normalisation trains as serial Keras does.
