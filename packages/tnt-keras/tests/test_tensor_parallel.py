@@ -20,7 +20,7 @@ CHECKS = (
     "plan_non_divisible_replicated_with_note",
     "plan_default_keeps_small_lone_dense_replicated", "plan_t1_replicates_all",
     "error_subclassed", "error_t_below_1", "error_t_not_job_size", "error_size_with_data_strategy",
-    "error_missing_size", "error_clipnorm", "error_save_not_built",
+    "error_missing_size", "error_clipnorm", "error_load_weights_file_as_model",
     "unseeded_shuffle_same_batches_on_all_ranks",
 )
 
@@ -35,6 +35,11 @@ def report(tmp_path_factory):
         rows.append(f"{name:24} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
                     f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
     print(f"\ntensor parallel t={RANKS} (max abs difference to serial Keras)\n" + "\n".join(rows))
+    s = result["saving"]
+    print(f"save/load: plain Keras predict {s['plain_predict_diff']:.2e}, optimizer {s['plain_optimizer_diff']:.2e}; "
+          f"serial file continued at t={RANKS}: history {s['continue_history_diff']:.2e}, weights "
+          f"{s['continue_weight_diff']:.2e}; resumed backup: weights {s['resume_weight_diff']:.2e}")
+    result["work"] = out.parent
     return result
 
 
@@ -92,3 +97,60 @@ def test_optimizer_slots_are_shard_shaped(report):
 @pytest.mark.parametrize("name", CHECKS)
 def test_plan_and_errors(report, name):
     assert_check(report["checks"], name)
+
+
+# -- save / load -------------------------------------------------------------------------------------
+TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # the data-parallel tolerances
+
+
+def test_tensor_save_opens_in_plain_keras(report):
+    s = report["saving"]
+    assert s["plain_predict_diff"] <= TOL_WEIGHTS and s["plain_vs_tensor_predict_diff"] <= TOL_WEIGHTS, s
+    assert s["plain_weight_diff"] <= TOL_WEIGHTS and s["weights_file_diff"] <= TOL_WEIGHTS, s
+    # Adam's slots were split with their variables and joined again in the serial order
+    assert s["plain_optimizer_diff"] <= TOL_WEIGHTS, s["plain_optimizer_diff"]
+    assert s["plain_iterations"] == s["serial_iterations"] > 0, s
+
+
+def test_serial_save_loads_tensor_parallel_and_continues_as_serial(report):
+    s = report["saving"]
+    assert s["load_predict_diff"] <= TOL_WEIGHTS, s["load_predict_diff"]
+    assert s["continue_history_diff"] <= TOL_LOSS, s["continue_history_diff"]
+    assert s["continue_weight_diff"] <= TOL_WEIGHTS, s["continue_weight_diff"]
+    for shapes in s["continue_local_shapes"]:
+        assert shapes["mha/query/kernel"] == [16, 2, 4], shapes  # 4 heads over 2 ranks
+
+
+def test_load_reads_only_each_ranks_slices(report):
+    s = report["saving"]
+    assert s["load_leaves_serial_split_layers_unmaterialised"]
+    for rank in s["load_reads"]:
+        assert rank["sliced"] == rank["expected_sliced"] > 0 and rank["all_slices_1_of_t"], rank
+
+
+def test_saved_at_t2_loads_at_t1_with_the_same_predictions(report):
+    """In this (1-rank) process: the job's t = 2 file split over q = 1."""
+    import numpy as np
+
+    import tarantella as tnt
+
+    work = report["work"]
+    loaded = tnt.models.load_model(work / "tp.keras", parallel_strategy=tnt.ParallelStrategy.TENSOR,
+                                   tensor_parallel_size=1)
+    predicted = loaded.predict(np.load(work / "tp_x.npy"), verbose=0)
+    assert np.max(np.abs(predicted - np.load(work / "tp_predict.npy"))) <= TOL_WEIGHTS
+    assert np.max(np.abs(predicted - np.load(work / "tp_predict_serial.npy"))) <= TOL_WEIGHTS
+
+
+def test_checkpoint_callbacks_write_serial_files(report):
+    s = report["saving"]
+    assert s["files"] == sorted([f"ckpt_{e}.keras" for e in (1, 2, 3)] +
+                                [f"ckpt_{e}.weights.h5" for e in (1, 2, 3)]), s["files"]
+    assert s["checkpoint_weight_diff"] == 0 and s["checkpoint_weights_only_diff"] == 0, s
+
+
+def test_backup_and_restore_resumes_as_the_uninterrupted_run(report):
+    s = report["saving"]
+    assert s["interrupted"] and s["resumed_epochs"] == 1, s
+    assert s["resume_history_diff"] <= TOL_LOSS and s["resume_weight_diff"] <= TOL_WEIGHTS, s
+    assert s["backup_dir_removed"]

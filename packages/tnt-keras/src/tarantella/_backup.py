@@ -17,7 +17,8 @@ settings and Keras' file layout (``latest.weights.h5``, ``training_metadata.json
 
 A pipelined model (PIPELINING / ALL) is backed up the same way: its stages are gathered
 into the serial model on the master for writing (every rank takes part), and restoring
-reads each rank's stage from the file (``PipelinedModel.load_weights``).
+reads each rank's stage from the file (``PipelinedModel.load_weights``); a tensor-parallel
+model alike, with its shards joined and each rank reading its slices.
 """
 
 from __future__ import annotations
@@ -155,8 +156,9 @@ class DistributedBackup(keras.callbacks.Callback):
 
 
 def _serial_model(model) -> keras.Model | None:
-    """What the backup writes: the wrapped model, or a pipelined model's stages gathered on
-    the master (every rank takes part; None off the master)."""
+    """What the backup writes: the wrapped model, or a pipelined model's stages (a
+    tensor-parallel model's shards) gathered on the master (every rank takes part; None off
+    the master)."""
     gather = getattr(model, "_tnt_gather_serial", None)
     return gather() if gather is not None else model.model
 

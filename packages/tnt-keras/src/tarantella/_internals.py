@@ -222,6 +222,47 @@ def load_layer_state(layer, store, inner_path: str) -> None:
     saving_lib._load_state(layer, store, None, inner_path, visited_saveables=set())
 
 
+def saved_variable_locations(layer, inner_path: str) -> dict[int, tuple[str, str]]:
+    """id(variable) -> (group, key) under which Keras writes each of ``layer``'s variables
+    (its sub-layers' too) when ``layer`` sits at ``inner_path`` of a saved model.
+
+    Keras' own save walk runs against a store that only records: nothing is read or written.
+    """
+    try:
+        from keras.src.saving import saving_lib
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.saving.saving_lib._save_state", err) from err
+
+    class _Recorder(saving_lib.H5IOStore):
+        def __init__(self) -> None:  # no file
+            self.found: dict[int, tuple[str, str]] = {}
+            self.path = ""
+
+        def __bool__(self) -> bool:
+            return True
+
+        def make(self, path, metadata=None):
+            self.path = path
+            return self
+
+        def __setitem__(self, key, value) -> None:
+            self.found[id(value)] = (self.path, str(key))
+
+    recorder = _Recorder()
+    saving_lib._save_state(layer, recorder, None, inner_path, visited_saveables=set())
+    return recorder.found
+
+
+def h5_dataset(store, group: str, key: str):
+    """The h5py dataset ``key`` of ``group`` in a store opened by :func:`weights_store`,
+    unread (slicing it reads only that part), or None when the file has none."""
+    vars_path = f"{group}/vars" if group else "vars"
+    root = store.h5_file
+    if vars_path not in root or key not in root[vars_path]:
+        return None
+    return root[vars_path][key]
+
+
 def version_warning() -> str | None:
     """A warning text when this Keras is outside the tested range, else None."""
     low, high = TESTED_KERAS

@@ -25,8 +25,15 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) ->
     """Load a ``.keras`` file written by ``save``/``save_model`` (on all ranks).
 
     ``parallel_strategy=PIPELINING|ALL, num_pipeline_stages=q`` loads it into q stages
-    (any q, whatever the file was saved with; see tnt.pipelining.load_model).
+    (any q, whatever the file was saved with; see tnt.pipelining.load_model);
+    ``parallel_strategy=TENSOR, tensor_parallel_size=q`` splits it over q ranks (any q,
+    whatever t it was saved at; see tnt.tensor_parallel.load_model).
     """
+    if ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA)) is ParallelStrategy.TENSOR:
+        from .tensor_parallel import load_model as load_tensor_parallel
+
+        kwargs.pop("parallel_strategy")
+        return load_tensor_parallel(filepath, custom_objects=custom_objects, compile=compile, **kwargs)
     if ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA)) is not ParallelStrategy.DATA:
         from .pipelining import load_model as load_pipelined
 

@@ -9,6 +9,8 @@ ranks. Plan and error checks need no training and run in the same job.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import _job
 import keras
 import numpy as np
@@ -19,6 +21,7 @@ import tnt_comm
 
 TP = tnt.tensor_parallel
 CHECKS: dict[str, dict] = {}
+TRAINED: dict[tuple[str, str], tuple[keras.Model, keras.Model]] = {}  # (serial, tensor) after run_case
 
 
 def check(name: str, ok: bool, detail: object = "") -> None:
@@ -123,6 +126,7 @@ def run_case(kind, opt, batch, n, epochs, t):
     h_serial = serial.fit(x, y, **fit).history
     h_tensor = model.fit(x, y, **fit).history
     w_tensor = model.get_weights()
+    TRAINED[kind, opt] = (serial, model)
     result = {
         "plan": plan.split_layers(),
         "start_same": start_same,
@@ -201,7 +205,6 @@ def plan_and_error_checks(t: int) -> None:
                    tensor_parallel_plan=TP.plan(mlp(0), tensor_parallel_size=t, min_split_params=0))
     expect_error("error_clipnorm", lambda: tp.compile(keras.optimizers.SGD(0.1, clipnorm=1.0), "mse"),
                  "clipnorm", "clipvalue")
-    expect_error("error_save_not_built", lambda: tp.save("/nonexistent/x.keras"), "get_weights")
 
 
 def unseeded_shuffle_check(t: int) -> None:
@@ -228,6 +231,153 @@ def unseeded_shuffle_check(t: int) -> None:
         tf_config.enable_op_determinism()
 
 
+# -- save / load ------------------------------------------------------------------------------
+def on_master(fn):
+    """``fn()`` on the master only (serial Keras), its result on every rank."""
+    return tnt_comm.broadcast_object(fn() if tnt.is_master_rank() else None, 0)
+
+
+class _ReadLog:
+    """Records, for every dataset the loader reads, (saved elements, elements read)."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, int]] = []
+        self.real = tnt._internals.h5_dataset
+
+    def __enter__(self):
+        def logged(store, group, key):
+            dataset = self.real(store, group, key)
+            return None if dataset is None else _LoggedDataset(dataset, self.reads)
+
+        tnt._internals.h5_dataset = logged
+        return self
+
+    def __exit__(self, *exc) -> None:
+        tnt._internals.h5_dataset = self.real
+
+
+class _LoggedDataset:
+    def __init__(self, dataset, reads) -> None:
+        self.dataset, self.reads, self.shape = dataset, reads, dataset.shape
+
+    def __getitem__(self, index):
+        value = self.dataset[index]
+        self.reads.append((int(np.prod(self.shape)), int(np.asarray(value).size)))
+        return value
+
+
+def save_load_checks(t: int, work: Path) -> dict:
+    """Tensor save -> plain Keras load; serial save -> tensor load -> continued training
+    == serial continuation; the file of this t (and its predictions) for the t = 1 test."""
+    serial, model = TRAINED["block", "adam"]
+    xp, _ = data("block", 9)
+    xc, yc = data("block", 12 * 2 + 5)
+    tp_path, tp_weights, serial_path = work / "tp.keras", work / "tp.weights.h5", work / "serial.keras"
+    model.save(tp_path)
+    model.save_weights(tp_weights)
+    predicted = model.predict(xp, verbose=0)
+    expect_error("error_load_weights_file_as_model",
+                 lambda: tnt.models.load_model(tp_weights, parallel_strategy=tnt.ParallelStrategy.TENSOR,
+                                               tensor_parallel_size=t), "not a .keras file", "load_weights")
+
+    def plain_keras():
+        plain = keras.saving.load_model(tp_path)  # plain Keras opens the joined file
+        weights_only = block(99)
+        weights_only.load_weights(tp_weights)
+        serial.save(serial_path)
+        np.save(work / "tp_x.npy", xp)
+        np.save(work / "tp_predict_serial.npy", serial.predict(xp, verbose=0))
+        return {
+            "plain_predict_diff": _job.max_abs_diff(plain.predict(xp, verbose=0), serial.predict(xp, verbose=0)),
+            "plain_vs_tensor_predict_diff": _job.max_abs_diff(plain.predict(xp, verbose=0), predicted),
+            "plain_weight_diff": _job.max_abs_diff(plain.get_weights(), serial.get_weights()),
+            "weights_file_diff": _job.max_abs_diff(weights_only.get_weights(), serial.get_weights()),
+            "plain_optimizer_diff": _job.max_abs_diff([v.numpy() for v in plain.optimizer.variables],
+                                                      [v.numpy() for v in serial.optimizer.variables]),
+            "plain_iterations": int(plain.optimizer.iterations.numpy()),
+            "serial_iterations": int(serial.optimizer.iterations.numpy()),
+        }
+
+    out = on_master(plain_keras)
+    np.save(work / "tp_predict.npy", predicted) if tnt.is_master_rank() else None
+    tnt_comm.barrier()
+    fit = dict(batch_size=6, epochs=2, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(31)  # the dropout layers' seeds, drawn when the file's model is built
+    with _ReadLog() as log:
+        cont = tnt.models.load_model(serial_path, parallel_strategy=tnt.ParallelStrategy.TENSOR,
+                                     tensor_parallel_size=t)
+    split_axis_vars = sum(1 for _, _, axis in cont._split_variables() if axis is not None)
+    sliced = [(whole, read) for whole, read in log.reads if read != whole]
+    out["load_reads"] = tnt_comm.allgather_object(
+        {"sliced": len(sliced), "expected_sliced": 3 * split_axis_vars,  # each weight + Adam's 2 slots
+         "all_slices_1_of_t": all(whole == read * t for whole, read in sliced)})
+    out["load_leaves_serial_split_layers_unmaterialised"] = all(tnt_comm.allgather_object(
+        all(tnt.pipelining._deferred.is_deferred(s) for s, _, _ in cont._split_variables())))
+    out["load_predict_diff"] = _job.max_abs_diff(cont.predict(xp, verbose=0),
+                                                 on_master(lambda: serial.predict(xp, verbose=0)))
+    h_cont = cont.fit(xc, yc, **fit).history
+    w_cont = cont.get_weights()
+
+    def serial_continuation():
+        keras.utils.set_random_seed(31)
+        ref = keras.saving.load_model(serial_path)
+        return ref.fit(xc, yc, **fit).history, ref.get_weights()
+
+    h_ref, w_ref = on_master(serial_continuation)
+    out["continue_history_diff"] = _job.history_diff(h_ref, h_cont)
+    out["continue_weight_diff"] = _job.max_abs_diff(w_ref, w_cont)
+    out["continue_local_shapes"] = tnt_comm.allgather_object(
+        {v.path: list(v.shape) for v in cont.trainable_variables if v.path.startswith("mha/query")})
+    return out
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted after epoch 1")
+
+
+def checkpoint_checks(t: int, work: Path) -> dict:
+    """ModelCheckpoint (whole model and weights only) writes serial files; BackupAndRestore
+    resumes a tensor-parallel run where it stopped, ending as the uninterrupted run."""
+    x, y = data("mlp", 8 * 3)
+
+    def run(seed, callbacks, epochs=3):
+        source = mlp(seed)
+        tp = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t,
+                       tensor_parallel_plan=TP.plan(source, tensor_parallel_size=t, min_split_params=0))
+        tp.compile(optimizer("adam"), "sparse_categorical_crossentropy")
+        history = tp.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+        return tp, history.history
+
+    checkpoints = [keras.callbacks.ModelCheckpoint(str(work / "ckpt_{epoch}.keras")),
+                   keras.callbacks.ModelCheckpoint(str(work / "ckpt_{epoch}.weights.h5"), save_weights_only=True)]
+    whole, h_whole = run(7, checkpoints)
+    w_whole = whole.get_weights()
+
+    def read_checkpoints():
+        plain = keras.saving.load_model(work / "ckpt_3.keras")
+        weights_only = mlp(0)
+        weights_only.load_weights(work / "ckpt_3.weights.h5")
+        return {"files": sorted(p.name for p in work.glob("ckpt_*")),
+                "checkpoint_weight_diff": _job.max_abs_diff(plain.get_weights(), w_whole),
+                "checkpoint_weights_only_diff": _job.max_abs_diff(weights_only.get_weights(), w_whole)}
+
+    out = on_master(read_checkpoints)
+    backup_dir = work / "backup"
+    try:
+        run(7, [keras.callbacks.BackupAndRestore(str(backup_dir)), Interrupt()])
+        out["interrupted"] = False
+    except RuntimeError as err:
+        out["interrupted"] = "interrupted after epoch 1" in str(err)
+    resumed, h_resumed = run(8, [keras.callbacks.BackupAndRestore(str(backup_dir))])  # other init: restored
+    out["resumed_epochs"] = len(h_resumed["loss"])
+    out["resume_history_diff"] = _job.max_abs_diff(h_resumed["loss"], h_whole["loss"][-1:])
+    out["resume_weight_diff"] = _job.max_abs_diff(resumed.get_weights(), w_whole)
+    out["backup_dir_removed"] = on_master(lambda: not backup_dir.exists())
+    return out
+
+
 def main() -> None:
     out = _job.out_path()
     t = tnt.get_size()
@@ -237,7 +387,9 @@ def main() -> None:
     for name, (kind, opt, batch, n, epochs, tol_l, tol_w) in CASES.items():
         cases[name] = run_case(kind, opt, batch, n, epochs, t)
         cases[name].update(tol_loss=tol_l, tol_weights=tol_w)
-    _job.write(out, {"ranks": t, "checks": CHECKS, "cases": cases})
+    work = out.parent
+    saving = {**save_load_checks(t, work), **checkpoint_checks(t, work)}
+    _job.write(out, {"ranks": t, "checks": CHECKS, "cases": cases, "saving": saving})
 
 
 if __name__ == "__main__":

@@ -16,13 +16,17 @@ built yet.
 from __future__ import annotations
 
 import hashlib
+import inspect
 
 import keras
 import numpy as np
 
-from .. import _inputs, _internals, _runtime, _sync
+from .. import _backup, _inputs, _internals, _runtime, _sync
 from .._logging import logger
+from .._rank_callbacks import callbacks_for_rank
+from ..pipelining._deferred import materialise
 from ..pipelining._graph import model_graph
+from . import _saving
 from ._collectives import TensorGroup
 from ._errors import TensorParallelError
 from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
@@ -71,7 +75,7 @@ class TensorParallelModel(keras.Model):
     """This rank's shards of a model whose large layers are split over ``t`` ranks."""
 
     def __init__(self, model: keras.Model, *, tensor_parallel_size: int,
-                 tensor_parallel_plan: Plan | None = None) -> None:
+                 tensor_parallel_plan: Plan | None = None, _weights_from_file: bool = False) -> None:
         t = check_size(tensor_parallel_size)
         check_model(model)
         plan = tensor_parallel_plan if tensor_parallel_plan is not None else make_plan(model, t)
@@ -88,13 +92,14 @@ class TensorParallelModel(keras.Model):
         self.plan = plan
         self.group = TensorGroup.of_world(t)
         self._tnt_check_same_plan()
-        if _runtime.get_size() > 1:  # every rank starts from rank 0's weights
+        if _runtime.get_size() > 1 and not _weights_from_file:  # every rank starts from rank 0's weights
             _sync.broadcast_from_master(model.weights)
         # Not tracked by Keras: the wrapper's variables are the local model's only.
         object.__setattr__(self, "_serial", model)
         object.__setattr__(self, "_tnt_shards", {})
         self.local_model = self._build_local(model)
-        self._assign_shards()
+        if not _weights_from_file:  # else _saving.load_model reads each rank's slices
+            self._assign_shards()
         self.built = True
 
     # -- building ----------------------------------------------------------------------
@@ -179,6 +184,7 @@ class TensorParallelModel(keras.Model):
 
     def set_weights(self, weights) -> None:
         """Set the serial-shaped weights (rank 0's values win); shards take their slices."""
+        materialise(self._serial)  # a loaded model's serial split layers hold no values
         self._serial.set_weights(weights)
         if _runtime.get_size() > 1:
             _sync.broadcast_from_master(self._serial.weights)
@@ -232,27 +238,48 @@ class TensorParallelModel(keras.Model):
 
     def fit(self, *args, **kwargs):
         """Keras' fit on every rank of the group (same batches everywhere); afterwards the
-        replicated weights are checked to be identical across the group."""
-        if _internals.global_seed() is not None:
-            history = super().fit(*args, **kwargs)
-        else:
-            # Without a global seed Keras would shuffle arrays differently on every rank of
-            # the group; all of them must read the same batches.
-            with _internals.temporary_global_seed(_inputs.next_array_shuffle_seed(self._common_seed())):
-                history = super().fit(*args, **kwargs)
+        replicated weights are checked to be identical across the group. A BackupAndRestore
+        callback writes from the master (``_backup``); other writing callbacks run as in
+        data parallelism (``_rank_callbacks``); progress prints on the master only."""
+        kwargs = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs).arguments
+        kwargs.pop("self")
+        callbacks, backup = _backup.adapt(kwargs.get("callbacks"))
+        if backup is not None:
+            restored = backup.restore(self)
+            if restored is not None:
+                kwargs["initial_epoch"] = restored
+        if not _runtime.is_master_rank():
+            kwargs["verbose"] = 0
+        with callbacks_for_rank(callbacks, tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices) \
+                as kwargs["callbacks"]:
+            if _internals.global_seed() is not None:
+                history = super().fit(**kwargs)
+            else:
+                # Without a global seed Keras would shuffle arrays differently on every rank of
+                # the group; all of them must read the same batches.
+                with _internals.temporary_global_seed(_inputs.next_array_shuffle_seed(self._common_seed())):
+                    history = super().fit(**kwargs)
         self.verify_group()
         return history
 
-    def save(self, *args, **kwargs):
-        """Not available yet: raises TensorParallelError naming the way round (get_weights)."""
-        raise TensorParallelError(
-            "saving a tensor-parallel model is not available yet. Gather the serial weights with "
-            "model.get_weights(), set them on the Keras model (keras_model.set_weights(w)) and save that "
-            "on rank 0.")
+    # -- files (see _saving) -------------------------------------------------------------------
+    def save(self, filepath, overwrite=True, **kwargs) -> None:
+        """One ordinary serial ``.keras`` file (shards joined), written by the master; call
+        it on every rank of the group."""
+        _saving.save(self, filepath, **kwargs)
 
-    def save_weights(self, *args, **kwargs):
-        """Not available yet: raises TensorParallelError naming the way round (get_weights)."""
-        self.save()
+    def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
+        """The serial ``.weights.h5`` (shards joined), written by the master; all ranks call it."""
+        _saving.save_weights(self, filepath, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs) -> None:
+        """Load a serial weights file (saved at any t): this rank reads its slices only."""
+        _saving.load_weights(self, filepath)
+
+    def _tnt_gather_serial(self) -> keras.Model | None:
+        """The serial model with optimizer state on the master (None elsewhere); all ranks
+        call it (BackupAndRestore writes it)."""
+        return _saving.gather_serial_model(self)
 
 
 def tensor_parallel_model(*args, strategies, **kwargs) -> TensorParallelModel | None:

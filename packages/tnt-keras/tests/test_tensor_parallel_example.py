@@ -1,0 +1,44 @@
+"""Launched: examples/transformer_tensor_parallel.py learns its task with TENSOR on 2 ranks,
+and the file it saves opens in plain Keras with the same accuracy."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import _launcher
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformer_tensor_parallel.py"
+
+
+def test_transformer_tensor_parallel_on_two_ranks(tmp_path):
+    saved = tmp_path / "transformer.keras"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--", str(EXAMPLE), "--save", str(saved)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert re.search(r"^attention0\s+MultiHeadAttention\s+heads", out, flags=re.M), out[-3000:]  # the plan
+    assert re.search(r"^embedding\s+Embedding\s+vocab", out, flags=re.M), out[-3000:]
+    found = re.search(r"ranks: (\d+)\s+tensor_parallel_size: (\d+)\s+test loss: [\d.]+\s+test accuracy: ([\d.]+)", out)
+    assert found, out[-4000:]
+    assert found.group(1) == found.group(2) == "2"
+    accuracy = float(found.group(3))
+    assert accuracy > 0.9, out[-2000:]
+    assert len(re.findall(r"^Epoch 1/3", out, flags=re.M)) == 1  # progress from the master only
+
+    import keras
+
+    spec = importlib.util.spec_from_file_location("transformer_tensor_parallel", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    x_test, y_test = example.topics(512, 16, 1024, 4, seed=2)
+    plain = keras.saving.load_model(saved)  # the master joined the shards into a serial file
+    _, plain_accuracy = plain.evaluate(x_test, y_test, batch_size=64, verbose=0)
+    assert abs(plain_accuracy - accuracy) < 1e-3, (plain_accuracy, accuracy)
