@@ -38,7 +38,8 @@ def report(tmp_path_factory):
     s = result["saving"]
     print(f"save/load: plain Keras predict {s['plain_predict_diff']:.2e}, optimizer {s['plain_optimizer_diff']:.2e}; "
           f"serial file continued at t={RANKS}: history {s['continue_history_diff']:.2e}, weights "
-          f"{s['continue_weight_diff']:.2e}; resumed backup: weights {s['resume_weight_diff']:.2e}")
+          f"{s['continue_weight_diff']:.2e}; resumed backup: weights {s['resume_weight_diff']:.2e}; "
+          f"seconds: save/load {s['save_load_seconds']:.1f}, checkpoints {s['checkpoint_seconds']:.1f}")
     result["work"] = out.parent
     return result
 

@@ -9,6 +9,7 @@ ranks. Plan and error checks need no training and run in the same job.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import _job
@@ -388,7 +389,12 @@ def main() -> None:
         cases[name] = run_case(kind, opt, batch, n, epochs, t)
         cases[name].update(tol_loss=tol_l, tol_weights=tol_w)
     work = out.parent
-    saving = {**save_load_checks(t, work), **checkpoint_checks(t, work)}
+    started = time.perf_counter()
+    saving = save_load_checks(t, work)
+    saving["save_load_seconds"] = time.perf_counter() - started
+    started = time.perf_counter()
+    saving.update(checkpoint_checks(t, work))
+    saving["checkpoint_seconds"] = time.perf_counter() - started
     _job.write(out, {"ranks": t, "checks": CHECKS, "cases": cases, "saving": saving})
 
 
