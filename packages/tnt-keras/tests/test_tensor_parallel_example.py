@@ -13,13 +13,17 @@ from pathlib import Path
 from conftest import _launcher
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformer_tensor_parallel.py"
+# One block, shorter sequences, 2 epochs of 16 steps: enough to learn the task (serial Keras
+# reaches ~0.97), and the launch stays short.
+SMALL = ("--samples", "1024", "--epochs", "2", "--blocks", "1", "--length", "12")
 
 
 def test_transformer_tensor_parallel_on_two_ranks(tmp_path):
     saved = tmp_path / "transformer.keras"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--", str(EXAMPLE), "--save", str(saved)],
+        [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--", str(EXAMPLE), "--save", str(saved),
+         *SMALL],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -31,14 +35,14 @@ def test_transformer_tensor_parallel_on_two_ranks(tmp_path):
     assert found.group(1) == found.group(2) == "2"
     accuracy = float(found.group(3))
     assert accuracy > 0.9, out[-2000:]
-    assert len(re.findall(r"^Epoch 1/3", out, flags=re.M)) == 1  # progress from the master only
+    assert len(re.findall(r"^Epoch 1/2", out, flags=re.M)) == 1  # progress from the master only
 
     import keras
 
     spec = importlib.util.spec_from_file_location("transformer_tensor_parallel", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    x_test, y_test = example.topics(512, 16, 1024, 4, seed=2)
+    x_test, y_test = example.topics(512, 12, 1024, 4, seed=2)
     plain = keras.saving.load_model(saved)  # the master joined the shards into a serial file
     _, plain_accuracy = plain.evaluate(x_test, y_test, batch_size=64, verbose=0)
     assert abs(plain_accuracy - accuracy) < 1e-3, (plain_accuracy, accuracy)
