@@ -17,7 +17,7 @@ from __future__ import annotations
 import keras
 
 from .. import _runtime, _sync
-from .._inputs import InputError, Sharding, rank_dataset, split_arrays, unpack_validation
+from .._inputs import Sharding, fit_datasets, rank_dataset
 from .._steps import DistributedSteps
 
 
@@ -31,11 +31,13 @@ class ReplicaLoops:
         return DistributedSteps(self, self.num_replicas, self._tnt_settings.fusion_threshold_bytes,
                                 comm=self._tnt_replicas, own_steps=False, in_graph_collectives=True)
 
-    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method,
-                      with_sizes=False, class_weight=None):
-        sharding = Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
+    def _sharding(self) -> Sharding:
+        """Both ranks of a tensor group read their replica's slice of each global batch."""
+        return Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
+
+    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method):
         return rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method=method,
-                            sharding=sharding, with_sizes=with_sizes, class_weight=class_weight)
+                            sharding=self._sharding())
 
     def _verbose(self, verbose):
         return verbose if _runtime.is_master_rank() else 0
@@ -45,18 +47,10 @@ class ReplicaLoops:
                       sample_weight=None, initial_epoch=0, validation_batch_size=None, **kwargs):
         """Keras' fit on this replica's slice of every global batch (``x`` batched with the
         global batch size, or arrays with ``batch_size``)."""
-        import tensorflow as tf
-
-        if validation_split:
-            if isinstance(x, tf.data.Dataset):
-                raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
-            (x, y, sample_weight), validation_data = split_arrays((x, y, sample_weight), validation_split)
-        train = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                                   method="fit", with_sizes=True, class_weight=class_weight)
-        val = None
-        if validation_data is not None:
-            vx, vy, vsw, vbatch = unpack_validation(validation_data, validation_batch_size, batch_size)
-            val = self._replica_data(vx, vy, vsw, batch_size=vbatch, shuffle=False, method="fit(validation_data)")
+        train, val = fit_datasets(
+            x, y, sample_weight, sharding=self._sharding(), batch_size=batch_size, shuffle=shuffle,
+            class_weight=class_weight, validation_split=validation_split, validation_data=validation_data,
+            validation_batch_size=validation_batch_size)
         _sync.build_variables(self, self, train, with_metrics=True)
         return keras.Model.fit(self, train, epochs=epochs, verbose=self._verbose(verbose), callbacks=callbacks,
                                validation_data=val, shuffle=False, initial_epoch=initial_epoch, **kwargs)
