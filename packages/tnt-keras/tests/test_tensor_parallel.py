@@ -22,6 +22,7 @@ CHECKS = (
     "error_subclassed", "error_t_below_1", "error_t_not_job_size", "error_size_with_data_strategy",
     "error_missing_size", "error_clipnorm", "error_load_weights_file_as_model",
     "unseeded_shuffle_same_batches_on_all_ranks",
+    "deferred_build_split_layers_never_whole", "deferred_build_starts_and_trains_as_eager",
 )
 
 

@@ -235,6 +235,30 @@ def unseeded_shuffle_check(t: int) -> None:
         tf_config.enable_op_determinism()
 
 
+def deferred_build_check(t: int) -> None:
+    """A model built in tnt.pipelining.deferred_variables(): its split layers never get a
+    whole value on any rank, it starts from the values an eager build gets, and trains
+    as serial Keras does."""
+    x, y = data("block", 21)
+    serial = block(3)
+    with tnt.pipelining.deferred_variables():
+        source = block(3)
+    model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t,
+                      tensor_parallel_plan=TP.plan(source, tensor_parallel_size=t, min_split_params=0))
+    split = set(model.plan.split_layers())
+    whole = [w.path for layer in source.layers if layer.name in split for w in layer.weights
+             if not tnt.pipelining.is_deferred(w)]
+    check("deferred_build_split_layers_never_whole", split and not whole, f"split {sorted(split)}, whole {whole}")
+    start = _job.max_abs_diff(serial.get_weights(), model.get_weights())
+    for m in (serial, model):
+        m.compile(optimizer("adam"), "sparse_categorical_crossentropy")
+    fit = dict(batch_size=8, epochs=1, shuffle=False, verbose=0)
+    h = _job.history_diff(serial.fit(x, y, **fit).history, model.fit(x, y, **fit).history)
+    w = _job.max_abs_diff(serial.get_weights(), model.get_weights())
+    check("deferred_build_starts_and_trains_as_eager", start == 0 and h <= 1e-5 and w <= 2e-5,
+          f"start {start:.2e}, history {h:.2e}, weights {w:.2e}")
+
+
 # -- save / load ------------------------------------------------------------------------------
 def on_master(fn):
     """``fn()`` on the master only (serial Keras), its result on every rank."""
@@ -397,6 +421,7 @@ def main() -> None:
     t = tnt.get_size()
     plan_and_error_checks(t)
     unseeded_shuffle_check(t)
+    deferred_build_check(t)
     cases = {}
     work = out.parent
     seconds = {}

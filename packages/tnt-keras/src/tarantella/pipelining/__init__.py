@@ -10,7 +10,7 @@ See docs/pipelining.md.
 
 from __future__ import annotations
 
-from ._deferred import deferred_variables
+from ._deferred import deferred_variables, is_deferred
 from ._errors import PipelineError
 from ._local import LocalPipeline
 from ._model import PipelinedModel, pipelined_model
@@ -33,6 +33,7 @@ __all__ = [
     "build_stage",
     "compute_order",
     "deferred_variables",
+    "is_deferred",
     "load_model",
     "micro_batch_sizes",
     "peak_in_flight",

@@ -27,7 +27,7 @@ import tnt_comm
 from .. import _backup, _inputs, _internals, _runtime, _sync
 from .._logging import logger
 from .._rank_callbacks import callbacks_for_rank
-from ..pipelining._deferred import materialise
+from ..pipelining._deferred import current_or_initial, has_deferred, is_deferred, materialise
 from ..pipelining._graph import model_graph
 from . import _saving
 from ._collectives import TensorGroup
@@ -86,13 +86,18 @@ class TensorParallelModel(ReplicaLoops, keras.Model):
         self.num_replicas = layout.replicas
         self.replica = layout.replica(_runtime.get_rank())
         self._tnt_check_same_plan()
-        if _runtime.get_size() > 1 and not _weights_from_file:  # every rank starts from rank 0's weights
-            _sync.broadcast_from_master(model.weights)
+        # A model built in tnt.pipelining.deferred_variables() has no values to broadcast:
+        # each variable gets its initial value when its shard is made (_assign_initial).
+        deferred = not _weights_from_file and has_deferred(model)
+        if _runtime.get_size() > 1 and not _weights_from_file and not deferred:
+            _sync.broadcast_from_master(model.weights)  # every rank starts from rank 0's weights
         # Not tracked by Keras: the wrapper's variables are the local model's only.
         object.__setattr__(self, "_serial", model)
         object.__setattr__(self, "_tnt_shards", {})
         self.local_model = self._build_local(model)
-        if not _weights_from_file:  # else _saving.load_model reads each rank's slices
+        if deferred:
+            self._assign_initial()
+        elif not _weights_from_file:  # else _saving.load_model reads each rank's slices
             self._assign_shards()
         self._tnt_steps = self._replica_steps()
         self.built = True
@@ -145,6 +150,32 @@ class TensorParallelModel(ReplicaLoops, keras.Model):
         for serial, local, axis in self._split_variables():
             full = np.asarray(serial.numpy())
             local.assign(np.split(full, t, axis=axis)[r] if axis is not None else full)
+
+    def _assign_initial(self) -> None:
+        """For a model built in ``tnt.pipelining.deferred_variables()``: no rank ever holds it
+        whole. One variable at a time, the master makes a split variable's initial value
+        (its initializer's, as an eager build would) and sends it to every rank, which keeps
+        its slice; the replicated layers' variables get the master's initial values."""
+        t, r = self.group.size, self.group.rank
+        several = _runtime.get_size() > 1
+        split = set()
+        for serial, local, axis in self._split_variables():
+            split.add(id(serial))
+            if _runtime.is_master_rank() or not several:
+                full = np.ascontiguousarray(current_or_initial(serial), dtype=serial.dtype)
+            else:
+                full = np.empty(tuple(serial.shape), dtype=serial.dtype)
+            if several:
+                full = tnt_comm.broadcast(full, _runtime.get_master_rank())
+            local.assign(np.split(full, t, axis=axis)[r] if axis is not None else full)
+            del full
+        # Every other variable (replicated layers' weights, dropout seed states) in full.
+        replicated = list({id(v): v for v in [*self._serial.variables, *self.local_model.variables]
+                           if id(v) not in split and is_deferred(v)}.values())
+        for v in replicated:
+            _internals.initialize_deferred(v)
+        if several:
+            _sync.broadcast_from_master(replicated)
 
     # -- what this rank holds --------------------------------------------------------------
     @property
