@@ -41,7 +41,14 @@ OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adam_clip": lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.05),
+    # Dynamic loss scaling that overflows: the first steps are skipped and the scale goes
+    # down, then up every 2 finite steps until it overflows again (see lso_mlp).
+    "lso": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=LSO_SCALE,
+                                                       dynamic_growth_steps=2),
 }
+#: Initial loss scale of the "lso" case: at the initial weights stage 0's gradients
+#: overflow float32 and the last stage's do not (the job checks it on the serial model).
+LSO_SCALE = 2.0**122
 
 
 # -- models (explicit layer names: the serial and pipelined copies match by name) ----------
@@ -82,9 +89,23 @@ def skip_model(stages: int) -> keras.Model:
     return keras.Model([a, b], keras.layers.Dense(3, activation="softmax", name="out")(h), name="skip")
 
 
+def lso_mlp() -> keras.Model:
+    """Inputs of size 1e4 into a small first kernel: stage 0's weight gradients are ~1e4
+    times the last stage's, so a loss scale can overflow stage 0 alone; later, once stage
+    0's tanh saturates, the growing scale overflows the last stage alone."""
+    keras.utils.set_random_seed(6)
+    x = inp = keras.Input((10,), name="x")
+    x = keras.layers.Dense(16, activation="tanh", name="l0",
+                           kernel_initializer=keras.initializers.RandomNormal(stddev=1e-4))(x)
+    x = keras.layers.Dense(16, activation="tanh", name="l1")(SplitLayer(name="cut")(x))
+    return keras.Model(inp, keras.layers.Dense(3, activation="softmax", name="out")(x), name="lso")
+
+
 def data(kind: str, n: int, seed: int):
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 3, size=n).astype("int32")
+    if kind == "lso":
+        return (rng.normal(size=(n, 10)).astype("float32") + y[:, None] * 0.3) * 1e4, y
     if kind == "cnn":
         x = rng.normal(size=(n, 12, 12, 1)).astype("float32") + y[:, None, None, None] * 0.3
     elif kind == "skip":
@@ -145,6 +166,22 @@ def training_bytes(model: keras.Model, optimizer) -> int:
     return nbytes(model.weights) + nbytes(optimizer.variables if optimizer is not None else [])
 
 
+def loss_scale_state(optimizer) -> list | None:
+    """[dynamic loss scale, applied (not skipped) steps] of a LossScaleOptimizer."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    return [float(optimizer.dynamic_scale.numpy()), int(optimizer.iterations.numpy())]
+
+
+def overflowing_layers(model: keras.Model, x, y, scale: float) -> list[str]:
+    """The layers whose weight gradients of ``scale`` x the loss on (x, y) are not finite."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True))) * scale
+    grads = tape.gradient(loss, model.trainable_variables)
+    return sorted({v.path.split("/")[0] for v, g in zip(model.trainable_variables, grads)
+                   if not bool(tf.reduce_all(tf.math.is_finite(g)))})
+
+
 def on_master(fn):
     """``fn()`` on the master only (the serial reference), its result on every rank."""
     return tnt_comm.broadcast_object(fn() if tnt.is_master_rank() else None, 0)
@@ -166,7 +203,7 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
                 "variables": len(serial.weights), "seconds": seconds,
                 "training_bytes": training_bytes(serial, serial.optimizer),
                 "optimizer": [v.numpy() for v in serial.optimizer.variables if "iteration" not in v.path],
-                "model": serial}
+                "loss_scale": loss_scale_state(serial.optimizer), "model": serial}
 
     serial_model = []  # the master keeps its serial model for the save/load checks
 
@@ -177,6 +214,8 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
 
     ref = on_master(reference)
     ref["model"] = serial_model[0] if serial_model else None
+    overflow_at_start = on_master(lambda: overflowing_layers(make(), x[:batch], y[:batch], LSO_SCALE)) \
+        if opt == "lso" else None
     gc.collect()
     before = live_variables()
     user_model = deferred(make)
@@ -195,7 +234,8 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
     everyone = tnt_comm.allgather_object((hist, evaluated, digest([np.asarray(predicted)]),
                                           model.stage, model.replica, digest(model.get_weights()),
                                           len(model.stage_model.weights), model.peak_micro_batches_in_flight,
-                                          materialised, stage_bytes, user_deferred))
+                                          materialised, stage_bytes, user_deferred,
+                                          loss_scale_state(model._tnt_stage.optimizer)))
     by_stage: dict[int, set] = {}
     for _, _, _, stage, _, wdigest, *_ in everyone:
         by_stage.setdefault(stage, set()).add(wdigest)
@@ -216,6 +256,9 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
         "stage_training_bytes_per_rank": [e[9] for e in everyone],
         "user_model_stays_deferred": all(e[10] for e in everyone),
         "peak_in_flight": [e[7] for e in everyone],
+        "loss_scale": None if ref["loss_scale"] is None else {
+            "serial": ref["loss_scale"], "per_rank": [e[11] for e in everyone],
+            "steps": epochs * -(-n // batch), "overflow_at_start": overflow_at_start},
         "weights_digest": digest(model.get_weights()),
         "seconds": [ref["seconds"], t_pipe],
         "model": model,
@@ -369,6 +412,85 @@ def validation_split_check() -> float:
     return _job.history_diff(ref, history)
 
 
+class BatchLogs(keras.callbacks.Callback):
+    """Records what callbacks see at every batch end: (batch index, logs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append([int(batch), {k: float(v) for k, v in (logs or {}).items()}])
+
+
+def steps_per_execution_check() -> dict:
+    """compile(steps_per_execution=3), 7 steps per epoch (3 + 3 + 1): History, weights,
+    evaluate, predict and the batch-end logs callbacks see, against serial Keras with the
+    same steps_per_execution."""
+    x, y = data("mlp", 40, seed=51)
+    vx, vy = data("mlp", 17, seed=52)
+
+    def run(model):
+        model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"], steps_per_execution=3)
+        seen = BatchLogs()
+        history = model.fit(ds(x, y, 6), epochs=2, verbose=0, callbacks=[seen],
+                            validation_data=ds(vx, vy, 7)).history
+        return {"history": history, "seen": seen.seen, "evaluate": model.evaluate(ds(vx, vy, 4), verbose=0),
+                "predict": model.predict(ds(vx, None, 4), verbose=0)}, model
+
+    def serial():
+        out, model = run(mlp())
+        return {**out, "layers": layer_weights(model)}
+
+    ref = on_master(serial)
+    got, model = run(tnt.Model(deferred(mlp), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                               num_pipeline_stages=2, num_micro_batches=3))
+    same_keys = [sorted(a[1]) for a in ref["seen"]] == [sorted(b[1]) for b in got["seen"]]
+    return {"history_diff": _job.history_diff(ref["history"], got["history"]),
+            "weight_diff": stage_weight_diff(model, ref["layers"]),
+            "evaluate_diff": max_diff(ref["evaluate"], got["evaluate"]),
+            "predict_diff": max_diff(ref["predict"], got["predict"]),
+            "batches": [[b for b, _ in ref["seen"]], [b for b, _ in got["seen"]]],
+            "batch_log_keys_equal": same_keys,
+            "batch_logs_diff": max_diff([[a[1][k] for k in sorted(a[1])] for a in ref["seen"]],
+                                        [[b[1][k] for k in sorted(b[1])] for b in got["seen"]])
+            if same_keys else None}
+
+
+def unseeded_shuffle_check() -> dict:
+    """NumPy inputs, fit's default shuffle=True, no global seed: stage 0 (reading x) and the
+    last stage (reading y) must read the same samples in every micro-batch.
+
+    Sample i is the one-hot e_i with target t_i = (i + 1) / n; stage 0 is a zero-initialised
+    Dense(1) without bias, the last stage a weightless identity. One SGD step on a batch of
+    b moves kernel[i] by lr * 2 t_j / b, with j the sample whose target the last stage paired
+    with e_i. After one epoch the kernel is lr * 2 t / b iff every x met its own y (and each
+    sample came once); stage 0 and the last stage drawing different orders break it.
+    """
+    # A user script: no global seed (the models above set one) and no op determinism
+    # (which refuses unseeded random ops); TensorFlow has no public switch back.
+    from tensorflow.python.framework import config as tf_config
+    tf.random.set_seed(None)
+    tf_config.disable_op_determinism()
+    try:
+        n, b, lr = 24, 6, 0.5
+        x = np.eye(n, dtype="float32")
+        t = ((np.arange(n) + 1) / n).astype("float32")[:, None]
+        inp = keras.Input((n,), name="x")
+        h = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="w")(inp)
+        out = keras.layers.Activation("linear", name="same")(SplitLayer(name="cut")(h))
+        model = tnt.Model(keras.Model(inp, out), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                          num_pipeline_stages=2, num_micro_batches=2)
+        model.compile(keras.optimizers.SGD(lr), "mse")
+        model.fit(x, t, batch_size=b, epochs=1, verbose=0)  # shuffle=True, Keras' default
+    finally:
+        tf_config.enable_op_determinism()
+    kernel = tnt_comm.broadcast_object(model.get_weights()[0].ravel() if model.stage == 0 else None, 0)
+    in_samples = kernel / (lr * 2 / b)  # the target each e_i was trained towards
+    return {"each_x_met_its_y": bool(np.allclose(in_samples, t.ravel(), atol=1e-6)),
+            "targets_met_x_n": [round(float(v) * n, 3) for v in in_samples]}
+
+
 def main() -> None:
     args = sys.argv[1:]
     layout = args[args.index("--layout") + 1] if "--layout" in args else "pipelining"
@@ -384,6 +506,8 @@ def main() -> None:
             f"mlp_all{p}x2_adam_m4_gpipe": ("mlp", mlp, "adam", 4, "gpipe", 13, 13 * 2 + 4, 2),
             f"mlp_all{p}x2_adam_m4_1f1b": ("mlp", mlp, "adam", 4, "1f1b", 13, 13 * 2 + 4, 2),
         }
+        if p == 2:
+            cases[f"lso_all{p}x2_lso_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 2)
     else:
         strategy, p = tnt.ParallelStrategy.PIPELINING, size
         cases = {
@@ -394,6 +518,7 @@ def main() -> None:
             cases[f"mlp_p{p}_momentum_m3_1f1b"] = ("mlp", mlp, "sgd_momentum", 3, "1f1b", 11, 11 * 3 + 2, 2)
             cases[f"mlp_p{p}_adam_m1_1f1b"] = ("mlp", mlp, "adam", 1, "1f1b", 10, 10 * 2 + 3, 2)
             cases[f"cnn_p{p}_momentum_m3_1f1b"] = ("cnn", cnn, "sgd_momentum", 3, "1f1b", 10, 10 * 3 + 2, 2)
+            cases[f"lso_p{p}_lso_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 2)
         else:  # Adam both schedules on 3 stages
             cases[f"mlp_p{p}_adam_m4_gpipe"] = ("mlp", mlp, "adam", 4, "gpipe", 10, 10 * 3 + 3, 2)
             cases[f"mlp_p{p}_adam_m4_1f1b"] = ("mlp", mlp, "adam", 4, "1f1b", 10, 10 * 3 + 3, 2)
@@ -421,6 +546,8 @@ def main() -> None:
         tnt_comm.barrier()
     if layout == "pipelining" and size == 2:
         extra["validation_split_history_diff"] = validation_split_check()
+        extra["steps_per_execution"] = steps_per_execution_check()
+        extra["unseeded_shuffle"] = unseeded_shuffle_check()  # last: it unsets the global seed
     for r in results.values():
         r.pop("model")
         r.pop("ref")
