@@ -188,17 +188,20 @@ def on_master(fn):
 
 
 # -- one training case ------------------------------------------------------------------------
-def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> dict:
+def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe=1) -> dict:
+    """One case; ``spe``: compile's steps_per_execution (then also the batch-end logs)."""
     x, y = data(kind, n, seed=11)
     vx, vy = data(kind, 17, seed=12)
 
     def serial_run():
         serial = make()
-        serial.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"])
+        serial.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"], steps_per_execution=spe)
         t0 = time.perf_counter()
-        history = serial.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0).history
+        seen = BatchLogs()
+        history = serial.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0,
+                             callbacks=[seen]).history
         seconds = time.perf_counter() - t0
-        return {"history": history, "evaluate": serial.evaluate(ds(vx, vy, 7), verbose=0),
+        return {"history": history, "batch_ends": seen.seen, "evaluate": serial.evaluate(ds(vx, vy, 7), verbose=0),
                 "predict": serial.predict(ds(vx, None, 7), verbose=0), "layers": layer_weights(serial),
                 "variables": len(serial.weights), "seconds": seconds,
                 "training_bytes": training_bytes(serial, serial.optimizer),
@@ -221,9 +224,11 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
     user_model = deferred(make)
     model = tnt.Model(user_model, parallel_strategy=strategy, num_pipeline_stages=p, num_micro_batches=m,
                       pipeline_schedule=schedule)
-    model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"])
+    model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"], steps_per_execution=spe)
     t0 = time.perf_counter()
-    hist = model.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0).history
+    seen = BatchLogs()
+    hist = model.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0,
+                     callbacks=[seen]).history
     t_pipe = time.perf_counter() - t0
     gc.collect()
     materialised = new_bytes(before)  # stage weights + its optimizer + the last stage's metrics
@@ -246,6 +251,7 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
         "predict_diff": max_diff(ref["predict"], predicted),
         "predict_rows": [len(ref["predict"]), int(np.shape(predicted)[0])],
         "history_keys": sorted(hist),
+        "batch_ends": batch_ends_compared(ref["batch_ends"], seen.seen),
         "same_logs_on_all_ranks": all(e[0] == everyone[0][0] and e[1] == everyone[0][1] and e[2] == everyone[0][2]
                                       for e in everyone),
         "replicas_identical": all(len(d) == 1 for d in by_stage.values()),
@@ -423,38 +429,12 @@ class BatchLogs(keras.callbacks.Callback):
         self.seen.append([int(batch), {k: float(v) for k, v in (logs or {}).items()}])
 
 
-def steps_per_execution_check() -> dict:
-    """compile(steps_per_execution=3), 7 steps per epoch (3 + 3 + 1): History, weights,
-    evaluate, predict and the batch-end logs callbacks see, against serial Keras with the
-    same steps_per_execution."""
-    x, y = data("mlp", 40, seed=51)
-    vx, vy = data("mlp", 17, seed=52)
-
-    def run(model):
-        model.compile(OPTIMIZERS["adam"](), LOSS, metrics=["accuracy"], steps_per_execution=3)
-        seen = BatchLogs()
-        history = model.fit(ds(x, y, 6), epochs=2, verbose=0, callbacks=[seen],
-                            validation_data=ds(vx, vy, 7)).history
-        return {"history": history, "seen": seen.seen, "evaluate": model.evaluate(ds(vx, vy, 4), verbose=0),
-                "predict": model.predict(ds(vx, None, 4), verbose=0)}, model
-
-    def serial():
-        out, model = run(mlp())
-        return {**out, "layers": layer_weights(model)}
-
-    ref = on_master(serial)
-    got, model = run(tnt.Model(deferred(mlp), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                               num_pipeline_stages=2, num_micro_batches=3))
-    same_keys = [sorted(a[1]) for a in ref["seen"]] == [sorted(b[1]) for b in got["seen"]]
-    return {"history_diff": _job.history_diff(ref["history"], got["history"]),
-            "weight_diff": stage_weight_diff(model, ref["layers"]),
-            "evaluate_diff": max_diff(ref["evaluate"], got["evaluate"]),
-            "predict_diff": max_diff(ref["predict"], got["predict"]),
-            "batches": [[b for b, _ in ref["seen"]], [b for b, _ in got["seen"]]],
-            "batch_log_keys_equal": same_keys,
-            "batch_logs_diff": max_diff([[a[1][k] for k in sorted(a[1])] for a in ref["seen"]],
-                                        [[b[1][k] for k in sorted(b[1])] for b in got["seen"]])
-            if same_keys else None}
+def batch_ends_compared(serial: list, pipelined: list) -> dict:
+    """Batch indices and logs callbacks saw at each batch end, serial against pipelined."""
+    keys_equal = [sorted(a[1]) for a in serial] == [sorted(b[1]) for b in pipelined]
+    return {"batches": [[b for b, _ in serial], [b for b, _ in pipelined]], "keys_equal": keys_equal,
+            "logs_diff": max_diff([[a[1][k] for k in sorted(a[1])] for a in serial],
+                                  [[b[1][k] for k in sorted(b[1])] for b in pipelined]) if keys_equal else None}
 
 
 def unseeded_shuffle_check() -> dict:
@@ -507,7 +487,7 @@ def main() -> None:
             f"mlp_all{p}x2_adam_m4_1f1b": ("mlp", mlp, "adam", 4, "1f1b", 13, 13 * 2 + 4, 2),
         }
         if p == 2:
-            cases[f"lso_all{p}x2_lso_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 2)
+            cases[f"lso_all{p}x2_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
     else:
         strategy, p = tnt.ParallelStrategy.PIPELINING, size
         cases = {
@@ -518,14 +498,14 @@ def main() -> None:
             cases[f"mlp_p{p}_momentum_m3_1f1b"] = ("mlp", mlp, "sgd_momentum", 3, "1f1b", 11, 11 * 3 + 2, 2)
             cases[f"mlp_p{p}_adam_m1_1f1b"] = ("mlp", mlp, "adam", 1, "1f1b", 10, 10 * 2 + 3, 2)
             cases[f"cnn_p{p}_momentum_m3_1f1b"] = ("cnn", cnn, "sgd_momentum", 3, "1f1b", 10, 10 * 3 + 2, 2)
-            cases[f"lso_p{p}_lso_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 2)
+            cases[f"lso_p{p}_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
         else:  # Adam both schedules on 3 stages
             cases[f"mlp_p{p}_adam_m4_gpipe"] = ("mlp", mlp, "adam", 4, "gpipe", 10, 10 * 3 + 3, 2)
             cases[f"mlp_p{p}_adam_m4_1f1b"] = ("mlp", mlp, "adam", 4, "1f1b", 10, 10 * 3 + 3, 2)
-    for name, (kind, make, opt, m, schedule, batch, n, epochs) in cases.items():
+    for name, (kind, make, opt, m, schedule, batch, n, epochs, *spe) in cases.items():
         t0 = time.perf_counter()
         results[name] = run_case(kind, make, opt, strategy=strategy, p=p, m=m, schedule=schedule,
-                                 batch=batch, n=n, epochs=epochs)
+                                 batch=batch, n=n, epochs=epochs, spe=spe[0] if spe else 1)
         if tnt.is_master_rank():
             print(f"{name}: {time.perf_counter() - t0:.1f} s (serial fit {results[name]['seconds'][0]:.1f} s, "
                   f"pipelined fit {results[name]['seconds'][1]:.1f} s)", file=sys.stderr, flush=True)
@@ -546,7 +526,6 @@ def main() -> None:
         tnt_comm.barrier()
     if layout == "pipelining" and size == 2:
         extra["validation_split_history_diff"] = validation_split_check()
-        extra["steps_per_execution"] = steps_per_execution_check()
         extra["unseeded_shuffle"] = unseeded_shuffle_check()  # last: it unsets the global seed
     for r in results.values():
         r.pop("model")
