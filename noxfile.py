@@ -2,6 +2,7 @@
 
     nox                 # the whole test suite (what .ci/run and the README run)
     nox -s comm         # tests of one package: comm, data, cli, keras
+    nox -s data_matrix  # tnt-data's full sharding matrix (opt-in; the suite runs 5 of 12 cases)
     nox -s multihost    # jobs across 2-3 "hosts" made of Linux network namespaces (root)
     nox -s lint         # ruff
     nox -s docs         # the site (MkDocs, strict) into site/, its code blocks and examples/ run
@@ -76,11 +77,22 @@ def comm(session: nox.Session) -> None:
 @nox.session
 def data(session: nox.Session) -> None:
     """tnt-data: sharding of tf.data pipelines (single process, all ranks simulated)."""
+    _data_tests(session, {})
+
+
+@nox.session
+def data_matrix(session: nox.Session) -> None:
+    """tnt-data with the whole sharding matrix (12 cases per pipeline and N, minutes)."""
+    _data_tests(session, {"TNT_DATA_FULL_MATRIX": "1"})
+
+
+def _data_tests(session: nox.Session, env: dict[str, str]) -> None:
     session.install(_pkg("tnt-data", "test"))  # test: with TensorFlow
-    # ~2000 simulated-rank pipelines, each costing a tf.data iterator: two pytest-xdist
-    # workers use both cores.
+    # Hundreds of simulated-rank pipelines, each costing a tf.data iterator: two
+    # pytest-xdist workers use both cores.
     session.run(
-        "pytest", str(PKG / "tnt-data" / "tests"), "-n", "2", *session.posargs, env=MPI_ENV
+        "pytest", str(PKG / "tnt-data" / "tests"), "-n", "2", "--durations=10", *session.posargs,
+        env={**MPI_ENV, **env},
     )
 
 

@@ -1,17 +1,25 @@
-"""Tensor-parallel benchmark (issue 18): host time of one in-graph collective.
+"""Tensor-parallel benchmark (issue 18): memory per rank, speed-up, host time per collective.
 
     mpirun -n 2 --bind-to core python benchmarks/tensor_parallel.py [--quick]   (run_all.py: tensor_parallel)
+    mpirun -n 4 --oversubscribe python benchmarks/tensor_parallel.py --memory-only   (tensor_parallel_4)
 
-Row (results/tensor_parallel.json -> summary.json through summary.py):
+Rows (results/tensor_parallel[_4].json -> summary.json through summary.py):
 
+- tensor_memory_per_rank_t2 (t4 from the 4-rank job): bytes of variables + gradients (one
+  per trainable variable) + optimizer slots (Adam) on the largest rank of a TENSOR model /
+  the serial model's, for the issue's Transformer encoder stack (d_model 512, ffn 2048,
+  8 heads, 4 blocks; embedding 1000 x 512), counted from the rank's real variables after
+  one training step. The detail says whether the source model was materialised whole on
+  the rank (built normally) or not (built in ``tnt.pipelining.deferred_variables()``).
+- tensor_speedup_t2: samples/s of a compute-bound MLP stack (2 blocks of Dense 2048 ->
+  8192 -> 2048, relu) on 2 ranks (TENSOR, t = 2, one compute thread each, pinned) / plain
+  Keras on rank 0 alone, same global batch (paired per round, median). Beside it: data
+  parallelism and pipelining (2 stages) on the same model and ranks.
 - tensor_collective_overhead_us: time per in-graph SUM-allreduce (``reduce_from_group``,
   a ``tf.numpy_function`` op inside a ``tf.function``, K of them chained) minus the time of
   the same ``Communicator.allreduce`` called K times from Python on the same group, same
   bytes (1 KiB, latency-bound): what the graph op adds beyond the MPI call. Median of
   rounds; the allgather's figure is in the detail.
-
-The memory and speed-up rows of the issue (Transformer stack, compute-bound MLP) are not
-measured yet.
 """
 
 from __future__ import annotations
@@ -25,12 +33,140 @@ import benchlib  # first: pins TensorFlow's threads
 import numpy as np
 import tensorflow as tf
 
-import tarantella as tnt
-import tnt_comm
+benchlib.pin_threads(tf)
+import keras  # noqa: E402
 
+import tarantella as tnt  # noqa: E402
+import tnt_comm  # noqa: E402
+
+QUICK = "--quick" in sys.argv
 K = 200
+# The issue's Transformer encoder stack (memory row).
+D_MODEL, FFN, HEADS, BLOCKS, SEQ, VOCAB, CLASSES = 512, 2048, 8, 4, 32, 1000, 8
+# The compute-bound MLP stack (speed-up row): 2 x (2048 -> 8192 -> 2048).
+HIDDEN, WIDE, MLP_BLOCKS, MLP_BATCH = 2048, 8192, 2, 128
 
 
+# -- memory ----------------------------------------------------------------------------------
+def encoder(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((SEQ,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(VOCAB, D_MODEL, name="emb")(x)
+    for b in range(BLOCKS):
+        a = keras.layers.MultiHeadAttention(HEADS, D_MODEL // HEADS, name=f"mha{b}")(h, h)
+        h = keras.layers.LayerNormalization(name=f"ln{b}a")(keras.layers.Add(name=f"res{b}a")([h, a]))
+        f = keras.layers.Dense(FFN, activation="relu", name=f"up{b}")(h)
+        f = keras.layers.Dense(D_MODEL, name=f"down{b}")(f)
+        h = keras.layers.LayerNormalization(name=f"ln{b}b")(keras.layers.Add(name=f"res{b}b")([h, f]))
+    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    return keras.Model(x, keras.layers.Dense(CLASSES, activation="softmax", name="head")(pooled), name="encoder")
+
+
+def nbytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+def training_bytes(model: keras.Model) -> int:
+    """Variables + gradients (one per trainable variable) + optimizer variables."""
+    return nbytes(model.weights) + nbytes(model.trainable_weights) + nbytes(model.optimizer.variables)
+
+
+def serial_training_bytes() -> int:
+    model = encoder()
+    model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
+    model.optimizer.build(model.trainable_variables)
+    return training_bytes(model)
+
+
+def tensor_memory(t: int) -> dict:
+    """Training bytes on each rank of a TENSOR model of the encoder stack (one step run)."""
+    deferred = hasattr(tnt.pipelining, "deferred_variables")
+    source = None
+    if deferred:
+        try:
+            with tnt.pipelining.deferred_variables():
+                source = encoder()
+            model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t)
+        except Exception as err:  # reported in the row; the normal build is measured instead
+            deferred = f"refused: {type(err).__name__}: {str(err)[:120]}"
+    if deferred is not True:
+        source = encoder()
+        model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t)
+    model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, (4, SEQ)).astype("int32")
+    y = rng.integers(0, CLASSES, 4).astype("int32")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    mine = training_bytes(model)
+    source_held = nbytes(v for v in source.weights if not tnt.pipelining.is_deferred(v)) \
+        if hasattr(tnt.pipelining, "is_deferred") else nbytes(source.weights)
+    return {"per_rank": tnt_comm.allgather_object(mine), "deferred_build": deferred,
+            "source_bytes_held": tnt_comm.allgather_object(source_held)}
+
+
+# -- speed-up --------------------------------------------------------------------------------
+def mlp(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    x = h = keras.Input((HIDDEN,), name="x")
+    for b in range(MLP_BLOCKS):
+        f = keras.layers.Dense(WIDE, activation="relu", name=f"up{b}")(h)
+        h = keras.layers.Dense(HIDDEN, activation="relu", name=f"down{b}")(f)
+    return keras.Model(x, keras.layers.Dense(CLASSES, activation="softmax", name="head")(h), name="mlp")
+
+
+def mlp_data(steps: int):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(MLP_BATCH * steps, HIDDEN)).astype("float32")
+    y = rng.integers(0, CLASSES, MLP_BATCH * steps).astype("int32")
+    return x, y
+
+
+def samples_per_s(model, steps: int) -> float:
+    x, y = mlp_data(steps)
+    model.fit(x[:MLP_BATCH * 2], y[:MLP_BATCH * 2], batch_size=MLP_BATCH, epochs=1, verbose=0, shuffle=False)
+    tnt_comm.barrier()
+    t0 = time.perf_counter()
+    model.fit(x, y, batch_size=MLP_BATCH, epochs=1, verbose=0, shuffle=False)
+    return steps * MLP_BATCH / (time.perf_counter() - t0)
+
+
+def keras_alone(steps: int) -> float:
+    """Plain Keras on rank 0 while the other ranks wait: samples/s."""
+    result = None
+    if tnt.get_rank() == 0:
+        model = mlp()
+        model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+        x, y = mlp_data(steps)
+        model.fit(x[:MLP_BATCH * 2], y[:MLP_BATCH * 2], batch_size=MLP_BATCH, epochs=1, verbose=0, shuffle=False)
+        t0 = time.perf_counter()
+        model.fit(x, y, batch_size=MLP_BATCH, epochs=1, verbose=0, shuffle=False)
+        result = steps * MLP_BATCH / (time.perf_counter() - t0)
+    tnt_comm.barrier()
+    return tnt_comm.broadcast_object(result, 0)
+
+
+def speedups(steps: int, rounds: int) -> dict:
+    n = tnt.get_size()
+    contenders = {
+        "tensor": tnt.Model(mlp(), parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=n),
+        "data": tnt.Model(mlp()),
+        "pipeline": tnt.Model(mlp(), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                              num_pipeline_stages=n, num_micro_batches=4),
+    }
+    for m in contenders.values():
+        m.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    ratios: dict[str, list[float]] = {k: [] for k in contenders}
+    serial = []
+    for _ in range(rounds):
+        base = keras_alone(steps)
+        serial.append(base)
+        for key, m in contenders.items():
+            ratios[key].append(samples_per_s(m, steps) / base)
+    return {"keras_samples_per_s": serial, "ratios": ratios,
+            "median": {k: statistics.median(v) for k, v in ratios.items()}}
+
+
+# -- host time per collective ----------------------------------------------------------------
 def _per_call(fn, reps: int) -> float:
     fn()  # warm-up (tracing)
     times = []
@@ -42,10 +178,7 @@ def _per_call(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
-    quick = "--quick" in sys.argv
-    benchlib.pin_threads(tf)
-    reps = 5 if quick else 15
+def collective_overhead(reps: int) -> dict:
     group = tnt.tensor_parallel.TensorGroup.of_world(tnt.get_size())
     x = np.ones(256, np.float32)  # 1 KiB
     xt = tf.constant(x)
@@ -67,26 +200,61 @@ def main() -> int:
             t = tnt.tensor_parallel.gather_last_axis(t[: 256 // group.size], group)
         return t
 
-    mpi = _per_call(direct, reps)
-    graph = _per_call(lambda: in_graph(xt).numpy(), reps)
-    gather = _per_call(lambda: gathered(xt).numpy(), reps)
-    direct_gather = _per_call(lambda: [group.comm.allgather(x[:128]) for _ in range(K)], reps)
-    overhead = (graph - mpi) * 1e6
-    result = {"ranks": tnt.get_size(), "k": K, "reps": reps, "direct_allreduce_us": mpi * 1e6,
-              "in_graph_allreduce_us": graph * 1e6, "direct_allgather_us": direct_gather * 1e6,
-              "in_graph_allgather_us": gather * 1e6}
-    result["rows"] = [
-        {"name": "tensor_collective_overhead_us", "value": overhead, "target": 30.0,
-         "higher_is_better": False, "unit": "us per in-graph collective beyond the MPI call",
-         "detail": f"allreduce 1 KiB: in graph {graph * 1e6:.1f} us vs direct {mpi * 1e6:.1f} us; allgather "
-                   f"in graph {gather * 1e6:.1f} us vs direct {direct_gather * 1e6:.1f} us "
-                   f"(t={tnt.get_size()}, K={K} chained, median of {reps}) (tensor_parallel.py)"},
-    ]
+    return {"direct_allreduce_us": _per_call(direct, reps) * 1e6,
+            "in_graph_allreduce_us": _per_call(lambda: in_graph(xt).numpy(), reps) * 1e6,
+            "in_graph_allgather_us": _per_call(lambda: gathered(xt).numpy(), reps) * 1e6,
+            "direct_allgather_us": _per_call(lambda: [group.comm.allgather(x[:128]) for _ in range(K)], reps) * 1e6}
+
+
+# -- rows ------------------------------------------------------------------------------------
+def memory_row(t: int, mem: dict, serial: int) -> dict:
+    per = mem["per_rank"]
+    held = max(mem["source_bytes_held"])
+    return {"name": f"tensor_memory_per_rank_t{t}", "value": max(per) / serial,
+            "target": 0.55 if t == 2 else 0.30, "higher_is_better": False,
+            "unit": "largest rank's (variables + gradients + Adam slots) / serial",
+            "detail": (f"encoder stack d{D_MODEL}/ffn{FFN}/{HEADS} heads/{BLOCKS} blocks, serial "
+                       f"{serial / 2**20:.1f} MiB, ranks {[round(b / 2**20, 1) for b in per]} MiB; "
+                       f"source model built deferred: {mem['deferred_build']}, its variables "
+                       f"materialised on a rank: {held / 2**20:.1f} MiB (tensor_parallel.py)")}
+
+
+def main() -> int:
+    n = tnt.get_size()
+    memory_only = "--memory-only" in sys.argv
+    result: dict = {"ranks": n, "machine": benchlib.machine()}
+    serial = serial_training_bytes()
+    mem = tensor_memory(n)
+    result.update(serial_bytes=serial, memory=mem)
+    rows = [memory_row(n, mem, serial)]
+    if not memory_only:
+        reps = 5 if QUICK else 15
+        co = collective_overhead(reps)
+        sp = speedups(steps=2 if QUICK else 4, rounds=1 if QUICK else 3)
+        result.update(collectives=co, speedup=sp)
+        overhead = co["in_graph_allreduce_us"] - co["direct_allreduce_us"]
+        med = sp["median"]
+        rows += [
+            {"name": "tensor_speedup_t2", "value": med["tensor"], "target": 1.7, "higher_is_better": True,
+             "unit": "samples/s on 2 ranks (TENSOR) / plain Keras on 1 rank",
+             "detail": (f"MLP {MLP_BLOCKS} x ({HIDDEN}->{WIDE}->{HIDDEN}), global batch {MLP_BATCH}, SGD; "
+                        f"same ranks: data parallelism {med['data']:.2f}x, pipelining (2 stages, m=4) "
+                        f"{med['pipeline']:.2f}x; plain Keras {statistics.median(sp['keras_samples_per_s']):.0f} "
+                        f"samples/s; load {result['machine']['loadavg'][0]:.1f} (tensor_parallel.py)")},
+            {"name": "tensor_collective_overhead_us", "value": overhead, "target": 30.0,
+             "higher_is_better": False, "unit": "us per in-graph collective beyond the MPI call",
+             "detail": (f"allreduce 1 KiB: in graph {co['in_graph_allreduce_us']:.1f} us vs direct "
+                        f"{co['direct_allreduce_us']:.1f} us; allgather in graph {co['in_graph_allgather_us']:.1f} "
+                        f"us vs direct {co['direct_allgather_us']:.1f} us (t={n}, K={K} chained, median of "
+                        f"{reps}) (tensor_parallel.py)")},
+        ]
+    result["rows"] = rows
     if tnt.is_master_rank():
         benchlib.RESULTS.mkdir(exist_ok=True)
-        (benchlib.RESULTS / "tensor_parallel.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
-        for row in result["rows"]:
-            print(f"{row['name']:>32} {row['value']:8.2f} {row['target']:8.2f}  {row['detail']}")
+        name = "tensor_parallel" + ("_4" if memory_only else "") + ".json"
+        (benchlib.RESULTS / name).write_text(json.dumps(result, indent=1, default=float) + "\n")
+        for row in rows:
+            print(f"{row['name']:>32} {row['value']:8.3f} {row['target']:8.2f}  {row['detail']}")
     tnt_comm.barrier()
     return 0
 

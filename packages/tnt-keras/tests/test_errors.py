@@ -79,9 +79,29 @@ print("RESULT " + json.dumps(out))
 
 
 def _python(code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", code, *args], env=full, capture_output=True,
-                          text=True, timeout=300)
+    return _python_all([(code, args, env)])[0]
+
+
+def _python_all(runs: list[tuple[str, tuple[str, ...], dict[str, str] | None]]
+                ) -> list[subprocess.CompletedProcess[str]]:
+    """Run several ``python -c`` processes side by side (each imports TensorFlow: seconds
+    of one core), each with its deadline."""
+    procs = []
+    for code, args, env in runs:
+        full = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", **(env or {})}
+        cmd = [sys.executable, "-c", code, *args]
+        procs.append((cmd, subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True)))
+    done = []
+    for cmd, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for _, p in procs:
+                p.kill()
+            raise
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return done
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +124,14 @@ def test_bad_setting_value(setting_messages, case):
 def test_bad_setting_fails_at_import_and_unknown_names_warn():
     """A bad value stops `import tarantella` (so every rank stops at once, before any
     collective); a misspelt TNT_* name is reported with a suggestion."""
-    proc = _python("import tarantella", env={"TNT_FUSION_THRESHOLD": "-5"})
-    assert proc.returncode != 0
-    assert "SettingError: TNT_FUSION_THRESHOLD='-5' is negative" in proc.stderr, proc.stderr[-3000:]
-    proc = _python("import tarantella", env={"TNT_FUSION_TRESHOLD": "64"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "unknown setting(s) ignored: TNT_FUSION_TRESHOLD (did you mean TNT_FUSION_THRESHOLD?)" in proc.stderr
-    proc = _python("import tarantella", env={"TNT_COMM_TIMEOUT": "soon"})
-    assert proc.returncode != 0
-    assert "TNT_COMM_TIMEOUT='soon' is not a number > 0" in proc.stderr, proc.stderr[-3000:]
+    bad, typo, timeout = _python_all([
+        ("import tarantella", (), {"TNT_FUSION_THRESHOLD": "-5"}),
+        ("import tarantella", (), {"TNT_FUSION_TRESHOLD": "64"}),
+        ("import tarantella", (), {"TNT_COMM_TIMEOUT": "soon"}),
+    ])
+    assert bad.returncode != 0
+    assert "SettingError: TNT_FUSION_THRESHOLD='-5' is negative" in bad.stderr, bad.stderr[-3000:]
+    assert typo.returncode == 0, typo.stderr[-3000:]
+    assert "unknown setting(s) ignored: TNT_FUSION_TRESHOLD (did you mean TNT_FUSION_THRESHOLD?)" in typo.stderr
+    assert timeout.returncode != 0
+    assert "TNT_COMM_TIMEOUT='soon' is not a number > 0" in timeout.stderr, timeout.stderr[-3000:]

@@ -295,6 +295,23 @@ def split_arrays(arrays, validation_split: float):
     return train, val
 
 
+def fit_datasets(x, y, sample_weight, *, sharding: Sharding, batch_size, shuffle, class_weight,
+                 validation_split: float, validation_data, validation_batch_size):
+    """fit's training dataset (elements carry their step sizes) and validation dataset (or
+    None) for a replica's slice of every global batch (pipelines, tensor groups)."""
+    if validation_split:
+        if isinstance(x, tf.data.Dataset):
+            raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
+        (x, y, sample_weight), validation_data = split_arrays((x, y, sample_weight), validation_split)
+    train = rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit",
+                         sharding=sharding, with_sizes=True, class_weight=class_weight)
+    if validation_data is None:
+        return train, None
+    vx, vy, vsw, vbatch = unpack_validation(validation_data, validation_batch_size, batch_size)
+    return train, rank_dataset(vx, vy, vsw, batch_size=vbatch, shuffle=False, method="fit(validation_data)",
+                               sharding=sharding)
+
+
 #: Mixed with TensorFlow's global seed, so the common shuffle seed is not the user's seed.
 _SEED_SALT = 0x746E74
 

@@ -73,11 +73,13 @@ class Slot:
 class GraphReducer:
     """A fused SUM-allreduce of a fixed, ordered list of tensors, usable inside tf.function."""
 
-    def __init__(self, slots: Sequence[Slot], threshold_bytes: int) -> None:
+    def __init__(self, slots: Sequence[Slot], threshold_bytes: int,
+                 comm: tnt_comm.Communicator | None = None) -> None:
+        """``comm``: the ranks to SUM over (a replica group); default the whole job."""
         self.slots = list(slots)
         specs = [tnt_comm.TensorSpec(s.name, s.count, s.dtype.as_numpy_dtype) for s in self.slots]
         self._engine = tnt_comm.FusedAllreduce(
-            specs, threshold_bytes, tnt_comm.Op.SUM, slot_alignment=_SLOT_ALIGNMENT
+            specs, threshold_bytes, tnt_comm.Op.SUM, comm=comm, slot_alignment=_SLOT_ALIGNMENT
         )
         self._plan = self._engine.plan
         self._offsets = self._engine.slot_offsets

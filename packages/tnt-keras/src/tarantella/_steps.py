@@ -85,12 +85,22 @@ class DistributedSteps:
 
     The reducers are created on first use, after the model, its metrics and its
     optimizer are built, because their slots are those variables.
+
+    ``comm``: the ranks that share the global batch (a tensor-parallel model's replica
+    group; default the whole job, ``size`` ranks). ``own_steps=False``: ``model`` is a
+    tnt wrapper whose ``train_step`` delegates here, not a user's step to honour.
+    ``in_graph_collectives``: the forward/backward pass runs collectives of its own (on
+    another group), so no bucket starts before backprop ended (never two at once).
     """
 
-    def __init__(self, model: keras.Model, size: int, threshold_bytes: int) -> None:
+    def __init__(self, model: keras.Model, size: int, threshold_bytes: int, *, comm=None,
+                 own_steps: bool = True, in_graph_collectives: bool = False) -> None:
         self._model = model
         self._size = size
         self._threshold = threshold_bytes
+        self._comm = comm
+        self._own_steps = own_steps
+        self._in_graph_collectives = in_graph_collectives
         self._train_reducer: GraphReducer | None = None
         self._test_reducer: GraphReducer | None = None
         self._train_metrics = MetricExchange(model)
@@ -113,13 +123,13 @@ class DistributedSteps:
         if self._train_reducer is None:
             slots = [Slot("batch_size", (1,), tf.float32), *self._metric_slots()]
             slots += [_slot(f"grad:{v.path}", v) for v in self._trainable_in_backprop_order()]
-            self._train_reducer = GraphReducer(slots, self._threshold)
+            self._train_reducer = GraphReducer(slots, self._threshold, self._comm)
         return self._train_reducer
 
     def test_reducer(self) -> GraphReducer:
         if self._test_reducer is None:
             slots = [Slot("batch_size", (1,), tf.float32), *self._metric_slots()]
-            self._test_reducer = GraphReducer(slots, self._threshold)
+            self._test_reducer = GraphReducer(slots, self._threshold, self._comm)
         return self._test_reducer
 
     def close(self) -> None:
@@ -210,7 +220,7 @@ class DistributedSteps:
     def train_step(self, data) -> dict:
         model = self._model
         data, sizes = split_sizes(data)
-        if overrides(model, "train_step"):
+        if self._own_steps and overrides(model, "train_step"):
             return self._custom.train_step(data, self._size)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._size == 1:  # Keras' own step (the wrapper runs it under Keras' jit setting)
@@ -219,8 +229,8 @@ class DistributedSteps:
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
         before, to_reduce, has_data = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
-        if has_sync_batch_norm(model):
-            # Its collectives run inside backprop: no bucket may start before they end,
+        if self._in_graph_collectives or has_sync_batch_norm(model):
+            # Their collectives run inside backprop: no bucket may start before they end,
             # or ranks could interleave the two kinds differently.
             with tf.control_dependencies(to_reduce):
                 start = tf.identity(start)
@@ -234,7 +244,7 @@ class DistributedSteps:
     def test_step(self, data) -> dict:
         model = self._model
         data, _ = split_sizes(data)
-        if overrides(model, "test_step"):
+        if self._own_steps and overrides(model, "test_step"):
             return self._custom.test_step(data, self._size)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         local_n = _local_batch_size(x)
@@ -258,22 +268,24 @@ class DistributedSteps:
 
     def predict_step(self, data):
         data, _ = split_sizes(data)
-        if overrides(self._model, "predict_step"):
+        if self._own_steps and overrides(self._model, "predict_step"):
             return self._custom.predict_step(data, self._size)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if self._size == 1:
             return self._model(x, training=False)
         local_n = _local_batch_size(x)
         y_pred = self._model(_nonempty(x, local_n), training=False)
-        return tf.nest.map_structure(lambda t: allgather_rows(t[:local_n]), y_pred)
+        return tf.nest.map_structure(lambda t: allgather_rows(t[:local_n], self._comm), y_pred)
 
 
-def allgather_rows(tensor: tf.Tensor) -> tf.Tensor:
-    """Concatenate every rank's micro-batch outputs in rank order (= global batch order)."""
+def allgather_rows(tensor: tf.Tensor, comm=None) -> tf.Tensor:
+    """Concatenate every rank's micro-batch outputs in rank order (= global batch order),
+    over ``comm`` (default: the whole job)."""
     import tnt_comm
 
+    gather = tnt_comm.allgather if comm is None else comm.allgather
     out = tf.numpy_function(
-        lambda a: tnt_comm.allgather(a), [tensor], tensor.dtype, stateful=True, name="tnt_allgather"
+        lambda a: gather(a), [tensor], tensor.dtype, stateful=True, name="tnt_allgather"
     )
     out.set_shape([None, *tensor.shape[1:]])
     return out

@@ -19,10 +19,24 @@ tf.config.threading.set_inter_op_parallelism_threads(2)
 import tarantella as tnt  # noqa: E402
 
 
-def out_path() -> Path:
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
-    return parser.parse_args().out
+    parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    return parser.parse_args()
+
+
+def out_path() -> Path:
+    return _args().out
+
+
+def only(names) -> list[str]:
+    """The cases this launch runs: those named by ``--only``, else all of ``names``."""
+    wanted = [n for n in _args().only.split(",") if n]
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        raise SystemExit(f"--only names unknown cases {unknown}; known: {sorted(names)}")
+    return wanted or list(names)
 
 
 def write(out: Path, results: dict) -> None:

@@ -171,7 +171,8 @@ def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
 def main() -> None:
     out = _job.out_path()
     results = {}
-    for name, (kind, opt, batch, n, epochs, weighted, shuffle_seed, tol_l, tol_w) in CASES.items():
+    for name in _job.only(CASES):
+        kind, opt, batch, n, epochs, weighted, shuffle_seed, tol_l, tol_w = CASES[name]
         jit = name.endswith("_xla") or "auto"
         results[name] = run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit)
         results[name].update(tol_loss=tol_l, tol_weights=tol_w)

@@ -109,13 +109,13 @@ CASES = {
 }
 
 
-def run_case(kind, opt, batch, n, epochs, t):
+def run_case(kind, opt, batch, n, epochs, t, strategy=tnt.ParallelStrategy.TENSOR, make_plan=None):
+    """``make_plan(source model)``: the tensor_parallel_plan (default: automatic, every pair split)."""
     x, y = data(kind, n)
     xv, yv = data(kind, 2 * batch + 1)
     serial, source = BUILD[kind](3), BUILD[kind](3)
-    plan = TP.plan(source, tensor_parallel_size=t, min_split_params=0)
-    model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t,
-                      tensor_parallel_plan=plan)
+    plan = make_plan(source) if make_plan else TP.plan(source, tensor_parallel_size=t, min_split_params=0)
+    model = tnt.Model(source, parallel_strategy=strategy, tensor_parallel_size=t, tensor_parallel_plan=plan)
     start_same = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), serial.get_weights()))
     for m in (serial, model):
         m.compile(optimizer(opt), "sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -124,7 +124,7 @@ def run_case(kind, opt, batch, n, epochs, t):
     h_tensor = model.fit(x, y, **fit).history
     w_tensor = model.get_weights()
     result = {
-        "plan": plan.split_layers(),
+        "plan": model.plan.split_layers(),
         "start_same": start_same,
         "history_diff": _job.history_diff(h_serial, h_tensor),
         "weight_diff": _job.max_abs_diff(serial.get_weights(), w_tensor),
@@ -137,6 +137,7 @@ def run_case(kind, opt, batch, n, epochs, t):
         "optimizer_slot_shapes": tnt_comm.allgather_object(
             sorted({tuple(v.shape) for v in model.optimizer.variables if len(v.shape)})),
         "replicated_checksums": tnt_comm.allgather_object(model.replicated_checksum()),
+        "shard_checksums": tnt_comm.allgather_object(model.shard_checksum()),
         "histories_per_rank_equal": len({repr(h) for h in tnt_comm.allgather_object(h_tensor)}) == 1,
         "weights_per_rank_equal": len({_digest(w_tensor) for _ in [0]} |
                                       set(tnt_comm.allgather_object(_digest(w_tensor)))) == 1,

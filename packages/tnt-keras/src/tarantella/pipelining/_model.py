@@ -20,15 +20,7 @@ import tensorflow as tf
 import tnt_data
 
 from .. import _backup, _runtime
-from .._inputs import (
-    InputError,
-    Sharding,
-    at_epoch,
-    common_seed,
-    rank_dataset,
-    split_arrays,
-    unpack_validation,
-)
+from .._inputs import Sharding, at_epoch, common_seed, fit_datasets, rank_dataset
 from .._rank_callbacks import callbacks_for_rank
 from ._deferred import materialise
 from ._errors import PipelineError
@@ -250,11 +242,13 @@ class PipelinedModel(keras.Model):
             self._tnt_seed = common_seed()
         return self._tnt_seed
 
-    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method, with_sizes=False,
-                      class_weight=None):
-        sharding = Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
+    def _sharding(self) -> Sharding:
+        """Every rank of a replica reads the replica's slice of each global batch."""
+        return Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
+
+    def _replica_data(self, x, y=None, sample_weight=None, *, batch_size, shuffle, method):
         return rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method=method,
-                            sharding=sharding, with_sizes=with_sizes, class_weight=class_weight)
+                            sharding=self._sharding())
 
     def _prepare(self) -> None:
         if not self._tnt_synced:
@@ -274,17 +268,10 @@ class PipelinedModel(keras.Model):
             sample_weight=None, initial_epoch=0, validation_batch_size=None, **kwargs):
         """Keras' ``fit``; ``x`` batched with the global batch size (or arrays + batch_size)."""
         self._assert_compiled("fit")
-        if validation_split:
-            if isinstance(x, tf.data.Dataset):
-                raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
-            (x, y, sample_weight), validation_data = split_arrays((x, y, sample_weight), validation_split)
-        train = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle,
-                                   method="fit", with_sizes=True, class_weight=class_weight)
-        val = None
-        if validation_data is not None:
-            vx, vy, vsw, vbatch = unpack_validation(validation_data, validation_batch_size, batch_size)
-            val = self._replica_data(vx, vy, vsw, shuffle=False, method="fit(validation_data)",
-                                     batch_size=vbatch)
+        train, val = fit_datasets(
+            x, y, sample_weight, sharding=self._sharding(), batch_size=batch_size, shuffle=shuffle,
+            class_weight=class_weight, validation_split=validation_split, validation_data=validation_data,
+            validation_batch_size=validation_batch_size)
         callbacks, backup = _backup.adapt(callbacks)
         if backup is not None:  # every rank reads its stage of the backup (and optimizer state)
             restored = backup.restore(self)

@@ -4,6 +4,9 @@
     plan.summary()
     model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.TENSOR,
                       tensor_parallel_size=2)
+    plan.replicate("ffn_up").split("head", "column+allgather")   # edit, then pass it back:
+    model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.ALL,   # N / 2 replicas
+                      tensor_parallel_size=2, tensor_parallel_plan=plan)     # (or a LayoutMap)
 
 See docs/tensor_parallel.md.
 """
@@ -13,14 +16,18 @@ from __future__ import annotations
 from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
 from ._errors import TensorParallelError
 from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
+from ._layout import Layout, check_layout
+from ._layout_map import from_layout_map
 from ._model import TensorParallelModel, tensor_parallel_model
-from ._plan import KINDS, LayerSplit, Plan, plan
+from ._plan import KINDS, SUPPORTED, LayerSplit, Plan, plan, plan_from_kinds
 
 __all__ = [
     "KINDS",
+    "SUPPORTED",
     "ColumnDense",
     "HeadsAttention",
     "LayerSplit",
+    "Layout",
     "Plan",
     "RowDense",
     "SliceDropout",
@@ -28,9 +35,12 @@ __all__ = [
     "TensorParallelError",
     "TensorParallelModel",
     "VocabEmbedding",
+    "check_layout",
     "copy_to_group",
+    "from_layout_map",
     "gather_last_axis",
     "plan",
+    "plan_from_kinds",
     "reduce_from_group",
     "tensor_parallel_model",
 ]

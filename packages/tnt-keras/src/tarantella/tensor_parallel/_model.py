@@ -9,8 +9,9 @@ metrics and logs are therefore the same on every rank, and Keras' own ``train_st
 ``fit``, callbacks and History run unchanged on the wrapper (with ``jit_compile=False``:
 the collectives cannot live inside XLA).
 
-``TENSOR`` runs one group of N == t ranks; data replicas of groups (``ALL``) are not
-built yet.
+``TENSOR`` runs one group of N == t ranks; ``ALL`` with ``tensor_parallel_size=t`` runs
+N / t data replicas of such groups (``_replicas``: each replica reads its slice of the
+global batch, gradients are summed over the replica group only).
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ import hashlib
 import keras
 import numpy as np
 
+import tnt_comm
+
 from .. import _inputs, _internals, _runtime, _sync
 from .._logging import logger
 from ..pipelining._graph import model_graph
 from ._collectives import TensorGroup
 from ._errors import TensorParallelError
 from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
+from ._layout import check_layout, replica_group
+from ._layout_map import as_plan
 from ._plan import (
     COLUMN,
     COLUMN_GATHER,
@@ -34,12 +39,11 @@ from ._plan import (
     ROW,
     SPLIT_AXES,
     VOCAB,
-    Plan,
     check_model,
     check_size,
     var_name,
 )
-from ._plan import plan as make_plan
+from ._replicas import ReplicaLoops
 
 _OPTIONS = ("tensor_parallel_size", "tensor_parallel_plan")
 
@@ -58,35 +62,24 @@ def _shard_layer(layer, kind: str, group: TensorGroup):
     raise TensorParallelError(f"layer {layer.name!r}: unknown split {kind!r}")
 
 
-def check_layout(size: int, t: int) -> None:
-    """TENSOR runs one tensor group over all N ranks: N must equal t."""
-    if size != t:
-        raise TensorParallelError(
-            f"ParallelStrategy.TENSOR splits layers over tensor_parallel_size={t} ranks, but the job "
-            f"has {size} rank(s). Launch with `tarantella -n {t}` (or pass tensor_parallel_size={size}); "
-            "data replicas of tensor groups (ParallelStrategy.ALL) are not available yet.")
-
-
-class TensorParallelModel(keras.Model):
-    """This rank's shards of a model whose large layers are split over ``t`` ranks."""
+class TensorParallelModel(ReplicaLoops, keras.Model):
+    """This rank's shards of a model whose large layers are split over ``t`` ranks (and,
+    with ``parallel_strategy="all"``, its replica's slice of every global batch)."""
 
     def __init__(self, model: keras.Model, *, tensor_parallel_size: int,
-                 tensor_parallel_plan: Plan | None = None) -> None:
+                 tensor_parallel_plan=None, parallel_strategy: str = "tensor") -> None:
         t = check_size(tensor_parallel_size)
         check_model(model)
-        plan = tensor_parallel_plan if tensor_parallel_plan is not None else make_plan(model, t)
-        if plan.tensor_parallel_size != t:
-            raise TensorParallelError(
-                f"tensor_parallel_plan was made for tensor_parallel_size={plan.tensor_parallel_size} "
-                f"but tensor_parallel_size={t}; make them agree.")
-        if plan.model_name != model.name:
-            raise TensorParallelError(f"tensor_parallel_plan is the plan of model {plan.model_name!r}, "
-                                      f"not of {model.name!r}; make the plan from this model.")
-        check_layout(_runtime.get_size(), t)
+        plan = as_plan(tensor_parallel_plan, model, t)
+        layout = check_layout(parallel_strategy, _runtime.get_size(), t)
         super().__init__(name=f"tnt_{model.name}")
         self._tnt_settings = _runtime.setup()
         self.plan = plan
+        self.parallel_strategy = parallel_strategy
         self.group = TensorGroup.of_world(t)
+        object.__setattr__(self, "_tnt_replicas", replica_group(layout))  # None: one replica
+        self.num_replicas = layout.replicas
+        self.replica = layout.replica(_runtime.get_rank())
         self._tnt_check_same_plan()
         if _runtime.get_size() > 1:  # every rank starts from rank 0's weights
             _sync.broadcast_from_master(model.weights)
@@ -95,22 +88,19 @@ class TensorParallelModel(keras.Model):
         object.__setattr__(self, "_tnt_shards", {})
         self.local_model = self._build_local(model)
         self._assign_shards()
+        self._tnt_steps = self._replica_steps()
         self.built = True
 
     # -- building ----------------------------------------------------------------------
     def _tnt_check_same_plan(self) -> None:
         mine = [(s.name, s.kind) for s in self.plan.layers]
-        if self.group.comm is not None and self.group.comm.broadcast_object(mine, 0) != mine:
+        if _runtime.get_size() > 1 and tnt_comm.broadcast_object(mine, 0) != mine:
             raise TensorParallelError(
                 f"rank {_runtime.get_rank()} computed another tensor-parallel plan than rank 0; every "
                 "rank must build the same model with the same plan.")
 
     def _build_local(self, model: keras.Model) -> keras.Model:
         graph = model_graph(model)
-        names = {layer.name for layer in model.layers}
-        unknown = sorted(set(self.plan.split_layers()) - names)
-        if unknown:
-            raise TensorParallelError(f"tensor_parallel_plan names layers the model does not have: {unknown}.")
         values: dict[int, object] = {}
         inputs = []
         for j, name in enumerate(graph.inputs):
@@ -193,18 +183,32 @@ class TensorParallelModel(keras.Model):
                 digest.update(np.ascontiguousarray(v.numpy()).tobytes())
         return digest.hexdigest()
 
+    def shard_checksum(self) -> str:
+        """A digest of this rank's shards' bytes (equal on the ranks of its replica group)."""
+        digest = hashlib.sha256()
+        for shard in self._tnt_shards.values():
+            for v in shard.weights:
+                digest.update(np.ascontiguousarray(v.numpy()).tobytes())
+        return digest.hexdigest()
+
     def verify_group(self) -> None:
         """Raise if replicated weights differ within the group (the ranks did not read the
-        same batches: unseeded shuffles)."""
-        if self.group.comm is None:
+        same batches: unseeded shuffles) or any weight differs between data replicas."""
+        if _runtime.get_size() == 1:
             return
-        sums = self.group.comm.allgather_object(self.replicated_checksum())
-        if len(set(sums)) != 1:
+        everyone = tnt_comm.allgather_object((self.replicated_checksum(), self.shard_checksum()))
+        t = self.group.size
+        if any(len({e[0] for e in everyone[g:g + t]}) != 1 for g in range(0, len(everyone), t)):
             raise TensorParallelError(
                 f"replicated weights differ between the ranks of the tensor group (rank {_runtime.get_rank()}): "
                 "the ranks did not train on the same batches. Every rank must read the same global batch "
                 "in the same order: seed shuffles (keras.utils.set_random_seed(s) before building the "
                 "data, or dataset.shuffle(n, seed=s)).")
+        if any(everyone[r] != everyone[r % t] for r in range(len(everyone))):
+            raise TensorParallelError(
+                f"weights differ between the data replicas (rank {_runtime.get_rank()}): the replicas did not "
+                "apply the same reduced gradients. Every rank must build the same model and call the same "
+                "methods with the same arguments.")
 
     def summary(self, *args, **kwargs) -> None:
         if _runtime.is_master_rank():
@@ -224,6 +228,22 @@ class TensorParallelModel(keras.Model):
             logger.warning("tnt.Model(TENSOR): jit_compile=True is ignored; the tensor-group "
                            "collectives run outside XLA.")
         super().compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
+        if self._tnt_steps is not None:  # its reducers hold the old metrics' and optimizer's slots
+            self._tnt_steps.close()
+            self._tnt_steps = self._replica_steps()
+
+    # Keras' steps on one tensor group; the data-parallel steps over the replica group.
+    def train_step(self, data):
+        """Keras' step (one replica) or the data-parallel step over the replica group."""
+        return super().train_step(data) if self._tnt_steps is None else self._tnt_steps.train_step(data)
+
+    def test_step(self, data):
+        """Keras' step (one replica) or the data-parallel step over the replica group."""
+        return super().test_step(data) if self._tnt_steps is None else self._tnt_steps.test_step(data)
+
+    def predict_step(self, data):
+        """Keras' step (one replica) or the data-parallel step over the replica group."""
+        return super().predict_step(data) if self._tnt_steps is None else self._tnt_steps.predict_step(data)
 
     def _common_seed(self) -> int:
         if getattr(self, "_tnt_seed", None) is None:
@@ -231,9 +251,13 @@ class TensorParallelModel(keras.Model):
         return self._tnt_seed
 
     def fit(self, *args, **kwargs):
-        """Keras' fit on every rank of the group (same batches everywhere); afterwards the
-        replicated weights are checked to be identical across the group."""
-        if _internals.global_seed() is not None:
+        """Keras' fit on every rank of the group (same batches everywhere; with data
+        replicas, the replica's slice of each global batch); afterwards the replicated
+        weights are checked to be identical across the group, and every weight across
+        the replicas."""
+        if self._tnt_replicas is not None:
+            history = self._fit_replicas(*args, **kwargs)
+        elif _internals.global_seed() is not None:
             history = super().fit(*args, **kwargs)
         else:
             # Without a global seed Keras would shuffle arrays differently on every rank of
@@ -242,6 +266,18 @@ class TensorParallelModel(keras.Model):
                 history = super().fit(*args, **kwargs)
         self.verify_group()
         return history
+
+    def evaluate(self, *args, **kwargs):
+        """Keras' evaluate; with data replicas over the union of their slices (global metrics)."""
+        if self._tnt_replicas is None or _internals.is_cached_eval_call(kwargs):
+            return super().evaluate(*args, **kwargs)
+        return self._evaluate_replicas(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """Keras' predict; with data replicas every rank returns the whole predictions."""
+        if self._tnt_replicas is None:
+            return super().predict(*args, **kwargs)
+        return self._predict_replicas(*args, **kwargs)
 
     def save(self, *args, **kwargs):
         """Not available yet: raises TensorParallelError naming the way round (get_weights)."""
@@ -255,21 +291,43 @@ class TensorParallelModel(keras.Model):
         self.save()
 
 
+def _pipeline_stages(model, kwargs: dict) -> int:
+    """The pipeline stages ALL would cut ``model`` into (1 without markers or options)."""
+    if kwargs.get("num_pipeline_stages") is not None:
+        return int(kwargs["num_pipeline_stages"])
+    if kwargs.get("pipeline_plan") is not None:
+        return kwargs["pipeline_plan"].num_stages
+    if any(call.is_split for call in model_graph(model).calls):
+        from ..pipelining import plan as pipeline_plan
+
+        return pipeline_plan(model).num_stages
+    return 1
+
+
 def tensor_parallel_model(*args, strategies, **kwargs) -> TensorParallelModel | None:
-    """What ``tnt.Model(...)`` builds for TENSOR; None for the other strategies."""
+    """What ``tnt.Model(...)`` builds for TENSOR, and for ALL with ``tensor_parallel_size``
+    > 1; None for the other strategies."""
     strategy = strategies(args[1] if len(args) > 1 else kwargs.get("parallel_strategy", strategies.DATA))
     given = [k for k in _OPTIONS if k in kwargs]
-    if strategy is not strategies.TENSOR:
-        if given and (strategy is not strategies.ALL or kwargs.get("tensor_parallel_size", 1) != 1):
-            raise TensorParallelError(
-                f"{', '.join(given)} only apply to ParallelStrategy.TENSOR (ALL with tensor groups is not "
-                "available yet); pass parallel_strategy=tnt.ParallelStrategy.TENSOR.")
-        return None  # ALL with tensor_parallel_size=1: nothing to split
     model = args[0] if args else kwargs.get("model")
-    extra = sorted(set(kwargs) - {"model", "parallel_strategy", *_OPTIONS})
+    if strategy is strategies.ALL and check_size(kwargs.get("tensor_parallel_size", 1)) == 1:
+        if "tensor_parallel_plan" in kwargs:
+            raise TensorParallelError("tensor_parallel_plan needs tensor_parallel_size > 1 (the ranks sharing "
+                                      "each split layer); pass tensor_parallel_size=plan.tensor_parallel_size.")
+        return None  # ALL with tensor_parallel_size=1: nothing to split
+    if strategy not in (strategies.TENSOR, strategies.ALL):
+        if given:
+            raise TensorParallelError(
+                f"{', '.join(given)} only apply to ParallelStrategy.TENSOR or ALL; pass "
+                "parallel_strategy=tnt.ParallelStrategy.TENSOR (or ALL for data replicas of tensor groups).")
+        return None
+    name = strategy.name
+    allowed = {"model", "parallel_strategy", *_OPTIONS} | (
+        {"num_pipeline_stages", "pipeline_plan"} if strategy is strategies.ALL else set())
+    extra = sorted(set(kwargs) - allowed)
     if extra:
         raise TensorParallelError(
-            f"tnt.Model(parallel_strategy=TENSOR) got unknown keyword argument(s): {', '.join(extra)}; it "
+            f"tnt.Model(parallel_strategy={name}) got unknown keyword argument(s): {', '.join(extra)}; it "
             "takes the Keras model, tensor_parallel_size= and tensor_parallel_plan=.")
     if "tensor_parallel_size" not in kwargs:
         raise TensorParallelError("ParallelStrategy.TENSOR needs tensor_parallel_size= (the ranks sharing "
@@ -277,8 +335,12 @@ def tensor_parallel_model(*args, strategies, **kwargs) -> TensorParallelModel | 
                                   "TENSOR, tensor_parallel_size=2).")
     if not isinstance(model, keras.Model):
         raise TensorParallelError(f"tnt.Model wraps a keras.Model, got {type(model).__name__}.")
-    return TensorParallelModel(model, tensor_parallel_size=kwargs["tensor_parallel_size"],
-                               tensor_parallel_plan=kwargs.get("tensor_parallel_plan"))
+    t = check_size(kwargs["tensor_parallel_size"])
+    if strategy is strategies.ALL:
+        check_model(model)
+        check_layout("all", _runtime.get_size(), t, _pipeline_stages(model, kwargs))
+    return TensorParallelModel(model, tensor_parallel_size=t, tensor_parallel_plan=kwargs.get("tensor_parallel_plan"),
+                               parallel_strategy=strategy.value)
 
 
-__all__ = ["TensorParallelModel", "check_layout", "tensor_parallel_model"]
+__all__ = ["TensorParallelModel", "tensor_parallel_model"]

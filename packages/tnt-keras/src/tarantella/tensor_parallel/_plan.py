@@ -15,6 +15,11 @@ A layer is replicated, with a note saying why, when its split dimension does not
 by t, when it is called more than once, when it has a regulariser or constraint (their
 values on a shard are not the shard of the serial value), or when it is smaller than
 ``min_split_params``.
+
+A plan can be edited (``Plan.replicate``, ``Plan.split``) or made from explicit kinds
+(``plan_from_kinds``, also what a ``keras.distribution.LayoutMap`` becomes); either way
+each split is checked against the model, and one that is not a supported pattern is an
+error naming the layer and the patterns (``SUPPORTED``).
 """
 
 from __future__ import annotations
@@ -53,6 +58,14 @@ COLLECTIVES: dict[str, tuple[int, int]] = {
     COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), HEADS: (1, 1), REPLICATED: (0, 0),
 }
 
+#: The patterns a split must follow (named in every error about an unsupported split).
+SUPPORTED = (
+    "supported splits: a Dense 'column' feeding a Dense 'row' through elementwise layers only "
+    "(activations, Dropout); a lone Dense 'column+allgather'; an Embedding 'vocab' (rows); a "
+    "MultiHeadAttention 'heads' (Q/K/V by heads, output projection by rows); any layer 'replicated'")
+_LAYER_CLASS = {COLUMN: "Dense", ROW: "Dense", COLUMN_GATHER: "Dense", VOCAB: "Embedding",
+                HEADS: "MultiHeadAttention"}
+
 _ELEMENTWISE_ACTIVATION_LAYERS = (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
 _NOT_ELEMENTWISE = {"softmax", "log_softmax"}
 
@@ -67,6 +80,7 @@ class LayerSplit:
     params: int
     split_params: int = 0  # of ``params``, those in variables split over the group
     note: str = ""
+    partner: str = ""  # the row-split Dense of a column-split one, and the other way round
 
 
 @dataclass
@@ -78,6 +92,50 @@ class Plan:
     layers: list[LayerSplit] = field(default_factory=list)
     #: Dropout layers inside a column -> row chain: each rank applies its slice of the serial mask
     split_dropouts: list[str] = field(default_factory=list)
+    #: the model the plan was made of (edits are checked against it); not compared, not shown
+    model: keras.Model | None = field(default=None, repr=False, compare=False)
+
+    # -- editing ---------------------------------------------------------------------------
+    def _split_of(self, layer_name: str) -> LayerSplit:
+        for split in self.layers:
+            if split.name == layer_name:
+                return split
+        raise TensorParallelError(
+            f"the plan of {self.model_name!r} has no layer with weights named {layer_name!r}; its layers: "
+            f"{', '.join(s.name for s in self.layers)}.")
+
+    def _edit(self, kinds: dict[str, str], notes: dict[str, str]) -> Plan:
+        if self.model is None:
+            raise TensorParallelError("this plan does not know its model: edit a plan made by "
+                                      "tnt.tensor_parallel.plan(model, tensor_parallel_size=t).")
+        edited = plan_from_kinds(self.model, self.tensor_parallel_size, kinds, notes)
+        self.layers, self.split_dropouts = edited.layers, edited.split_dropouts
+        return self
+
+    def replicate(self, *layer_names: str) -> Plan:
+        """Keep these layers whole on every rank (a column/row pair is replicated together:
+        one half cannot be split without the other). Returns the plan, edited."""
+        kinds = self.split_layers()
+        notes = {s.name: s.note for s in self.layers}
+        for name in layer_names:
+            split = self._split_of(name)
+            for member in filter(None, (name, split.partner)):
+                kinds.pop(member, None)
+                notes[member] = "replicated by plan.replicate" + (f" (pair of {name})" if member != name else "")
+        return self._edit(kinds, notes)
+
+    def split(self, layers: str | dict[str, str], kind: str | None = None) -> Plan:
+        """Split layers as given: ``plan.split("head", "column+allgather")`` or
+        ``plan.split({"up": "column", "down": "row"})`` (a pair is given together).
+        Checked against the model at once; returns the plan, edited."""
+        edits = {layers: kind} if isinstance(layers, str) else dict(layers)
+        kinds = self.split_layers()
+        notes = {s.name: s.note for s in self.layers}
+        for name, new in edits.items():
+            self._split_of(name)
+            kinds[name] = new
+            notes[name] = "set by plan.split"
+        return self._edit({n: k for n, k in kinds.items() if k != REPLICATED}, notes)
 
     def kind(self, layer_name: str) -> str:
         """How ``layer_name`` is held (``replicated`` for a layer without weights)."""
@@ -241,9 +299,7 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
     t = check_size(tensor_parallel_size)
     check_model(model)
     graph = model_graph(model)
-    uses: dict[int, int] = {}
-    for call in graph.calls:
-        uses[id(call.layer)] = uses.get(id(call.layer), 0) + 1
+    uses = _uses(graph)
     kinds: dict[str, tuple[str, str]] = {}
     split_dropouts: list[str] = []
     for call in graph.calls:
@@ -281,11 +337,82 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
             kinds[layer.name] = (REPLICATED, why) if why else (COLUMN_GATHER, "")
         else:
             kinds[layer.name] = (REPLICATED, "")
+    return plan_from_kinds(model, t, {n: k for n, (k, _) in kinds.items() if k != REPLICATED},
+                           {n: note for n, (_, note) in kinds.items()})
+
+
+def _unsupported(name: str, kind: str, why: str) -> TensorParallelError:
+    return TensorParallelError(f"layer {name!r} cannot be split as {kind!r}: {why}. {SUPPORTED}.")
+
+
+def _uses(graph: ModelGraph) -> dict[int, int]:
+    uses: dict[int, int] = {}
+    for call in graph.calls:
+        uses[id(call.layer)] = uses.get(id(call.layer), 0) + 1
+    return uses
+
+
+def _split_refusal(layer, kind: str, t: int, graph: ModelGraph, call) -> str:
+    """Why ``layer`` cannot be split as ``kind`` (empty: it can)."""
+    if kind in (COLUMN, COLUMN_GATHER):
+        return _refusal(layer, layer.units, t)
+    if kind == ROW:
+        return _refusal(layer, int(layer.kernel.shape[0]), t)
+    if kind == VOCAB:
+        return _refusal(layer, layer.input_dim, t)
+    return _attention_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
+
+
+def plan_from_kinds(model: keras.Model, tensor_parallel_size: int, kinds: dict[str, str],
+                    notes: dict[str, str] | None = None) -> Plan:
+    """The plan splitting each layer named in ``kinds`` ({layer name: kind}) as given and
+    replicating the others, or a TensorParallelError naming the layer and ``SUPPORTED``."""
+    t = check_size(tensor_parallel_size)
+    check_model(model)
+    notes = dict(notes or {})
+    graph = model_graph(model)
+    uses = _uses(graph)
+    first_call = {}
+    for call in graph.calls:
+        first_call.setdefault(call.layer.name, call)
+    partners: dict[str, str] = {}
+    split_dropouts: list[str] = []
+    for name, kind in kinds.items():
+        if kind not in KINDS:
+            raise TensorParallelError(f"layer {name!r}: unknown split {kind!r}; the splits are {', '.join(KINDS)}.")
+        if name not in first_call or not first_call[name].layer.weights:
+            raise TensorParallelError(f"model {model.name!r} has no layer with weights named {name!r}.")
+        call = first_call[name]
+        layer = call.layer
+        if type(layer) is not getattr(keras.layers, _LAYER_CLASS[kind]):
+            raise _unsupported(name, kind, f"it is a {type(layer).__name__}, a {kind!r} split needs a "
+                                           f"keras.layers.{_LAYER_CLASS[kind]}")
+        if uses[id(layer)] > 1:
+            raise _unsupported(name, kind, "it is called more than once")
+        why = _split_refusal(layer, kind, t, graph, call)
+        if why:
+            raise _unsupported(name, kind, why)
+        if kind == COLUMN:
+            row, dropouts = _row_partner(graph, call.index, uses) \
+                if _dense_activation_elementwise(layer) else (None, [])
+            row_name = graph.calls[row].layer.name if row is not None else None
+            if row_name is None or kinds.get(row_name) != ROW:
+                hint = f" (split {row_name!r} as 'row')" if row_name else ""
+                raise _unsupported(name, kind, "its outputs stay split, so it must feed a Dense split as 'row' "
+                                               f"through elementwise layers only{hint}; or split it as "
+                                               "'column+allgather'")
+            partners[name], partners[row_name] = row_name, name
+            split_dropouts.extend(dropouts)
+    for name, kind in kinds.items():
+        if kind == ROW and name not in partners:
+            raise _unsupported(name, kind, "its input must come from a Dense split as 'column' through "
+                                           "elementwise layers only")
     layers = []
     for layer in model.layers:
         if not layer.weights:
             continue
-        kind, note = kinds.get(layer.name, (REPLICATED, ""))
+        kind = kinds.get(layer.name, REPLICATED)
         layers.append(LayerSplit(layer.name, type(layer).__name__, kind, _params(layer),
-                                 _split_params(layer, kind), note))
-    return Plan(model.name, t, layers, split_dropouts)
+                                 _split_params(layer, kind), notes.get(layer.name, ""),
+                                 partners.get(layer.name, "")))
+    return Plan(model.name, t, layers, split_dropouts, model)

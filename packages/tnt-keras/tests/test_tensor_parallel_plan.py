@@ -1,0 +1,219 @@
+"""Tensor-parallel plans without launching: edited plans, LayoutMaps, layouts, errors.
+
+Single process: a plan is a pure function of the model (every rank computes the same),
+and the layout and option checks run before any communication.
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+import tarantella as tnt
+from tarantella.tensor_parallel import (
+    SUPPORTED,
+    TensorParallelError,
+    check_layout,
+    from_layout_map,
+    plan,
+)
+
+ALL = tnt.ParallelStrategy.ALL
+
+
+def mlp() -> keras.Model:
+    """up1 -> down1 (pair), up2 -> tanh -> down2 (pair), head (lone, softmax)."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((10,))
+    h = keras.layers.Dense(16, activation="relu", name="up1")(x)
+    h = keras.layers.Dense(12, name="down1")(h)
+    h = keras.layers.Dense(24, name="up2")(h)
+    h = keras.layers.Activation("tanh", name="act")(h)
+    h = keras.layers.Dense(8, activation="relu", name="down2")(h)
+    return keras.Model(x, keras.layers.Dense(4, activation="softmax", name="head")(h), name="mlp")
+
+
+def block() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,), dtype="int32")
+    e = keras.layers.Embedding(30, 16, name="emb")(x)
+    a = keras.layers.MultiHeadAttention(4, 4, name="mha")(e, e)
+    h = keras.layers.LayerNormalization(name="ln")(keras.layers.Add()([e, a]))
+    f = keras.layers.Dense(32, activation="relu", name="ffn_up")(h)
+    f = keras.layers.Dropout(0.1, name="ffn_drop")(f)
+    f = keras.layers.Dense(16, name="ffn_down")(f)
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Add()([h, f]))
+    return keras.Model(x, keras.layers.Dense(4, name="head")(pooled), name="block")
+
+
+MLP_AUTO = {"up1": "column", "down1": "row", "up2": "column", "down2": "row", "head": "column+allgather"}
+BLOCK_AUTO = {"emb": "vocab", "mha": "heads", "ffn_up": "column", "ffn_down": "row", "head": "column+allgather"}
+
+
+def megatron_map(device_mesh=None) -> keras.distribution.LayoutMap:
+    """The Keras-convention layouts of a Megatron split (what a JAX ModelParallel user writes)."""
+    m = keras.distribution.LayoutMap(device_mesh)
+    m["emb/embeddings"] = ("model", None)
+    m["mha/(query|key|value)/kernel"] = (None, "model", None)
+    m["mha/(query|key|value)/bias"] = ("model", None)
+    m["mha/attention_output/kernel"] = ("model", None, None)
+    m[r"(up\d|ffn_up|head)/kernel"] = (None, "model")
+    m[r"(up\d|ffn_up|head)/bias"] = ("model",)
+    m[r"(down\d|ffn_down)/kernel"] = ("model", None)
+    return m
+
+
+# -- edited plans ----------------------------------------------------------------------------------------
+def test_replicating_one_half_of_a_pair_replicates_both():
+    p = plan(mlp(), tensor_parallel_size=2, min_split_params=0).replicate("down1")
+    assert p.split_layers() == {"up2": "column", "down2": "row", "head": "column+allgather"}
+    text = p.summary(print_fn=lambda s: None)
+    assert "replicated by plan.replicate (pair of down1)" in text
+    assert p.params_per_rank() < sum(s.params for s in p.layers)
+
+
+def test_split_chooses_column_row_and_allgather():
+    p = plan(mlp(), tensor_parallel_size=2)  # default: the small lone head stays replicated
+    assert p.kind("head") == "replicated"
+    p.replicate("up1", "up2").split("head", "column+allgather")
+    assert p.split_layers() == {"head": "column+allgather"}
+    p.split({"up2": "column", "down2": "row"})
+    assert p.split_layers() == {"up2": "column", "down2": "row", "head": "column+allgather"}
+    assert [s.partner for s in p.layers if s.name in ("up2", "down2")] == ["down2", "up2"]
+
+
+def test_edited_plan_keeps_the_dropout_between_a_pair_split():
+    p = plan(block(), tensor_parallel_size=2, min_split_params=0)
+    assert p.replicate("ffn_up").split_dropouts == []
+    assert p.split({"ffn_up": "column", "ffn_down": "row"}).split_dropouts == ["ffn_drop"]
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (lambda p: p.split("up1", "column+allgather"), ["'down1'", "'row'", "must come from"]),
+    (lambda p: p.replicate("down1").split("up1", "column"), ["'up1'", "split 'down1' as 'row'", SUPPORTED]),
+    (lambda p: p.replicate("up1").split("down1", "row"), ["'down1'", "must come from a Dense split as 'column'"]),
+    (lambda p: p.split("head", "vocab"), ["'head'", "needs a keras.layers.Embedding", SUPPORTED]),
+    (lambda p: p.split("head", "diagonal"), ["unknown split 'diagonal'"]),
+    (lambda p: p.split("act", "column"), ["no layer with weights named 'act'"]),
+    (lambda p: p.replicate("nope"), ["no layer with weights named 'nope'", "up1"]),
+])
+def test_unsupported_edits_name_the_layer_and_the_patterns(edit, words):
+    p = plan(mlp(), tensor_parallel_size=2, min_split_params=0)
+    with pytest.raises(TensorParallelError) as err:
+        edit(p)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_split_that_does_not_divide_is_refused_when_asked_for():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="five")], name="odd")
+    with pytest.raises(TensorParallelError, match="'five' cannot be split as 'column\\+allgather': split "
+                                                  "dimension 5 does not divide by t=2"):
+        plan(model, tensor_parallel_size=2).split("five", "column+allgather")
+
+
+# -- LayoutMap -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("build", "expected", "dropouts"), [(mlp, MLP_AUTO, []), (block, BLOCK_AUTO, ["ffn_drop"])])
+def test_megatron_layout_map_gives_the_automatic_plan(build, expected, dropouts):
+    model = build()
+    p = from_layout_map(megatron_map(), model, 2)
+    assert p.split_layers() == expected
+    assert p.split_dropouts == dropouts
+    assert p.split_layers() == plan(model, tensor_parallel_size=2, min_split_params=0).split_layers()
+
+
+def test_layout_map_column_without_row_is_allgathered_and_unmatched_is_replicated():
+    m = keras.distribution.LayoutMap(None)
+    m["up1/kernel"] = (None, "model")          # bias unmatched: split with its columns anyway
+    m["down2/kernel"] = (None, None)
+    assert from_layout_map(m, mlp(), 2).split_layers() == {"up1": "column+allgather"}
+
+
+@pytest.mark.parametrize(("key", "layout", "words"), [
+    ("up1/kernel", ("model", "model"), ["'up1'", "one dimension only", "'model'"]),
+    ("up1/kernel", ("batch", None), ["'up1'", "'batch'", "tensor axis 'model'"]),
+    ("up1/kernel", (None,), ["'up1'", "2 dimensions", "one entry"]),
+    ("down1/bias", ("model",), ["'down1'", "not a supported pattern", SUPPORTED]),
+])
+def test_unsupported_layouts_name_the_layer(key, layout, words):
+    m = keras.distribution.LayoutMap(None)
+    m[key] = layout
+    with pytest.raises(TensorParallelError) as err:
+        from_layout_map(m, mlp(), 2)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_layout_map_errors_for_embedding_columns_and_partial_attention():
+    m = keras.distribution.LayoutMap(None)
+    m["emb/embeddings"] = (None, "model")
+    with pytest.raises(TensorParallelError, match=r"layer 'emb' \(Embedding\).*not a supported pattern"):
+        from_layout_map(m, block(), 2)
+    m = keras.distribution.LayoutMap(None)
+    m["mha/query/kernel"] = (None, "model", None)
+    with pytest.raises(TensorParallelError, match=r"layer 'mha' \(MultiHeadAttention\).*not a supported"):
+        from_layout_map(m, block(), 2)
+
+
+def test_layout_map_row_without_column_is_refused():
+    m = keras.distribution.LayoutMap(None)
+    m["down1/kernel"] = ("model", None)
+    with pytest.raises(TensorParallelError, match="'down1' cannot be split as 'row'"):
+        from_layout_map(m, mlp(), 2)
+
+
+def test_layout_map_mesh_must_match_t():
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    assert from_layout_map(megatron_map(mesh), mlp(), 2).split_layers() == MLP_AUTO
+    with pytest.raises(TensorParallelError, match="2 devices on the 'model' axis but tensor_parallel_size=4"):
+        from_layout_map(megatron_map(mesh), mlp(), 4)
+
+
+# -- layouts and options ---------------------------------------------------------------------------------
+def test_layout_of_data_replicas_of_tensor_groups():
+    layout = check_layout("all", 4, 2)
+    assert layout.replicas == 2
+    assert [(layout.replica(r), layout.shard(r)) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert check_layout("tensor", 2, 2).replicas == 1
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (("tensor", 4, 2), ["tarantella -n 2", "ParallelStrategy.ALL"]),
+    (("all", 4, 3), ["4 rank(s) is not a multiple of tensor_parallel_size=3", "tarantella -n 6"]),
+    (("all", 8, 2, 2), ["2 pipeline stages is not available yet", "data replicas x tensor groups"]),
+])
+def test_layout_errors(args, words):
+    with pytest.raises(TensorParallelError) as err:
+        check_layout(*args)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+@pytest.mark.parametrize(("kwargs", "words"), [
+    (dict(tensor_parallel_size=0), ["integer >= 1"]),
+    (dict(tensor_parallel_size=2), ["1 rank(s) is not a multiple of tensor_parallel_size=2"]),
+    (dict(tensor_parallel_size=2, num_pipeline_stages=2), ["pipeline stages is not available yet"]),
+    (dict(tensor_parallel_size=2, num_micro_batches=4), ["unknown keyword argument(s): num_micro_batches"]),
+    (dict(tensor_parallel_plan=None), ["tensor_parallel_plan needs tensor_parallel_size > 1"]),
+])
+def test_all_with_tensor_groups_option_errors(kwargs, words):
+    with pytest.raises(TensorParallelError) as err:
+        tnt.Model(mlp(), parallel_strategy=ALL, **kwargs)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_all_with_split_layer_markers_and_tensor_groups_is_refused():
+    x = keras.Input((4,))
+    h = tnt.keras.layers.SplitLayer(name="cut")(keras.layers.Dense(8, name="a")(x))
+    model = keras.Model(x, keras.layers.Dense(2, name="b")(h), name="marked")
+    with pytest.raises(TensorParallelError, match="2 pipeline stages is not available yet"):
+        tnt.Model(model, parallel_strategy=ALL, tensor_parallel_size=2)
+
+
+def test_plan_for_another_t_or_model_is_refused():
+    from tarantella.tensor_parallel._layout_map import as_plan
+
+    p = plan(mlp(), tensor_parallel_size=2)
+    with pytest.raises(TensorParallelError, match="made for tensor_parallel_size=2 but tensor_parallel_size=4"):
+        as_plan(p, mlp(), 4)
+    with pytest.raises(TensorParallelError, match="plan of model 'mlp', not of 'block'"):
+        as_plan(p, block(), 2)
+    with pytest.raises(TensorParallelError, match=r"a tnt\.tensor_parallel\.Plan or a keras\.distribution\.LayoutMap"):
+        as_plan({"up1": "column"}, mlp(), 2)
