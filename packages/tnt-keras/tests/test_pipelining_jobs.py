@@ -14,7 +14,7 @@ import re
 import pytest
 from conftest import launch
 
-TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3)}  # (losses, weights)
+TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3), "lso": (1e-5, 2e-5)}  # (losses, weights)
 
 
 #: Metric and loss-tracker variables a stage holds besides its weights and optimizer.
@@ -35,13 +35,16 @@ def report(request, tmp_path_factory, shared):
     share = ["--shared", str(shared)] if ranks == 2 or (ranks == 3 and (shared / "p2.keras").exists()) else []
     result = launch(ranks, "pipeline.py", out, "--layout", layout, *share)
     assert result["ranks"] == ranks and result["layout"] == layout
-    rows = [f"{'case':34} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}"]
+    rows = [f"{'case':34} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}  loss scale, applied steps"]
     for name, c in result["cases"].items():
         rows.append(f"{name:34} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
-                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
+                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}"
+                    + (f"  serial {c['loss_scale']['serial']}, per rank {c['loss_scale']['per_rank']}"
+                       if c["loss_scale"] else ""))
     print(f"\npipelining, {layout} on {ranks} ranks (max abs difference to serial Keras)\n" + "\n".join(rows)
           + f"\nsave/load: {result.get('save_load')}\nload p2 file: {result.get('load_p2_file')}"
           + f"\nbackup resume: {result.get('backup_resume')}"
+          + f"\nunseeded shuffle: {result.get('unseeded_shuffle')}"
           + "\nmaterialised / stage / serial bytes per rank: "
           + "; ".join(f"{n}: {c['materialised_bytes_per_rank']} / {c['stage_training_bytes_per_rank']} / "
                       f"{c['serial_training_bytes']}" for n, c in result["cases"].items()))
@@ -145,3 +148,44 @@ def test_backup_and_restore_resume_equals_uninterrupted_serial(report):
     assert got["interrupted"] and got["resumed_epochs"] == 2, got
     assert got["history_diff"] <= 1e-5 and got["weight_diff"] <= 2e-5, got
     assert got["backup_removed"], got
+
+
+def test_loss_scale_optimizer_skips_and_scales_as_serial_on_every_stage(report):
+    """LossScaleOptimizer: one stage's overflow skips the step everywhere (History and
+    weights are checked with the other cases); every rank ends with serial Keras' loss
+    scale and number of applied steps."""
+    cases = {n: c for n, c in report["cases"].items() if c["loss_scale"]}
+    if report["ranks"] == 3:  # checked on 2 stages and ALL 2 x 2
+        assert not cases
+        return
+    assert cases
+    for name, c in cases.items():
+        ls = c["loss_scale"]
+        # The case really overflows, at first on stage 0 only (stage 1 alone must not
+        # decide), and skips steps serially.
+        assert ls["overflow_at_start"] == ["l0"], (name, ls)
+        scale, applied = ls["serial"]
+        assert ls["steps"] - applied >= 3, (name, ls)
+        assert all(r == [scale, applied] for r in ls["per_rank"]), (name, ls)
+
+
+def test_callbacks_see_serial_batch_ends_also_with_steps_per_execution(report):
+    """on_train_batch_end: the batch indices and logs serial Keras gives, for every case;
+    the LossScaleOptimizer cases compile with steps_per_execution=3 (8 steps per epoch:
+    calls after steps 3, 6 and 8, which Keras numbers 2, 5 and 8)."""
+    spe_cases = 0
+    for name, c in report["cases"].items():
+        got = c["batch_ends"]
+        assert got["batches"][0] == got["batches"][1], (name, got["batches"])
+        assert got["keys_equal"] and got["logs_diff"] <= _tol(name)[0], (name, got)
+        if "_spe3_" in name:
+            spe_cases += 1
+            assert got["batches"][0] == [2, 5, 8], (name, got["batches"])
+    assert spe_cases == (0 if report["ranks"] == 3 else 1), spe_cases
+
+
+def test_unseeded_shuffle_gives_stage_0_and_the_last_stage_the_same_batches(report):
+    if report["ranks"] != 2:
+        assert "unseeded_shuffle" not in report
+        return
+    assert report["unseeded_shuffle"]["each_x_met_its_y"], report["unseeded_shuffle"]

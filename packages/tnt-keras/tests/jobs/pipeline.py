@@ -41,7 +41,14 @@ OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adam_clip": lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.05),
+    # Dynamic loss scaling that overflows: the first steps are skipped and the scale goes
+    # down, then up every 2 finite steps until it overflows again (see lso_mlp).
+    "lso": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=LSO_SCALE,
+                                                       dynamic_growth_steps=2),
 }
+#: Initial loss scale of the "lso" case: at the initial weights stage 0's gradients
+#: overflow float32 and the last stage's do not (the job checks it on the serial model).
+LSO_SCALE = 2.0**122
 
 
 # -- models (explicit layer names: the serial and pipelined copies match by name) ----------
@@ -82,9 +89,23 @@ def skip_model(stages: int) -> keras.Model:
     return keras.Model([a, b], keras.layers.Dense(3, activation="softmax", name="out")(h), name="skip")
 
 
+def lso_mlp() -> keras.Model:
+    """Inputs of size 1e4 into a small first kernel: stage 0's weight gradients are ~1e4
+    times the last stage's, so a loss scale can overflow stage 0 alone; later, once stage
+    0's tanh saturates, the growing scale overflows the last stage alone."""
+    keras.utils.set_random_seed(6)
+    x = inp = keras.Input((10,), name="x")
+    x = keras.layers.Dense(16, activation="tanh", name="l0",
+                           kernel_initializer=keras.initializers.RandomNormal(stddev=1e-4))(x)
+    x = keras.layers.Dense(16, activation="tanh", name="l1")(SplitLayer(name="cut")(x))
+    return keras.Model(inp, keras.layers.Dense(3, activation="softmax", name="out")(x), name="lso")
+
+
 def data(kind: str, n: int, seed: int):
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 3, size=n).astype("int32")
+    if kind == "lso":
+        return (rng.normal(size=(n, 10)).astype("float32") + y[:, None] * 0.3) * 1e4, y
     if kind == "cnn":
         x = rng.normal(size=(n, 12, 12, 1)).astype("float32") + y[:, None, None, None] * 0.3
     elif kind == "skip":
@@ -145,28 +166,47 @@ def training_bytes(model: keras.Model, optimizer) -> int:
     return nbytes(model.weights) + nbytes(optimizer.variables if optimizer is not None else [])
 
 
+def loss_scale_state(optimizer) -> list | None:
+    """[dynamic loss scale, applied (not skipped) steps] of a LossScaleOptimizer."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return None
+    return [float(optimizer.dynamic_scale.numpy()), int(optimizer.iterations.numpy())]
+
+
+def overflowing_layers(model: keras.Model, x, y, scale: float) -> list[str]:
+    """The layers whose weight gradients of ``scale`` x the loss on (x, y) are not finite."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x, training=True))) * scale
+    grads = tape.gradient(loss, model.trainable_variables)
+    return sorted({v.path.split("/")[0] for v, g in zip(model.trainable_variables, grads)
+                   if not bool(tf.reduce_all(tf.math.is_finite(g)))})
+
+
 def on_master(fn):
     """``fn()`` on the master only (the serial reference), its result on every rank."""
     return tnt_comm.broadcast_object(fn() if tnt.is_master_rank() else None, 0)
 
 
 # -- one training case ------------------------------------------------------------------------
-def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> dict:
+def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe=1) -> dict:
+    """One case; ``spe``: compile's steps_per_execution (then also the batch-end logs)."""
     x, y = data(kind, n, seed=11)
     vx, vy = data(kind, 17, seed=12)
 
     def serial_run():
         serial = make()
-        serial.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"])
+        serial.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"], steps_per_execution=spe)
         t0 = time.perf_counter()
-        history = serial.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0).history
+        seen = BatchLogs()
+        history = serial.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0,
+                             callbacks=[seen]).history
         seconds = time.perf_counter() - t0
-        return {"history": history, "evaluate": serial.evaluate(ds(vx, vy, 7), verbose=0),
+        return {"history": history, "batch_ends": seen.seen, "evaluate": serial.evaluate(ds(vx, vy, 7), verbose=0),
                 "predict": serial.predict(ds(vx, None, 7), verbose=0), "layers": layer_weights(serial),
                 "variables": len(serial.weights), "seconds": seconds,
                 "training_bytes": training_bytes(serial, serial.optimizer),
                 "optimizer": [v.numpy() for v in serial.optimizer.variables if "iteration" not in v.path],
-                "model": serial}
+                "loss_scale": loss_scale_state(serial.optimizer), "model": serial}
 
     serial_model = []  # the master keeps its serial model for the save/load checks
 
@@ -177,14 +217,18 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
 
     ref = on_master(reference)
     ref["model"] = serial_model[0] if serial_model else None
+    overflow_at_start = on_master(lambda: overflowing_layers(make(), x[:batch], y[:batch], LSO_SCALE)) \
+        if opt == "lso" else None
     gc.collect()
     before = live_variables()
     user_model = deferred(make)
     model = tnt.Model(user_model, parallel_strategy=strategy, num_pipeline_stages=p, num_micro_batches=m,
                       pipeline_schedule=schedule)
-    model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"])
+    model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"], steps_per_execution=spe)
     t0 = time.perf_counter()
-    hist = model.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0).history
+    seen = BatchLogs()
+    hist = model.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0,
+                     callbacks=[seen]).history
     t_pipe = time.perf_counter() - t0
     gc.collect()
     materialised = new_bytes(before)  # stage weights + its optimizer + the last stage's metrics
@@ -195,7 +239,8 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
     everyone = tnt_comm.allgather_object((hist, evaluated, digest([np.asarray(predicted)]),
                                           model.stage, model.replica, digest(model.get_weights()),
                                           len(model.stage_model.weights), model.peak_micro_batches_in_flight,
-                                          materialised, stage_bytes, user_deferred))
+                                          materialised, stage_bytes, user_deferred,
+                                          loss_scale_state(model._tnt_stage.optimizer)))
     by_stage: dict[int, set] = {}
     for _, _, _, stage, _, wdigest, *_ in everyone:
         by_stage.setdefault(stage, set()).add(wdigest)
@@ -206,6 +251,7 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
         "predict_diff": max_diff(ref["predict"], predicted),
         "predict_rows": [len(ref["predict"]), int(np.shape(predicted)[0])],
         "history_keys": sorted(hist),
+        "batch_ends": batch_ends_compared(ref["batch_ends"], seen.seen),
         "same_logs_on_all_ranks": all(e[0] == everyone[0][0] and e[1] == everyone[0][1] and e[2] == everyone[0][2]
                                       for e in everyone),
         "replicas_identical": all(len(d) == 1 for d in by_stage.values()),
@@ -216,6 +262,9 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs) -> 
         "stage_training_bytes_per_rank": [e[9] for e in everyone],
         "user_model_stays_deferred": all(e[10] for e in everyone),
         "peak_in_flight": [e[7] for e in everyone],
+        "loss_scale": None if ref["loss_scale"] is None else {
+            "serial": ref["loss_scale"], "per_rank": [e[11] for e in everyone],
+            "steps": epochs * -(-n // batch), "overflow_at_start": overflow_at_start},
         "weights_digest": digest(model.get_weights()),
         "seconds": [ref["seconds"], t_pipe],
         "model": model,
@@ -369,6 +418,59 @@ def validation_split_check() -> float:
     return _job.history_diff(ref, history)
 
 
+class BatchLogs(keras.callbacks.Callback):
+    """Records what callbacks see at every batch end: (batch index, logs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append([int(batch), {k: float(v) for k, v in (logs or {}).items()}])
+
+
+def batch_ends_compared(serial: list, pipelined: list) -> dict:
+    """Batch indices and logs callbacks saw at each batch end, serial against pipelined."""
+    keys_equal = [sorted(a[1]) for a in serial] == [sorted(b[1]) for b in pipelined]
+    return {"batches": [[b for b, _ in serial], [b for b, _ in pipelined]], "keys_equal": keys_equal,
+            "logs_diff": max_diff([[a[1][k] for k in sorted(a[1])] for a in serial],
+                                  [[b[1][k] for k in sorted(b[1])] for b in pipelined]) if keys_equal else None}
+
+
+def unseeded_shuffle_check() -> dict:
+    """NumPy inputs, fit's default shuffle=True, no global seed: stage 0 (reading x) and the
+    last stage (reading y) must read the same samples in every micro-batch.
+
+    Sample i is the one-hot e_i with target t_i = (i + 1) / n; stage 0 is a zero-initialised
+    Dense(1) without bias, the last stage a weightless identity. One SGD step on a batch of
+    b moves kernel[i] by lr * 2 t_j / b, with j the sample whose target the last stage paired
+    with e_i. After one epoch the kernel is lr * 2 t / b iff every x met its own y (and each
+    sample came once); stage 0 and the last stage drawing different orders break it.
+    """
+    # A user script: no global seed (the models above set one) and no op determinism
+    # (which refuses unseeded random ops); TensorFlow has no public switch back.
+    from tensorflow.python.framework import config as tf_config
+    tf.random.set_seed(None)
+    tf_config.disable_op_determinism()
+    try:
+        n, b, lr = 24, 6, 0.5
+        x = np.eye(n, dtype="float32")
+        t = ((np.arange(n) + 1) / n).astype("float32")[:, None]
+        inp = keras.Input((n,), name="x")
+        h = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="w")(inp)
+        out = keras.layers.Activation("linear", name="same")(SplitLayer(name="cut")(h))
+        model = tnt.Model(keras.Model(inp, out), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                          num_pipeline_stages=2, num_micro_batches=2)
+        model.compile(keras.optimizers.SGD(lr), "mse")
+        model.fit(x, t, batch_size=b, epochs=1, verbose=0)  # shuffle=True, Keras' default
+    finally:
+        tf_config.enable_op_determinism()
+    kernel = tnt_comm.broadcast_object(model.get_weights()[0].ravel() if model.stage == 0 else None, 0)
+    in_samples = kernel / (lr * 2 / b)  # the target each e_i was trained towards
+    return {"each_x_met_its_y": bool(np.allclose(in_samples, t.ravel(), atol=1e-6)),
+            "targets_met_x_n": [round(float(v) * n, 3) for v in in_samples]}
+
+
 def main() -> None:
     args = sys.argv[1:]
     layout = args[args.index("--layout") + 1] if "--layout" in args else "pipelining"
@@ -384,6 +486,8 @@ def main() -> None:
             f"mlp_all{p}x2_adam_m4_gpipe": ("mlp", mlp, "adam", 4, "gpipe", 13, 13 * 2 + 4, 2),
             f"mlp_all{p}x2_adam_m4_1f1b": ("mlp", mlp, "adam", 4, "1f1b", 13, 13 * 2 + 4, 2),
         }
+        if p == 2:
+            cases[f"lso_all{p}x2_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
     else:
         strategy, p = tnt.ParallelStrategy.PIPELINING, size
         cases = {
@@ -394,13 +498,14 @@ def main() -> None:
             cases[f"mlp_p{p}_momentum_m3_1f1b"] = ("mlp", mlp, "sgd_momentum", 3, "1f1b", 11, 11 * 3 + 2, 2)
             cases[f"mlp_p{p}_adam_m1_1f1b"] = ("mlp", mlp, "adam", 1, "1f1b", 10, 10 * 2 + 3, 2)
             cases[f"cnn_p{p}_momentum_m3_1f1b"] = ("cnn", cnn, "sgd_momentum", 3, "1f1b", 10, 10 * 3 + 2, 2)
+            cases[f"lso_p{p}_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
         else:  # Adam both schedules on 3 stages
             cases[f"mlp_p{p}_adam_m4_gpipe"] = ("mlp", mlp, "adam", 4, "gpipe", 10, 10 * 3 + 3, 2)
             cases[f"mlp_p{p}_adam_m4_1f1b"] = ("mlp", mlp, "adam", 4, "1f1b", 10, 10 * 3 + 3, 2)
-    for name, (kind, make, opt, m, schedule, batch, n, epochs) in cases.items():
+    for name, (kind, make, opt, m, schedule, batch, n, epochs, *spe) in cases.items():
         t0 = time.perf_counter()
         results[name] = run_case(kind, make, opt, strategy=strategy, p=p, m=m, schedule=schedule,
-                                 batch=batch, n=n, epochs=epochs)
+                                 batch=batch, n=n, epochs=epochs, spe=spe[0] if spe else 1)
         if tnt.is_master_rank():
             print(f"{name}: {time.perf_counter() - t0:.1f} s (serial fit {results[name]['seconds'][0]:.1f} s, "
                   f"pipelined fit {results[name]['seconds'][1]:.1f} s)", file=sys.stderr, flush=True)
@@ -421,6 +526,7 @@ def main() -> None:
         tnt_comm.barrier()
     if layout == "pipelining" and size == 2:
         extra["validation_split_history_diff"] = validation_split_check()
+        extra["unseeded_shuffle"] = unseeded_shuffle_check()  # last: it unsets the global seed
     for r in results.values():
         r.pop("model")
         r.pop("ref")

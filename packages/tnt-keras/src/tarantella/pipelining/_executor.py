@@ -8,7 +8,11 @@ and waited for at the end of the step; receives block.
 
 Loss weighting (DESIGN.md): the last stage differentiates ``loss_i * b_i / B`` (B = the
 global batch), every other stage adds its regularisation loss weighted alike, so summed
-over the micro-batches of all replicas each counts exactly once. Weight gradients are
+over the micro-batches of all replicas each counts exactly once. Both are scaled by the
+optimizer's ``scale_loss`` (a ``LossScaleOptimizer``'s dynamic scale, a static
+``loss_scale_factor``), as Keras' own train step scales its loss: weighting the loss, not
+the gradients, keeps every backprop term at its serial magnitude, so float16 overflows
+where serial Keras' step overflows. Weight gradients are
 accumulated in micro-batch order, whatever order the schedule ran the backward passes in.
 """
 
@@ -205,12 +209,12 @@ class StageExecutor:
             if st.is_last:
                 y_i, sw_i = _slice(y, lo, hi), _slice(sample_weight, lo, hi)
                 y_pred, loss = self._forward_loss(training)(inputs, y_i, sw_i)
-                targets = [loss * tf.cast(weight, loss.dtype)]
+                targets = [self._scaled(loss * tf.cast(weight, loss.dtype))]
             else:
                 outs, reg = self._forward(training)(inputs)
                 targets = [outs[k] for k in self._grad_outputs]
                 if self._regularized:
-                    targets.append(reg * weight)
+                    targets.append(self._scaled(reg * weight))
         finally:
             if tape is not None:
                 tape.__exit__(None, None, None)
@@ -219,6 +223,11 @@ class StageExecutor:
         else:
             outputs_np[i] = {b: np.asarray(o) for b, o in zip(st.outputs, outs)}
         return tape, watched, targets
+
+    def _scaled(self, loss):
+        """``loss`` as Keras' train step differentiates it (the optimizer's loss scale)."""
+        optimizer = self.model.optimizer
+        return loss if optimizer is None else optimizer.scale_loss(loss)
 
     def _run_backward(self, record, received: dict, variables):
         tape, watched, targets = record

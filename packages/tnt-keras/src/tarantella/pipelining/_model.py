@@ -107,6 +107,7 @@ class PipelinedModel(keras.Model):
         self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m,
                                        fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes)
         self._tnt_serial_config = (type(model), model.get_config())
+        self._tnt_mixed_float16 = model.dtype_policy.name == "mixed_float16"
         self._tnt_compile_args: dict | None = None
         self._tnt_synced = False
         self._tnt_seed: int | None = None
@@ -177,17 +178,26 @@ class PipelinedModel(keras.Model):
     # -- compile -------------------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
                 weighted_metrics=None, run_eagerly=False, steps_per_execution=1,
-                jit_compile="auto", **kwargs) -> None:
-        """Each stage gets a clone of ``optimizer``; the last stage the loss and metrics."""
-        if steps_per_execution != 1:
-            raise PipelineError("steps_per_execution > 1 is not supported with pipelining; leave it at 1.")
-        self._tnt_compile_args = dict(optimizer=keras.optimizers.get(optimizer), loss=loss,
+                jit_compile="auto", auto_scale_loss=True, **kwargs) -> None:
+        """Each stage gets a clone of ``optimizer``; the last stage the loss and metrics.
+
+        Like Keras' ``compile``, a ``mixed_float16`` model (its policy when it was built)
+        gets ``optimizer`` wrapped in a ``LossScaleOptimizer`` unless ``auto_scale_loss``
+        is False; its skip decision is taken over all stages (``StageRuntime``).
+        """
+        optimizer = keras.optimizers.get(optimizer)
+        if auto_scale_loss and self._tnt_mixed_float16 and \
+                not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer, name="loss_scale_optimizer")
+        self._tnt_compile_args = dict(optimizer=optimizer, loss=loss,
                                       metrics=metrics, loss_weights=loss_weights,
                                       weighted_metrics=weighted_metrics)
         args = dict(self._tnt_compile_args)
         self._tnt_stage.compile(args.pop("optimizer"), **args)
         # Keras' loop runs the wrapper eagerly; the stage's passes are compiled functions.
-        super().compile(optimizer=self._tnt_stage.optimizer, loss=None, run_eagerly=True)
+        # It also groups steps_per_execution steps per callback call as for a serial model.
+        super().compile(optimizer=self._tnt_stage.optimizer, loss=None, run_eagerly=True,
+                        steps_per_execution=steps_per_execution, auto_scale_loss=False)
         self._tnt_synced = False
 
     def _compile_from(self, model: keras.Model) -> None:

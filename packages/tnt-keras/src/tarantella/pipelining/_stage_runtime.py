@@ -8,10 +8,19 @@ End of a training step on stage s (DESIGN.md, "Pipeline parallelism"):
    so the logged loss is serial Keras' (one pipeline allreduce, only if some stage other
    than the last is regularised);
 3. ``g_s`` is SUM-reduced over the replica group of stage s (ALL strategy);
-4. ``global_clipnorm`` scales by the norm over all stages (one pipeline allreduce);
-5. the stage's optimizer applies ``g_s``;
-6. the last stage's metric states are summed over replicas and the results broadcast
+4. with a ``LossScaleOptimizer``, whether every stage's ``g_s`` is finite is decided over
+   the pipeline (one allreduce; after 3 every replica of a stage holds the same ``g_s``):
+   one non-finite gradient anywhere skips the step on every stage and replica, as it
+   skips serial Keras' step, and every stage's loss scale moves alike;
+5. ``global_clipnorm`` scales by the norm over all stages of the unscaled gradients (one
+   pipeline allreduce);
+6. the stage's optimizer applies ``g_s`` (Keras' own ``LossScaleOptimizer`` unscales,
+   skips and updates its scale, taking the decision of 4);
+7. the last stage's metric states are summed over replicas and the results broadcast
    over the pipeline, so every rank returns the same logs.
+
+The loss (and other stages' regularisation) is scaled by the optimizer's ``scale_loss``
+before backprop, as Keras' own train step scales it (``_executor``).
 """
 
 from __future__ import annotations
@@ -56,31 +65,33 @@ class StageRuntime:
         self._engine = None  # fused allreduce over the replica group, made at the first step
         self.fusion_threshold_bytes = fusion_threshold_bytes
         self.log_names: list[str] = []
+        self.loss_scaled = False  # a LossScaleOptimizer: its decision is the pipeline's
+        self._all_stages_finite = tf.Variable(True, trainable=False, name="tnt_all_stages_finite")
 
     # -- set-up ----------------------------------------------------------------------------------
     def compile(self, optimizer, loss=None, metrics=None, loss_weights=None, weighted_metrics=None) -> None:
         """Give the stage its own optimizer (a clone) and the last stage the loss and metrics."""
         opt = clone_optimizer(optimizer)
-        if isinstance(opt, keras.optimizers.LossScaleOptimizer):
-            raise NotImplementedError(
-                "LossScaleOptimizer is not supported with pipelining yet: its skip decision must "
-                "be taken over all stages. Train in float32, or use ParallelStrategy.DATA.")
-        self.global_clipnorm = opt.global_clipnorm
+        self.loss_scaled = isinstance(opt, keras.optimizers.LossScaleOptimizer)
+        clipping = opt.inner_optimizer if self.loss_scaled else opt  # LSO clips in its inner one
+        self.global_clipnorm = clipping.global_clipnorm
         if self.global_clipnorm:  # clipped here over all stages, not per stage
-            config = opt.get_config()
-            config["global_clipnorm"] = None
-            opt = opt.__class__.from_config(config)
+            clipping.global_clipnorm = None
+        if self.loss_scaled:  # skip or apply as all stages decided (train_step), not this one
+            opt.check_finite = lambda grads: self._all_stages_finite
         if self.is_last:
             self.model.compile(optimizer=opt, loss=loss, metrics=metrics, loss_weights=loss_weights,
-                               weighted_metrics=weighted_metrics, jit_compile=False)
+                               weighted_metrics=weighted_metrics, jit_compile=False, auto_scale_loss=False)
         else:
-            self.model.compile(optimizer=opt, loss=None, jit_compile=False)
+            self.model.compile(optimizer=opt, loss=None, jit_compile=False, auto_scale_loss=False)
         opt.build(self.model.trainable_variables)
         self.optimizer = opt
         self._apply = tf.function(self._apply_gradients, autograph=False)
 
     def _apply_gradients(self, grads):
-        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables))
+        # apply, not apply_gradients: a stage without trainable weights still moves its
+        # loss scale (LossScaleOptimizer) with the other stages.
+        self.optimizer.apply(list(grads), list(self.model.trainable_variables))
         return tf.constant(True)
 
     def sync_replicas(self) -> None:
@@ -111,7 +122,11 @@ class StageRuntime:
         grads = result.grads if result.grads is not None else [tf.zeros_like(v) for v in variables]
         self._add_other_stages_regularization(n)
         grads = self._reduce_over_replicas(grads)
-        if self.global_clipnorm:
+        finite = True
+        if self.loss_scaled:
+            finite = self._finite_over_pipeline(grads)
+            self._all_stages_finite.assign(finite)
+        if self.global_clipnorm and finite:  # a skipped step is not clipped (nor applied)
             grads = self._clip_over_pipeline(grads)
         self._apply(grads)
         return self._logs()
@@ -165,8 +180,23 @@ class StageRuntime:
         summed = self._engine.wait()
         return [tf.convert_to_tensor(np.asarray(s).reshape(a.shape)) for s, a in zip(summed, arrays)]
 
+    def _finite_over_pipeline(self, grads: list) -> bool:
+        """True iff the gradients of every stage are finite (the same answer on all ranks)."""
+        mine = all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+        non_finite = self.transport.pipeline_allreduce(np.array([0.0 if mine else 1.0], np.float64))[0]
+        return bool(non_finite == 0)
+
+    def _loss_scale(self):
+        """What the optimizer divides the gradients by before clipping (Keras' order)."""
+        if self.loss_scaled:
+            return self.optimizer.dynamic_scale
+        return self.optimizer.loss_scale_factor
+
     def _clip_over_pipeline(self, grads: list) -> list:
-        local = float(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in grads])) \
+        """Keras' ``clip_by_global_norm`` with the norm of all stages' unscaled gradients."""
+        scale = self._loss_scale()
+        unscaled = grads if scale is None else [g / tf.cast(scale, g.dtype) for g in grads]
+        local = float(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in unscaled])) \
             if grads else 0.0
         norm = np.float32(np.sqrt(self.transport.pipeline_allreduce(np.array([local], np.float64))[0]))
         clip = np.float32(self.global_clipnorm)
