@@ -138,6 +138,20 @@ class EpochTimer:
         return _Timer()
 
 
+def variable_bytes(variables) -> int:
+    """Bytes of Keras variables (shape x dtype size; deferred ones count as if built)."""
+    import numpy as np
+
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
+
+
+def training_bytes(model, optimizer) -> int:
+    """What training holds: variables + gradients (one per trainable variable) + optimizer
+    variables (the memory rows of pipeline.py and tensor_parallel.py)."""
+    return (variable_bytes(model.weights) + variable_bytes(model.trainable_weights)
+            + variable_bytes(optimizer.variables))
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

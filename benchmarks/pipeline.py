@@ -60,18 +60,11 @@ def dataset(steps: int) -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat().take(steps)
 
 
-def training_bytes(model: keras.Model, optimizer) -> int:
-    """Variables + gradients (one per trainable variable) + optimizer variables."""
-    def nbytes(vs):
-        return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in vs)
-    return nbytes(model.weights) + nbytes(model.trainable_weights) + nbytes(optimizer.variables)
-
-
 def serial_bytes() -> int:
     model = stack()
     opt = keras.optimizers.Adam()
     opt.build(model.trainable_variables)
-    return training_bytes(model, opt)
+    return benchlib.training_bytes(model, opt)
 
 
 def memory_in_process(p: int) -> list[int]:
@@ -82,7 +75,7 @@ def memory_in_process(p: int) -> list[int]:
         st = build_stage(pl, s)
         opt = keras.optimizers.Adam()
         opt.build(st.model.trainable_variables)
-        out.append(training_bytes(st.model, opt))
+        out.append(benchlib.training_bytes(st.model, opt))
         del st, opt
     return out
 
@@ -198,7 +191,7 @@ def main() -> int:
                               num_pipeline_stages=2, num_micro_batches=M)
             model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
             model.fit(dataset(1), epochs=1, verbose=0)
-            stage_bytes = tnt_comm.allgather_object(training_bytes(model.stage_model, model.optimizer))
+            stage_bytes = tnt_comm.allgather_object(benchlib.training_bytes(model.stage_model, model.optimizer))
             del model
     bubbles = [row for m in (2, 4, 8) for row in bubble(m)]
 

@@ -9,8 +9,8 @@ Rows (results/tensor_parallel[_4].json -> summary.json through summary.py):
   per trainable variable) + optimizer slots (Adam) on the largest rank of a TENSOR model /
   the serial model's, for the issue's Transformer encoder stack (d_model 512, ffn 2048,
   8 heads, 4 blocks; embedding 1000 x 512), counted from the rank's real variables after
-  one training step. The detail says whether the source model was materialised whole on
-  the rank (built normally) or not (built in ``tnt.pipelining.deferred_variables()``).
+  one training step. The source model is built in ``tnt.pipelining.deferred_variables()``;
+  the detail says how much of it a rank materialised (its replicated layers only).
 - tensor_speedup_t2: samples/s of a compute-bound MLP stack (2 blocks of Dense 2048 ->
   8192 -> 2048, relu) on 2 ranks (TENSOR, t = 2, one compute thread each, pinned) / plain
   Keras on rank 0 alone, same global batch (paired per round, median). Beside it: data
@@ -62,45 +62,27 @@ def encoder(seed: int = 0) -> keras.Model:
     return keras.Model(x, keras.layers.Dense(CLASSES, activation="softmax", name="head")(pooled), name="encoder")
 
 
-def nbytes(variables) -> int:
-    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)
-
-
-def training_bytes(model: keras.Model) -> int:
-    """Variables + gradients (one per trainable variable) + optimizer variables."""
-    return nbytes(model.weights) + nbytes(model.trainable_weights) + nbytes(model.optimizer.variables)
-
-
 def serial_training_bytes() -> int:
     model = encoder()
     model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
     model.optimizer.build(model.trainable_variables)
-    return training_bytes(model)
+    return benchlib.training_bytes(model, model.optimizer)
 
 
 def tensor_memory(t: int) -> dict:
-    """Training bytes on each rank of a TENSOR model of the encoder stack (one step run)."""
-    deferred = hasattr(tnt.pipelining, "deferred_variables")
-    source = None
-    if deferred:
-        try:
-            with tnt.pipelining.deferred_variables():
-                source = encoder()
-            model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t)
-        except Exception as err:  # reported in the row; the normal build is measured instead
-            deferred = f"refused: {type(err).__name__}: {str(err)[:120]}"
-    if deferred is not True:
+    """Training bytes on each rank of a TENSOR model of the encoder stack (one step run),
+    built in ``deferred_variables()`` as a model too large for one rank would be."""
+    with tnt.pipelining.deferred_variables():
         source = encoder()
-        model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t)
+    model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t)
     model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
     rng = np.random.default_rng(0)
     x = rng.integers(0, VOCAB, (4, SEQ)).astype("int32")
     y = rng.integers(0, CLASSES, 4).astype("int32")
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    mine = training_bytes(model)
-    source_held = nbytes(v for v in source.weights if not tnt.pipelining.is_deferred(v)) \
-        if hasattr(tnt.pipelining, "is_deferred") else nbytes(source.weights)
-    return {"per_rank": tnt_comm.allgather_object(mine), "deferred_build": deferred,
+    mine = benchlib.training_bytes(model, model.optimizer)
+    source_held = benchlib.variable_bytes(v for v in source.weights if not tnt.pipelining.is_deferred(v))
+    return {"per_rank": tnt_comm.allgather_object(mine),
             "source_bytes_held": tnt_comm.allgather_object(source_held)}
 
 
@@ -215,8 +197,8 @@ def memory_row(t: int, mem: dict, serial: int) -> dict:
             "unit": "largest rank's (variables + gradients + Adam slots) / serial",
             "detail": (f"encoder stack d{D_MODEL}/ffn{FFN}/{HEADS} heads/{BLOCKS} blocks, serial "
                        f"{serial / 2**20:.1f} MiB, ranks {[round(b / 2**20, 1) for b in per]} MiB; "
-                       f"source model built deferred: {mem['deferred_build']}, its variables "
-                       f"materialised on a rank: {held / 2**20:.1f} MiB (tensor_parallel.py)")}
+                       f"source model built deferred, its variables materialised on a rank: "
+                       f"{held / 2**20:.1f} MiB (tensor_parallel.py)")}
 
 
 def main() -> int:

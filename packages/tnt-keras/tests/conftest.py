@@ -59,3 +59,14 @@ def launched_checks(ranks: int, job: str, tmp_path_factory) -> dict:
 def assert_check(checks: dict, name: str) -> None:
     assert name in checks, f"check {name} did not run; ran: {sorted(checks)}"
     assert checks[name]["ok"], f"{name}: {checks[name]['detail']}"
+
+
+def print_diff_table(title: str, cases: dict, extra=None) -> None:
+    """Print each case's largest differences to serial Keras (History, weights, evaluate,
+    predict), so the test log carries the measured figures; ``extra(case)`` adds a column."""
+    width = max([4, *map(len, cases)])
+    rows = [f"{'case':{width}} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}"]
+    for name, c in cases.items():
+        rows.append(f"{name:{width}} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
+                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}" + (extra(c) if extra else ""))
+    print(f"\n{title} (max abs difference to serial Keras)\n" + "\n".join(rows))

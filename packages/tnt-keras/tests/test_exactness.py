@@ -11,7 +11,7 @@ and the global batches whose last batch is smaller than 3 or that divide by 3.
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import launch, print_diff_table
 
 EXPECTED_CASES = 13
 #: The 1-rank launch: each model kind and input form once, and jit_compile.
@@ -29,11 +29,7 @@ def report(request, tmp_path_factory):
     only = ("--only", ",".join(SUBSET[request.param])) if request.param in SUBSET else ()
     result = launch(request.param, "exactness.py", out, *only)
     assert result["ranks"] == request.param
-    rows = [f"{'case':34} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}"]
-    for name, c in result["cases"].items():
-        rows.append(f"{name:34} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
-                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
-    print(f"\nexactness on {request.param} ranks (max abs difference to serial Keras)\n" + "\n".join(rows))
+    print_diff_table(f"exactness on {request.param} ranks", result["cases"])
     return result
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import launch
+from conftest import launch, print_diff_table
 
 TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3), "lso": (1e-5, 2e-5)}  # (losses, weights)
 
@@ -35,14 +35,10 @@ def report(request, tmp_path_factory, shared):
     share = ["--shared", str(shared)] if ranks == 2 or (ranks == 3 and (shared / "p2.keras").exists()) else []
     result = launch(ranks, "pipeline.py", out, "--layout", layout, *share)
     assert result["ranks"] == ranks and result["layout"] == layout
-    rows = [f"{'case':34} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}  loss scale, applied steps"]
-    for name, c in result["cases"].items():
-        rows.append(f"{name:34} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
-                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}"
-                    + (f"  serial {c['loss_scale']['serial']}, per rank {c['loss_scale']['per_rank']}"
-                       if c["loss_scale"] else ""))
-    print(f"\npipelining, {layout} on {ranks} ranks (max abs difference to serial Keras)\n" + "\n".join(rows)
-          + f"\nsave/load: {result.get('save_load')}\nload p2 file: {result.get('load_p2_file')}"
+    print_diff_table(f"pipelining, {layout} on {ranks} ranks", result["cases"], extra=lambda c: (
+        f"  loss scale: serial {c['loss_scale']['serial']}, per rank {c['loss_scale']['per_rank']}"
+        if c["loss_scale"] else ""))
+    print(f"save/load: {result.get('save_load')}\nload p2 file: {result.get('load_p2_file')}"
           + f"\nbackup resume: {result.get('backup_resume')}"
           + f"\nunseeded shuffle: {result.get('unseeded_shuffle')}"
           + "\nmaterialised / stage / serial bytes per rank: "

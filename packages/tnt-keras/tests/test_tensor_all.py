@@ -11,7 +11,7 @@ the other replica.
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import launch, print_diff_table
 
 RANKS, T = 4, 2
 CASES = {"mlp_adam_edited": {"up2": "column", "down2": "row", "head": "column+allgather"}}
@@ -22,11 +22,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("tensor_all") / "tensor_all.json"
     result = launch(RANKS, "tensor_all.py", out)
     assert result["ranks"] == RANKS
-    rows = [f"{'case':24} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}"]
-    for name, c in result["cases"].items():
-        rows.append(f"{name:24} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
-                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
-    print(f"\nALL: 2 replicas x t={T} (max abs difference to serial Keras)\n" + "\n".join(rows))
+    print_diff_table(f"ALL: 2 replicas x t={T}", result["cases"])
     return result
 
 

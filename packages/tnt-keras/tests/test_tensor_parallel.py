@@ -11,7 +11,7 @@ same job. Tolerances are those of float32 summation order, as in test_exactness.
 from __future__ import annotations
 
 import pytest
-from conftest import assert_check, launch
+from conftest import assert_check, launch, print_diff_table
 
 RANKS = 2
 CASES = ("mlp_sgd_momentum", "mlp_adam", "block_adam")
@@ -31,11 +31,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("tensor") / "tensor_parallel.json"
     result = launch(RANKS, "tensor_parallel.py", out)
     assert result["ranks"] == RANKS
-    rows = [f"{'case':24} {'hist':>9} {'weights':>9} {'eval':>9} {'predict':>9}"]
-    for name, c in result["cases"].items():
-        rows.append(f"{name:24} {c['history_diff']:9.2e} {c['weight_diff']:9.2e} "
-                    f"{c['evaluate_diff']:9.2e} {c['predict_diff']:9.2e}")
-    print(f"\ntensor parallel t={RANKS} (max abs difference to serial Keras)\n" + "\n".join(rows))
+    print_diff_table(f"tensor parallel t={RANKS}", result["cases"])
     s = result["saving"]
     print(f"save/load: plain Keras predict {s['plain_predict_diff']:.2e}, optimizer {s['plain_optimizer_diff']:.2e}; "
           f"serial file continued at t={RANKS}: history {s['continue_history_diff']:.2e}, weights "
