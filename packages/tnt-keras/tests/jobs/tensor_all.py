@@ -26,16 +26,46 @@ def edited_plan(source: keras.Model) -> TP.Plan:
     return TP.plan(source, tensor_parallel_size=T).replicate("down1").split("head", "column+allgather")
 
 
-# name: (model, optimizer, global batch, samples, epochs, plan, tol losses, tol weights)
-CASES = {"mlp_adam_edited": ("mlp", "adam", 11, 11 * 3 + 3, 2, edited_plan, 1e-5, 2e-5)}
+def staged(seed: int) -> keras.Model:
+    """The MLP with a SplitLayer after its first pair: stage 0 holds up1/down1, stage 1
+    up2/act/down2, a (replicated) LayerNorm and the head; each pair is column/row split
+    inside its stage."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((10,))
+    h = keras.layers.Dense(16, activation="relu", name="up1")(x)
+    h = keras.layers.Dense(12, name="down1")(h)
+    h = tnt.keras.layers.SplitLayer(name="split")(h)
+    h = keras.layers.Dense(24, name="up2")(h)
+    h = keras.layers.Activation("tanh", name="act")(h)
+    h = keras.layers.Dense(8, activation="relu", name="down2")(h)
+    h = keras.layers.LayerNormalization(name="ln")(h)  # replicated
+    y = keras.layers.Dense(4, activation="softmax", name="head")(h)
+    return keras.Model(x, y, name="staged")
+
+
+tp_job.BUILD["staged"] = staged
+
+
+def automatic_plan(source: keras.Model) -> TP.Plan:
+    return TP.plan(source, tensor_parallel_size=T, min_split_params=0)
+
+
+# name: (model, optimizer, global batch, samples, epochs, plan, tol losses, tol weights, more tnt.Model options)
+CASES = {
+    "mlp_adam_edited": ("mlp", "adam", 11, 11 * 3 + 3, 2, edited_plan, 1e-5, 2e-5, {}),
+    # 4 ranks: 1 replica x 2 stages x t=2 (ranks 0-1 stage 0, ranks 2-3 stage 1)
+    "staged_adam_pipeline": ("staged", "adam", 11, 11 * 3 + 3, 2, automatic_plan, 1e-5, 2e-5,
+                             {"num_micro_batches": 2}),
+}
 
 
 def main() -> None:
     out = _job.out_path()
     cases = {}
-    for name, (kind, opt, batch, n, epochs, make_plan, tol_l, tol_w) in CASES.items():
+    for name in _job.only(CASES):
+        kind, opt, batch, n, epochs, make_plan, tol_l, tol_w, options = CASES[name]
         cases[name] = tp_job.run_case(kind, opt, batch, n, epochs, T, strategy=tnt.ParallelStrategy.ALL,
-                                      make_plan=make_plan)
+                                      make_plan=make_plan, **options)
         cases[name].update(tol_loss=tol_l, tol_weights=tol_w)
     _job.write(out, {"ranks": tnt.get_size(), "cases": cases})
 

@@ -115,13 +115,16 @@ CASES = {
 
 
 def run_case(kind, opt, batch, n, epochs, t, strategy=tnt.ParallelStrategy.TENSOR, make_plan=None,
-             callbacks=None):
-    """``make_plan(source model)``: the tensor_parallel_plan (default: automatic, every pair split)."""
+             callbacks=None, **options):
+    """``make_plan(source model)``: the tensor_parallel_plan (default: automatic, every pair split);
+    ``options``: more tnt.Model arguments (e.g. the pipeline's with ALL)."""
     x, y = data(kind, n)
     xv, yv = data(kind, 2 * batch + 1)
     serial, source = BUILD[kind](3), BUILD[kind](3)
     plan = make_plan(source) if make_plan else TP.plan(source, tensor_parallel_size=t, min_split_params=0)
-    model = tnt.Model(source, parallel_strategy=strategy, tensor_parallel_size=t, tensor_parallel_plan=plan)
+    model = tnt.Model(source, parallel_strategy=strategy, tensor_parallel_size=t, tensor_parallel_plan=plan,
+                      **options)
+    local = getattr(model, "stage_model", model)  # with pipeline stages: this rank's stage
     start_same = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), serial.get_weights()))
     for m in (serial, model):
         m.compile(optimizer(opt), "sparse_categorical_crossentropy", metrics=["accuracy"])
@@ -131,7 +134,7 @@ def run_case(kind, opt, batch, n, epochs, t, strategy=tnt.ParallelStrategy.TENSO
     w_tensor = model.get_weights()
     TRAINED[kind, opt] = (serial, model, h_tensor, w_tensor)
     result = {
-        "plan": model.plan.split_layers(),
+        "plan": getattr(model, "tensor_plan", model.plan).split_layers(),
         "start_same": start_same,
         "history_diff": _job.history_diff(h_serial, h_tensor),
         "weight_diff": _job.max_abs_diff(serial.get_weights(), w_tensor),
@@ -140,7 +143,7 @@ def run_case(kind, opt, batch, n, epochs, t, strategy=tnt.ParallelStrategy.TENSO
         "serial_shapes": [list(w.shape) for w in serial.get_weights()],
         "gathered_shapes": [list(w.shape) for w in w_tensor],
         "local_shapes": tnt_comm.allgather_object(
-            {v.path: list(v.shape) for v in model.trainable_variables}),
+            {v.path: list(v.shape) for v in local.trainable_variables}),
         "optimizer_slot_shapes": tnt_comm.allgather_object(
             sorted({tuple(v.shape) for v in model.optimizer.variables if len(v.shape)})),
         "replicated_checksums": tnt_comm.allgather_object(model.replicated_checksum()),

@@ -84,7 +84,11 @@ class PipelinedModel(keras.Model):
 
     def __init__(self, model: keras.Model, *, parallel_strategy: str = "pipelining",
                  num_pipeline_stages: int | None = None, num_micro_batches: int | None = None,
-                 pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None) -> None:
+                 pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
+                 _stage_builder=None) -> None:
+        """``_stage_builder(plan) -> (transport, StageModel)``: how this rank's stage is made
+        and talks (default: ``rank = replica * p + stage``, the stage's layers cloned whole;
+        tensor_parallel's stages of tensor groups pass their own)."""
         super().__init__(name=f"tnt_{model.name}")
         self._tnt_settings = _runtime.setup()
         if pipeline_plan is not None:
@@ -102,9 +106,9 @@ class PipelinedModel(keras.Model):
         self.parallel_strategy = parallel_strategy
         self.num_micro_batches = m
         self.pipeline_schedule = pipeline_schedule
-        transport = CommTransport(plan.num_stages)
+        transport, stage_model = _stage_builder(plan) if _stage_builder else (CommTransport(plan.num_stages), None)
         self._tnt_check_same_plan(transport)
-        self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m,
+        self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m, stage_model=stage_model,
                                        fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes)
         self._tnt_serial_config = (type(model), model.get_config())
         self._tnt_mixed_float16 = model.dtype_policy.name == "mixed_float16"

@@ -111,45 +111,15 @@ class TensorParallelModel(ReplicaLoops, keras.Model):
                 "rank must build the same model with the same plan.")
 
     def _build_local(self, model: keras.Model) -> keras.Model:
-        graph = model_graph(model)
-        values: dict[int, object] = {}
-        inputs = []
-        for j, name in enumerate(graph.inputs):
-            kt = graph.keras_tensors[name]
-            new = keras.Input(shape=kt.shape[1:], dtype=kt.dtype, name=graph.input_layer_names[j])
-            values[id(kt)] = new
-            inputs.append(new)
-        for call in graph.calls:
-            kind = self.plan.kind(call.layer.name)
-            layer = call.layer
-            if layer.name in self.plan.split_dropouts:
-                layer = SliceDropout(layer, self.group)
-            elif kind != REPLICATED:
-                if layer.name not in self._tnt_shards:
-                    self._tnt_shards[layer.name] = _shard_layer(layer, kind, self.group)
-                layer = self._tnt_shards[layer.name]
-            args, kwargs = call.node.arguments.fill_in(values)
-            for name, new in zip(call.outputs, keras.tree.flatten(layer(*args, **kwargs))):
-                values[id(graph.keras_tensors[name])] = new
-        outputs = keras.tree.map_structure(lambda n: values[id(graph.keras_tensors[n])], graph.output_struct)
-        return keras.Model(inputs=inputs, outputs=outputs, name=f"{model.name}_tp{self.group.rank}")
+        return shard_model(model, self.plan, self.group, self._tnt_shards)
 
     def _split_variables(self):
         """(serial variable, local variable, split axis or None) for every serial weight."""
-        serial_layers = {layer.name: layer for layer in self._serial.layers}
-        for name, shard in self._tnt_shards.items():
-            axes = SPLIT_AXES[self.plan.kind(name)]
-            local = {var_name(w, shard): w for w in shard.weights}
-            serial = serial_layers[name]
-            for w in serial.weights:
-                yield w, local[var_name(w, serial)], axes.get(var_name(w, serial))
+        return split_variables(self._serial, self._tnt_shards, self.plan)
 
     def _assign_shards(self) -> None:
         """Each shard gets its slice of the serial layer's weights."""
-        t, r = self.group.size, self.group.rank
-        for serial, local, axis in self._split_variables():
-            full = np.asarray(serial.numpy())
-            local.assign(np.split(full, t, axis=axis)[r] if axis is not None else full)
+        assign_slices(self._split_variables(), self.group)
 
     def _assign_initial(self) -> None:
         """For a model built in ``tnt.pipelining.deferred_variables()``: no rank ever holds it
@@ -352,22 +322,71 @@ class TensorParallelModel(ReplicaLoops, keras.Model):
         return _saving.gather_serial_model(self)
 
 
-def _pipeline_stages(model, kwargs: dict) -> int:
-    """The pipeline stages ALL would cut ``model`` into (1 without markers or options)."""
-    if kwargs.get("num_pipeline_stages") is not None:
-        return int(kwargs["num_pipeline_stages"])
+def shard_model(model: keras.Model, plan, group: TensorGroup, shards: dict) -> keras.Model:
+    """``model``'s functional graph with each layer ``plan`` splits replaced by its shard
+    layer on this rank of ``group`` (made once per layer, kept in ``shards`` by name) and
+    every other layer reused as it is."""
+    graph = model_graph(model)
+    values: dict[int, object] = {}
+    inputs = []
+    for j, name in enumerate(graph.inputs):
+        kt = graph.keras_tensors[name]
+        new = keras.Input(shape=kt.shape[1:], dtype=kt.dtype, name=graph.input_layer_names[j])
+        values[id(kt)] = new
+        inputs.append(new)
+    for call in graph.calls:
+        kind = plan.kind(call.layer.name)
+        layer = call.layer
+        if layer.name in plan.split_dropouts:
+            layer = SliceDropout(layer, group)
+        elif kind != REPLICATED:
+            if layer.name not in shards:
+                shards[layer.name] = _shard_layer(layer, kind, group)
+            layer = shards[layer.name]
+        args, kwargs = call.node.arguments.fill_in(values)
+        for name, new in zip(call.outputs, keras.tree.flatten(layer(*args, **kwargs))):
+            values[id(graph.keras_tensors[name])] = new
+    outputs = keras.tree.map_structure(lambda n: values[id(graph.keras_tensors[n])], graph.output_struct)
+    return keras.Model(inputs=inputs, outputs=outputs, name=f"{model.name}_tp{group.rank}")
+
+
+def split_variables(model: keras.Model, shards: dict, plan):
+    """(variable of ``model``, shard layer's variable, split axis or None) for every weight
+    of the layers of ``model`` that ``shards`` replaces."""
+    layers = {layer.name: layer for layer in model.layers}
+    for name, shard in shards.items():
+        axes = SPLIT_AXES[plan.kind(name)]
+        local = {var_name(w, shard): w for w in shard.weights}
+        whole = layers[name]
+        for w in whole.weights:
+            yield w, local[var_name(w, whole)], axes.get(var_name(w, whole))
+
+
+def assign_slices(pairs, group: TensorGroup) -> None:
+    """Each shard variable gets this rank's slice of its whole variable."""
+    for whole, local, axis in pairs:
+        full = np.asarray(whole.numpy())
+        local.assign(np.split(full, group.size, axis=axis)[group.rank] if axis is not None else full)
+
+
+_PIPELINE_OPTIONS = ("num_pipeline_stages", "pipeline_plan", "num_micro_batches", "pipeline_schedule")
+
+
+def _pipeline_plan(model, kwargs: dict):
+    """The pipeline plan ALL would cut ``model`` by (None: one stage, no markers or options)."""
+    from ..pipelining import plan as pipeline_plan
+
     if kwargs.get("pipeline_plan") is not None:
-        return kwargs["pipeline_plan"].num_stages
-    if any(call.is_split for call in model_graph(model).calls):
-        from ..pipelining import plan as pipeline_plan
-
-        return pipeline_plan(model).num_stages
-    return 1
+        return kwargs["pipeline_plan"]
+    if kwargs.get("num_pipeline_stages") is not None or any(call.is_split for call in model_graph(model).calls):
+        return pipeline_plan(model, kwargs.get("num_pipeline_stages"))
+    return None
 
 
-def tensor_parallel_model(*args, strategies, **kwargs) -> TensorParallelModel | None:
+def tensor_parallel_model(*args, strategies, **kwargs) -> keras.Model | None:
     """What ``tnt.Model(...)`` builds for TENSOR, and for ALL with ``tensor_parallel_size``
-    > 1; None for the other strategies."""
+    > 1 (data replicas of tensor groups, or of pipelines of them: ``_stages``); None for
+    the other strategies."""
     strategy = strategies(args[1] if len(args) > 1 else kwargs.get("parallel_strategy", strategies.DATA))
     given = [k for k in _OPTIONS if k in kwargs]
     model = args[0] if args else kwargs.get("model")
@@ -384,12 +403,14 @@ def tensor_parallel_model(*args, strategies, **kwargs) -> TensorParallelModel | 
         return None
     name = strategy.name
     allowed = {"model", "parallel_strategy", *_OPTIONS} | (
-        {"num_pipeline_stages", "pipeline_plan"} if strategy is strategies.ALL else set())
+        set(_PIPELINE_OPTIONS) if strategy is strategies.ALL else set())
     extra = sorted(set(kwargs) - allowed)
     if extra:
         raise TensorParallelError(
             f"tnt.Model(parallel_strategy={name}) got unknown keyword argument(s): {', '.join(extra)}; it "
-            "takes the Keras model, tensor_parallel_size= and tensor_parallel_plan=.")
+            "takes the Keras model, tensor_parallel_size= and tensor_parallel_plan="
+            + (" (and with ALL the pipeline's num_pipeline_stages=, pipeline_plan=, num_micro_batches=, "
+               "pipeline_schedule=)." if strategy is strategies.ALL else "."))
     if "tensor_parallel_size" not in kwargs:
         raise TensorParallelError("ParallelStrategy.TENSOR needs tensor_parallel_size= (the ranks sharing "
                                   "each split layer), e.g. tnt.Model(m, parallel_strategy=tnt.ParallelStrategy."
@@ -399,7 +420,21 @@ def tensor_parallel_model(*args, strategies, **kwargs) -> TensorParallelModel | 
     t = check_size(kwargs["tensor_parallel_size"])
     if strategy is strategies.ALL:
         check_model(model)
-        check_layout("all", _runtime.get_size(), t, _pipeline_stages(model, kwargs))
+        pipeline = _pipeline_plan(model, kwargs)
+        if pipeline is not None and pipeline.num_stages > 1:
+            from ._stages import TensorPipelinedModel
+
+            options = {k: kwargs[k] for k in ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule")
+                       if k in kwargs}
+            return TensorPipelinedModel(model, tensor_plan=as_plan(kwargs.get("tensor_parallel_plan"), model, t),
+                                        pipeline_plan=pipeline, **options)
+        pipelined = sorted({"num_micro_batches", "pipeline_schedule"} & set(kwargs))
+        if pipelined:
+            raise TensorParallelError(
+                f"{', '.join(pipelined)} apply to pipeline stages, but the model has one stage. Pass "
+                "num_pipeline_stages=p (or put SplitLayer markers in the model) to run p stages of "
+                f"{t}-rank tensor groups, or drop the option(s).")
+        check_layout("all", _runtime.get_size(), t)
     return TensorParallelModel(model, tensor_parallel_size=t, tensor_parallel_plan=kwargs.get("tensor_parallel_plan"),
                                parallel_strategy=strategy.value)
 

@@ -1,0 +1,250 @@
+"""ParallelStrategy.ALL with pipeline stages of tensor groups: N = replicas x p x t.
+
+``rank = (replica * p + stage) * t + shard`` (DESIGN.md, "Layer parallelism"). The
+composition is pipelining's model with two pieces swapped in (``PipelinedModel``'s
+``_stage_builder``):
+
+- the stage: pipelining builds the stage's Keras model from clones of its layers
+  (``build_stage``); the ranks of the tensor group make it identical (broadcast from
+  shard 0: initial values, dropout seeds), then it is split as TENSOR splits a whole
+  model (``shard_model``), each rank keeping its slices. Its inputs and outputs — the
+  pipeline's boundary tensors — are whole and the same on every rank of the group,
+  which is why a column/row pair must sit in one stage (its activations between are split);
+- the transport: point-to-point traffic goes between the same shard of neighbouring
+  stages; the pipeline group of a rank is its replica's stages of the same shard, its
+  replica group the same stage and shard in the other replicas (stage gradients and
+  metric states are summed there by pipelining's own step end).
+
+Everything else — schedules, micro-batches, loss weighting, logs, predict — is
+pipelining's, unchanged: every rank of a tensor group runs the same schedule on the same
+data, so the in-graph collectives of its stage's shards are issued in the same order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import keras
+import numpy as np
+
+import tnt_comm
+
+from .. import _io, _runtime
+from ..pipelining._model import PipelinedModel
+from ..pipelining._plan import Plan as PipelinePlan
+from ..pipelining._saving import _filled_serial_model, optimizer_state
+from ..pipelining._stages import StageModel, build_stage
+from ..pipelining._transport import CommTransport
+from ._collectives import TensorGroup
+from ._errors import TensorParallelError
+from ._layout import check_layout
+from ._plan import COLUMN, ROW, SPLIT_AXES, Plan, var_name
+
+
+class TensorStageTransport(CommTransport):
+    """Pipelining's transport for the rank ``(replica * p + stage) * t + shard``: messages
+    go to the same shard of the other stages; collectives run on the ranks of the same
+    shard (pipeline group: same replica; replica group: same stage)."""
+
+    def __init__(self, num_stages: int, tensor_parallel_size: int) -> None:  # noqa: D107
+        world = tnt_comm.world()
+        t = tensor_parallel_size
+        self._tnt_comm = tnt_comm
+        self._world = world
+        self.num_stages = num_stages
+        self.tensor_parallel_size = t
+        self.shard = world.rank % t
+        self.stage = world.rank // t % num_stages
+        self.replica = world.rank // (t * num_stages)
+        self.num_replicas = world.size // (t * num_stages)
+        self._pipe = world.split(self.replica * t + self.shard, self.stage)
+        self._replicas = world.split(self.stage * t + self.shard, self.replica)
+
+    def rank_of(self, stage: int) -> int:
+        return (self.replica * self.num_stages + stage) * self.tensor_parallel_size + self.shard
+
+    def pipeline_allgather_object(self, obj) -> list:
+        """``obj`` of every stage of this replica (same shard), in stage order."""
+        return self._pipe.allgather_object(obj)
+
+
+def check_pairs_in_one_stage(tensor_plan: Plan, pipeline_plan: PipelinePlan) -> None:
+    """A TensorParallelError naming the fix if a column/row pair spans two stages."""
+    for split in tensor_plan.layers:
+        if split.kind != COLUMN:
+            continue
+        first, second = pipeline_plan.stage_of_layer(split.name), pipeline_plan.stage_of_layer(split.partner)
+        if first != second:
+            raise TensorParallelError(
+                f"layer {split.name!r} (column-split) is on pipeline stage {first} and its row-split partner "
+                f"{split.partner!r} on stage {second}: the activations between them are split over the "
+                "tensor group and cannot cross stages. Move the SplitLayer (or the split point) so that both "
+                f"are on one stage, or keep the pair whole with plan.replicate({split.name!r}).")
+
+
+class _StageBuilder:
+    """Builds this rank's tensor-split stage (PipelinedModel's ``_stage_builder``)."""
+
+    def __init__(self, tensor_plan: Plan) -> None:
+        self.tensor_plan = tensor_plan
+        self.group: TensorGroup | None = None
+        self.shards: dict = {}
+
+    def __call__(self, pipeline_plan: PipelinePlan):
+        t = self.tensor_plan.tensor_parallel_size
+        check_pairs_in_one_stage(self.tensor_plan, pipeline_plan)
+        from ._model import assign_slices, shard_model, split_variables
+
+        self.group = TensorGroup.of_world(t)  # adjacent ranks: the same stage of one replica
+        transport = TensorStageTransport(pipeline_plan.num_stages, t)
+        whole = build_stage(pipeline_plan, transport.stage)
+        if self.group.comm is not None:  # one stage, one start: shard 0's values and seeds
+            for var in whole.model.variables:
+                value = np.ascontiguousarray(var.numpy())
+                var.assign(self.group.comm.broadcast(value, 0).reshape(value.shape))
+        local = shard_model(whole.model, self.tensor_plan, self.group, self.shards)
+        assign_slices(split_variables(whole.model, self.shards, self.tensor_plan), self.group)
+        stage = StageModel(whole.index, local, whole.data_inputs, whole.inputs, whole.outputs, whole.is_last)
+        return transport, stage
+
+
+class TensorPipelinedModel(PipelinedModel):
+    """This rank's shards of its pipeline stage (ALL with ``num_pipeline_stages`` > 1 and
+    ``tensor_parallel_size`` > 1). Pipelining's model; ``get_weights`` and ``save`` give
+    the whole serial model (shards joined, stages gathered)."""
+
+    def __init__(self, model: keras.Model, *, tensor_plan: Plan, pipeline_plan: PipelinePlan,
+                 **pipeline_options) -> None:
+        t = tensor_plan.tensor_parallel_size
+        check_layout("all", _runtime.get_size(), t, pipeline_plan.num_stages)
+        mine = [(s.name, s.kind) for s in tensor_plan.layers]
+        if _runtime.get_size() > 1 and tnt_comm.broadcast_object(mine, 0) != mine:
+            raise TensorParallelError(
+                f"rank {_runtime.get_rank()} computed another tensor-parallel plan than rank 0; every "
+                "rank must build the same model with the same plan.")
+        builder = _StageBuilder(tensor_plan)
+        super().__init__(model, parallel_strategy="all", pipeline_plan=pipeline_plan, _stage_builder=builder,
+                         **pipeline_options)
+        self.tensor_plan = tensor_plan
+        object.__setattr__(self, "_tnt_builder", builder)  # its shards: not tracked twice
+
+    # -- what this rank holds ----------------------------------------------------------------
+    @property
+    def group(self) -> TensorGroup:
+        """The tensor group of this rank's stage."""
+        return self._tnt_builder.group
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks sharing one copy of each split layer of a stage."""
+        return self.group.size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This rank's shard index in its tensor group."""
+        return self.group.rank
+
+    def _split_axes(self, layer) -> dict[str, int]:
+        shards = self._tnt_builder.shards
+        return SPLIT_AXES[self.tensor_plan.kind(layer.name)] if layer.name in shards else {}
+
+    def _gather(self, value: np.ndarray, axis: int | None) -> np.ndarray:
+        if axis is None or self.group.comm is None:
+            return value
+        whole = self.group.comm.allgather(np.ascontiguousarray(np.moveaxis(value, axis, 0)))
+        return np.moveaxis(whole, 0, axis)
+
+    def _stage_payload(self, with_optimizer: bool) -> dict:
+        """This stage's serial-shaped weights by layer (and optimizer state by pipelining's
+        keys), shards joined over the tensor group (collective on the group)."""
+        weights, split = {}, {}
+        for layer in self.stage_model.layers:
+            axes = self._split_axes(layer)
+            for j, w in enumerate(layer.weights):
+                if var_name(w, layer) in axes:
+                    split[f"{layer.name}/{j}"] = axes[var_name(w, layer)]
+            if layer.weights:
+                weights[layer.name] = [self._gather(np.asarray(w.numpy()), axes.get(var_name(w, layer)))
+                                       for w in layer.weights]
+        state = {}
+        if with_optimizer:
+            for key, value in optimizer_state(self._tnt_stage.optimizer, self.stage_model).items():
+                state[key] = self._gather(value, split.get(key.split("|", 1)[0]) if "|" in key else None)
+        return {"weights": weights, "optimizer": state}
+
+    def _stage_payloads(self, with_optimizer: bool) -> list[dict]:
+        """Every stage's payload, on every rank (collective on the job)."""
+        return self._tnt_stage.transport.pipeline_allgather_object(self._stage_payload(with_optimizer))
+
+    def get_weights(self) -> list[np.ndarray]:
+        """The whole serial model's weights in its order, on every rank (collective on the job)."""
+        by_layer = {}
+        for payload in self._stage_payloads(with_optimizer=False):
+            by_layer.update(payload["weights"])
+        return [w for name in self.plan.graph.layer_order for w in by_layer[name]]
+
+    def replicated_checksum(self) -> str:
+        """A digest of this rank's replicated variables (equal on the ranks of a tensor group)."""
+        digest = hashlib.sha256()
+        for layer in self.stage_model.layers:
+            if layer.name not in self._tnt_builder.shards:
+                for v in layer.weights:
+                    digest.update(np.ascontiguousarray(v.numpy()).tobytes())
+        return digest.hexdigest()
+
+    def shard_checksum(self) -> str:
+        """A digest of this rank's shards (equal on the ranks of its replica group)."""
+        digest = hashlib.sha256()
+        for shard in self._tnt_builder.shards.values():
+            for v in shard.weights:
+                digest.update(np.ascontiguousarray(v.numpy()).tobytes())
+        return digest.hexdigest()
+
+    # -- compile ---------------------------------------------------------------------------------
+    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs) -> None:
+        """Pipelining's compile; norms of whole gradients and loss scaling are refused (a
+        rank holds only shards of the split layers' gradients)."""
+        optimizer = keras.optimizers.get(optimizer)
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if getattr(inner, "clipnorm", None) or getattr(inner, "global_clipnorm", None):
+            raise TensorParallelError(
+                "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards of "
+                "the split layers' gradients. Use clipvalue=, or tensor_parallel_size=1 (pipelining alone).")
+        super().compile(optimizer, loss, *args, **kwargs)
+        if self._tnt_stage.loss_scaled:
+            raise TensorParallelError(
+                "a LossScaleOptimizer (mixed_float16) decides whether to skip a step from finite gradients, "
+                "which a rank of a tensor group sees only shards of. Train in float32 with pipeline stages "
+                "of tensor groups, or use tensor_parallel_size=1 (pipelining alone) or "
+                "num_pipeline_stages=1 (data replicas of tensor groups).")
+
+    # -- files -------------------------------------------------------------------------------------
+    def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
+        """The whole serial model (with optimizer state) on the master, None elsewhere;
+        every rank calls it."""
+        payloads = self._stage_payloads(with_optimizer)
+        if not _runtime.is_master_rank():
+            return None
+        with tnt_comm.long_local_work():
+            return _filled_serial_model(self, payloads, with_optimizer)
+
+    def save(self, filepath, overwrite=True, **kwargs) -> None:
+        """One ordinary serial ``.keras`` file (stages gathered, shards joined), written by the master."""
+        full = self._tnt_gather_serial()
+        _io.save_on_master(filepath, lambda tmp: full.save(tmp, overwrite=True, **kwargs))
+
+    def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
+        """The serial ``.weights.h5``, written by the master."""
+        full = self._tnt_gather_serial(with_optimizer=False)
+        _io.save_on_master(filepath, lambda tmp: full.save_weights(tmp, overwrite=True, **kwargs))
+
+    def load_weights(self, filepath, *args, **kwargs) -> None:
+        """Not available yet with pipeline stages of tensor groups (see the error)."""
+        raise TensorParallelError(
+            "load_weights / BackupAndRestore are not available yet for pipeline stages of tensor groups. "
+            "Load the file into a model first (keras.saving.load_model on every rank) and wrap that "
+            "model with tnt.Model(..., parallel_strategy=ALL, num_pipeline_stages=p, tensor_parallel_size=t), "
+            "or train with num_pipeline_stages=1 or tensor_parallel_size=1, which resume from backups.")
+
+
+__all__ = ["TensorPipelinedModel", "TensorStageTransport", "check_pairs_in_one_stage"]
