@@ -151,3 +151,40 @@ def test_backup_and_restore_resumes_as_the_uninterrupted_run(report):
     s = report["saving"]
     assert s["resumed_epochs"] == 1, s  # of 2: the backup was taken after epoch 1
     assert s["resume_history_diff"] <= TOL_LOSS and s["resume_weight_diff"] <= TOL_WEIGHTS, s
+
+
+# -- t = 3 (a 3-rank launch) ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def report_t3(report, tmp_path_factory):
+    """jobs/tensor_parallel.py on 3 ranks: mlp3 (widths divisible by 3) trained at t = 3,
+    its serial file and the 2-rank job's t = 2 file loaded at q = 3."""
+    out = tmp_path_factory.mktemp("tensor3") / "tensor_parallel_3.json"
+    result = launch(3, "tensor_parallel.py", out, "--t2-file", str(report["work"]))
+    assert result["ranks"] == 3
+    print_diff_table("tensor parallel t=3", result["cases"])
+    print(f"loading at q=3: {result['loading']}")
+    return result
+
+
+def test_t3_matches_serial_with_every_layer_split(report_t3):
+    c = report_t3["cases"]["mlp3_adam"]
+    assert c["plan"] == {"up1": "column", "down1": "row", "up2": "column", "down2": "row",
+                         "head": "column+allgather"}
+    assert c["start_same"] and c["histories_per_rank_equal"] and c["weights_per_rank_equal"]
+    assert c["history_diff"] <= c["tol_loss"] and c["evaluate_diff"] <= c["tol_loss"], c
+    assert c["weight_diff"] <= c["tol_weights"] and c["predict_diff"] <= c["tol_weights"], c
+    assert c["gathered_shapes"] == c["serial_shapes"]
+    assert len(set(c["replicated_checksums"])) == 1 and len(set(c["shard_checksums"])) == 3
+    for rank_vars in c["local_shapes"]:
+        assert rank_vars["up1/kernel"] == [10, 6] and rank_vars["down1/kernel"] == [6, 12], rank_vars
+        assert rank_vars["down2/kernel"] == [8, 9] and rank_vars["head/kernel"] == [9, 2], rank_vars
+
+
+def test_serial_and_t2_files_load_at_q3_with_the_same_predictions(report_t3):
+    s = report_t3["loading"]
+    assert s["serial_file_predict_diff"] <= TOL_WEIGHTS, s
+    assert s["serial_file_plan"] == {"up1": "column", "down1": "row", "up2": "column", "down2": "row"}, s
+    for shapes in s["serial_file_local_shapes"]:   # the automatic plan: the small head whole
+        assert shapes["up2/kernel"] == [12, 8] and shapes["head/bias"] == [6], shapes
+    assert s["t2_file_plan"] == {"emb": "vocab"}, s   # 4 heads, ffn 32, head 4: not divisible by 3
+    assert s["t2_file_predict_diff"] <= TOL_WEIGHTS, s

@@ -175,10 +175,18 @@ def test_layout_of_data_replicas_of_tensor_groups():
     assert check_layout("tensor", 2, 2).replicas == 1
 
 
+def test_layout_of_replicas_of_pipeline_stages_of_tensor_groups():
+    layout = check_layout("all", 8, 2, 2)   # rank = (replica * p + stage) * t + shard
+    assert layout.replicas == 2
+    assert [(layout.replica(r), layout.stage(r), layout.shard(r)) for r in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (("tensor", 4, 2), ["tarantella -n 2", "ParallelStrategy.ALL"]),
     (("all", 4, 3), ["4 rank(s) is not a multiple of tensor_parallel_size=3", "tarantella -n 6"]),
-    (("all", 8, 2, 2), ["2 pipeline stages is not available yet", "data replicas x tensor groups"]),
+    (("all", 6, 2, 2), ["6 rank(s) is not a multiple of tensor_parallel_size=2 x num_pipeline_stages=2 = 4",
+                        "tarantella -n 8"]),
 ])
 def test_layout_errors(args, words):
     with pytest.raises(TensorParallelError) as err:
@@ -189,8 +197,12 @@ def test_layout_errors(args, words):
 @pytest.mark.parametrize(("kwargs", "words"), [
     (dict(tensor_parallel_size=0), ["integer >= 1"]),
     (dict(tensor_parallel_size=2), ["1 rank(s) is not a multiple of tensor_parallel_size=2"]),
-    (dict(tensor_parallel_size=2, num_pipeline_stages=2), ["pipeline stages is not available yet"]),
-    (dict(tensor_parallel_size=2, num_micro_batches=4), ["unknown keyword argument(s): num_micro_batches"]),
+    (dict(tensor_parallel_size=2, num_pipeline_stages=2), ["1 rank(s) is not a multiple of",
+                                                           "num_pipeline_stages=2 = 4"]),
+    (dict(tensor_parallel_size=2, num_micro_batches=4), ["num_micro_batches apply to pipeline stages",
+                                                         "num_pipeline_stages=p"]),
+    (dict(tensor_parallel_size=2, pipeline_stages=2), ["unknown keyword argument(s): pipeline_stages",
+                                                       "num_pipeline_stages="]),
     (dict(tensor_parallel_plan=None), ["tensor_parallel_plan needs tensor_parallel_size > 1"]),
 ])
 def test_all_with_tensor_groups_option_errors(kwargs, words):
@@ -199,12 +211,24 @@ def test_all_with_tensor_groups_option_errors(kwargs, words):
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
-def test_all_with_split_layer_markers_and_tensor_groups_is_refused():
+def test_all_with_split_layer_markers_and_tensor_groups_needs_p_times_t_ranks():
     x = keras.Input((4,))
     h = tnt.keras.layers.SplitLayer(name="cut")(keras.layers.Dense(8, name="a")(x))
     model = keras.Model(x, keras.layers.Dense(2, name="b")(h), name="marked")
-    with pytest.raises(TensorParallelError, match="2 pipeline stages is not available yet"):
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel_size=2 x num_pipeline_stages=2 = 4"):
         tnt.Model(model, parallel_strategy=ALL, tensor_parallel_size=2)
+
+
+def test_column_row_pair_across_pipeline_stages_is_refused():
+    model = mlp()
+    cut = tnt.pipelining.plan(model, split_after=["up2"])   # up2 (column) | act, down2 (row)
+    with pytest.raises(TensorParallelError, match=r"'up2' \(column-split\) is on pipeline stage 0 and its "
+                                                  r"row-split partner 'down2' on stage 1.*plan.replicate\('up2'\)"):
+        tnt.Model(model, parallel_strategy=ALL, tensor_parallel_size=2, pipeline_plan=cut)
+    from tarantella.tensor_parallel._stages import check_pairs_in_one_stage
+
+    check_pairs_in_one_stage(plan(model, tensor_parallel_size=2),   # cut between the pairs: fine
+                             tnt.pipelining.plan(model, split_after=["down1"]))
 
 
 def test_plan_for_another_t_or_model_is_refused():

@@ -12,6 +12,8 @@ writes the differences to serial Keras and every rank's checksums.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import _job
 import keras
 import tensor_parallel as tp_job
@@ -56,18 +58,47 @@ CASES = {
     # 4 ranks: 1 replica x 2 stages x t=2 (ranks 0-1 stage 0, ranks 2-3 stage 1)
     "staged_adam_pipeline": ("staged", "adam", 11, 11 * 3 + 3, 2, automatic_plan, 1e-5, 2e-5,
                              {"num_micro_batches": 2}),
+    # 8 ranks, opt-in (test_tensor_all.py): 2 replicas x 2 stages x t=2, one short epoch
+    "staged_sgd_8ranks": ("staged", "sgd_momentum", 11, 11 + 3, 1, automatic_plan, 1e-5, 2e-5,
+                          {"num_micro_batches": 2}),
 }
+
+
+def saving_checks(work: Path) -> dict:
+    """mlp_adam_edited (2 replicas x t=2) ran with ModelCheckpoint and BackupAndRestore:
+    its checkpoints are serial files of its weights, its backup after epoch 1 resumes as the
+    whole run ended, and model.save writes a file plain Keras predicts with as serial does."""
+    _, _, batch, n, epochs, make_plan, *_ = CASES["mlp_adam_edited"]
+    out = tp_job.checkpoint_checks(T, work, strategy=tnt.ParallelStrategy.ALL, make_plan=make_plan,
+                                   batch_n_epochs=(batch, n, epochs))
+    out["plain_predict_diff"] = saved_predict_diff("mlp", "adam", work / "all.keras")
+    return out
+
+
+def saved_predict_diff(kind: str, opt: str, path: Path) -> float:
+    """model.save of the trained case, opened by plain Keras: its predictions against serial's."""
+    serial, model, _, _ = tp_job.TRAINED[kind, opt]
+    model.save(path)
+    xp, _ = tp_job.data(kind, 9)
+    return tp_job.on_master(lambda: _job.max_abs_diff(
+        keras.saving.load_model(path).predict(xp, verbose=0), serial.predict(xp, verbose=0)))
 
 
 def main() -> None:
     out = _job.out_path()
     cases = {}
+    extra = {}
     for name in _job.only(CASES):
         kind, opt, batch, n, epochs, make_plan, tol_l, tol_w, options = CASES[name]
+        callbacks = tp_job.checkpoint_callbacks(out.parent) if name == "mlp_adam_edited" else None
         cases[name] = tp_job.run_case(kind, opt, batch, n, epochs, T, strategy=tnt.ParallelStrategy.ALL,
-                                      make_plan=make_plan, **options)
+                                      make_plan=make_plan, callbacks=callbacks, **options)
         cases[name].update(tol_loss=tol_l, tol_weights=tol_w)
-    _job.write(out, {"ranks": tnt.get_size(), "cases": cases})
+        if name == "mlp_adam_edited":
+            extra["saving"] = saving_checks(out.parent)
+        else:  # pipeline stages of tensor groups: the save gathers stages and joins shards
+            cases[name]["plain_predict_diff"] = saved_predict_diff(kind, opt, out.parent / f"{name}.keras")
+    _job.write(out, {"ranks": tnt.get_size(), "cases": cases, **extra})
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ ranks. Plan and error checks need no training and run in the same job.
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,19 @@ def mlp(seed: int) -> keras.Model:
     h = keras.layers.Dense(8, activation="relu", name="down2")(h)
     y = keras.layers.Dense(4, activation="softmax", name="head")(h)
     return keras.Model(x, y, name="mlp")
+
+
+def mlp3(seed: int) -> keras.Model:
+    """The MLP with widths divisible by 3 (t = 3): two column/row pairs, a column+allgather head."""
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((10,))
+    h = keras.layers.Dense(18, activation="relu", name="up1")(x)
+    h = keras.layers.Dense(12, name="down1")(h)
+    h = keras.layers.Dense(24, name="up2")(h)
+    h = keras.layers.Activation("tanh", name="act")(h)
+    h = keras.layers.Dense(9, activation="relu", name="down2")(h)
+    y = keras.layers.Dense(6, activation="softmax", name="head")(h)
+    return keras.Model(x, y, name="mlp3")
 
 
 def embed(seed: int) -> keras.Model:
@@ -97,7 +111,7 @@ def optimizer(name: str):
     return keras.optimizers.Adam(0.01)
 
 
-BUILD = {"mlp": mlp, "embed": embed, "dropout": dropout, "block": block}
+BUILD = {"mlp": mlp, "mlp3": mlp3, "embed": embed, "dropout": dropout, "block": block}
 EXPECTED_PLANS = {
     "mlp": {"up1": "column", "down1": "row", "up2": "column", "down2": "row", "head": "column+allgather"},
     "embed": {"emb": "vocab", "up": "column", "down": "row"},
@@ -112,6 +126,8 @@ CASES = {
     "mlp_adam": ("mlp", "adam", 11, 11 * 4 + 1, 2, 1e-5, 2e-5),
     "block_adam": ("block", "adam", 12, 12 * 3 + 4, 2, 1e-5, 2e-5),
 }
+#: The 3-rank launch (t = 3): every layer of mlp3 split, a last batch of 1 sample.
+CASES_T3 = {"mlp3_adam": ("mlp3", "adam", 12, 12 * 3 + 1, 2, 1e-5, 2e-5)}
 
 
 def run_case(kind, opt, batch, n, epochs, t, strategy=tnt.ParallelStrategy.TENSOR, make_plan=None,
@@ -388,9 +404,11 @@ def checkpoint_callbacks(work: Path) -> list:
             keras.callbacks.ModelCheckpoint(str(work / "ckpt_{epoch}.weights.h5"), save_weights_only=True)]
 
 
-def checkpoint_checks(t: int, work: Path) -> dict:
+def checkpoint_checks(t: int, work: Path, strategy=tnt.ParallelStrategy.TENSOR, make_plan=None,
+                      batch_n_epochs=None) -> dict:
     """The checkpoints of the mlp_adam case are serial files of its weights; its backup
-    after epoch 1 resumes (on a model started elsewhere) and ends as the whole run did."""
+    after epoch 1 resumes (on a model started elsewhere) and ends as the whole run did.
+    ``make_plan``, ``batch_n_epochs``: the case's (default: TENSOR's mlp_adam)."""
     _, _, h_whole, w_whole = TRAINED["mlp", "adam"]
 
     def read_checkpoints():
@@ -403,12 +421,12 @@ def checkpoint_checks(t: int, work: Path) -> dict:
                 "backup_dir_removed": not (work / "backup").exists()}
 
     out = on_master(read_checkpoints)
-    _, _, batch, n, epochs, _, _ = CASES["mlp_adam"]
+    batch, n, epochs = batch_n_epochs or CASES["mlp_adam"][2:5]
     x, y = data("mlp", n)
     xv, yv = data("mlp", 2 * batch + 1)
     source = mlp(8)  # other initial weights: all must come from the backup
-    resumed = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t,
-                        tensor_parallel_plan=TP.plan(source, tensor_parallel_size=t, min_split_params=0))
+    plan = make_plan(source) if make_plan else TP.plan(source, tensor_parallel_size=t, min_split_params=0)
+    resumed = tnt.Model(source, parallel_strategy=strategy, tensor_parallel_size=t, tensor_parallel_plan=plan)
     resumed.compile(optimizer("adam"), "sparse_categorical_crossentropy", metrics=["accuracy"])
     h_resumed = resumed.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
                             validation_data=(xv, yv),
@@ -419,9 +437,47 @@ def checkpoint_checks(t: int, work: Path) -> dict:
     return out
 
 
+def t3_load_checks(work: Path, t2_file: Path | None) -> dict:
+    """At q = 3: the serial file of the trained mlp3 case and the 2-rank job's t = 2 file
+    (the block model: its vocabulary rows re-sliced 2 -> 3, the rest replicated at t = 3)
+    predict as the serial models they were saved from."""
+    serial, model, _, _ = TRAINED["mlp3", "adam"]
+    xp, _ = data("mlp3", 9)
+    path = work / "serial3.keras"
+    on_master(lambda: serial.save(path))
+    loaded = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=3)
+    out = {"serial_file_plan": loaded.plan.split_layers(),
+           "serial_file_predict_diff": _job.max_abs_diff(serial.predict(xp, verbose=0), loaded.predict(xp, verbose=0)),
+           "serial_file_local_shapes": tnt_comm.allgather_object(
+               {v.path: list(v.shape) for v in loaded.trainable_variables})}
+    if t2_file is not None:
+        t2 = tnt.models.load_model(t2_file / "tp.keras", parallel_strategy=tnt.ParallelStrategy.TENSOR,
+                                   tensor_parallel_size=3,  # the small vocabulary split too
+                                   tensor_parallel_plan=TP.plan(block(0), tensor_parallel_size=3, min_split_params=0))
+        out["t2_file_plan"] = t2.plan.split_layers()
+        out["t2_file_predict_diff"] = _job.max_abs_diff(np.load(t2_file / "tp_predict_serial.npy"),
+                                                        t2.predict(np.load(t2_file / "tp_x.npy"), verbose=0))
+    return out
+
+
+def main_t3(out: Path, t2_file: Path | None) -> None:
+    """The 3-rank launch: mlp3 trained at t = 3 against serial Keras, and loading at q = 3."""
+    cases = {}
+    for name, (kind, opt, batch, n, epochs, tol_l, tol_w) in CASES_T3.items():
+        cases[name] = run_case(kind, opt, batch, n, epochs, 3)
+        cases[name].update(tol_loss=tol_l, tol_weights=tol_w)
+    _job.write(out, {"ranks": 3, "checks": CHECKS, "cases": cases, "loading": t3_load_checks(out.parent, t2_file)})
+
+
 def main() -> None:
+    args = sys.argv[1:]
+    t2_file = Path(args[args.index("--t2-file") + 1]) if "--t2-file" in args else None
+    sys.argv = [sys.argv[0], *args[:2]]
     out = _job.out_path()
     t = tnt.get_size()
+    if t == 3:
+        main_t3(out, t2_file)
+        return
     plan_and_error_checks(t)
     unseeded_shuffle_check(t)
     deferred_build_check(t)

@@ -10,14 +10,19 @@ the *replica group* (the ranks holding the same shard), never over the tensor gr
 whose ranks already agree. The engine waits for backprop to end (its tensor-group
 collectives run inside backprop; never two kinds at once). Predictions are gathered
 over the replica group, so every rank returns the whole global batch's in order.
+Callbacks run as in data parallelism: BackupAndRestore writes from the master and every
+rank reads its slices of the backup (``_backup``); ModelCheckpoint and other writing
+callbacks run on every rank (their saves are collective) with only the master writing
+(``_rank_callbacks``).
 """
 
 from __future__ import annotations
 
 import keras
 
-from .. import _runtime, _sync
-from .._inputs import Sharding, fit_datasets, rank_dataset
+from .. import _backup, _runtime, _sync
+from .._inputs import Sharding, at_epoch, fit_datasets, rank_dataset
+from .._rank_callbacks import callbacks_for_rank
 from .._steps import DistributedSteps
 
 
@@ -52,8 +57,18 @@ class ReplicaLoops:
             class_weight=class_weight, validation_split=validation_split, validation_data=validation_data,
             validation_batch_size=validation_batch_size)
         _sync.build_variables(self, self, train, with_metrics=True)
-        return keras.Model.fit(self, train, epochs=epochs, verbose=self._verbose(verbose), callbacks=callbacks,
-                               validation_data=val, shuffle=False, initial_epoch=initial_epoch, **kwargs)
+        callbacks, backup = _backup.adapt(callbacks)
+        if backup is not None:  # every rank reads its slices of the backup
+            restored = backup.restore(self)
+            if restored is not None:
+                initial_epoch = restored
+        if initial_epoch > 0:  # the shuffle order of that epoch in an uninterrupted run
+            train = at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
+        with callbacks_for_rank(callbacks, tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices) \
+                as rank_callbacks:
+            return keras.Model.fit(self, train, epochs=epochs, verbose=self._verbose(verbose),
+                                   callbacks=rank_callbacks, validation_data=val, shuffle=False,
+                                   initial_epoch=initial_epoch, **kwargs)
 
     def _evaluate_replicas(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                            steps=None, callbacks=None, return_dict=False, **kwargs):

@@ -92,7 +92,6 @@ class _StageBuilder:
 
     def __call__(self, pipeline_plan: PipelinePlan):
         t = self.tensor_plan.tensor_parallel_size
-        check_pairs_in_one_stage(self.tensor_plan, pipeline_plan)
         from ._model import assign_slices, shard_model, split_variables
 
         self.group = TensorGroup.of_world(t)  # adjacent ranks: the same stage of one replica
@@ -116,6 +115,7 @@ class TensorPipelinedModel(PipelinedModel):
     def __init__(self, model: keras.Model, *, tensor_plan: Plan, pipeline_plan: PipelinePlan,
                  **pipeline_options) -> None:
         t = tensor_plan.tensor_parallel_size
+        check_pairs_in_one_stage(tensor_plan, pipeline_plan)
         check_layout("all", _runtime.get_size(), t, pipeline_plan.num_stages)
         mine = [(s.name, s.kind) for s in tensor_plan.layers]
         if _runtime.get_size() > 1 and tnt_comm.broadcast_object(mine, 0) != mine:
