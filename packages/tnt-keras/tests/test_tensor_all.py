@@ -37,7 +37,8 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("tensor_all") / "tensor_all.json"
     result = launch(RANKS, "tensor_all.py", out, "--only", ",".join(PLANS))
     assert result["ranks"] == RANKS
-    print_diff_table(f"ALL: 2 replicas x t={T}; 2 stages x t={T}", result["cases"])
+    print_diff_table(f"ALL: 2 replicas x t={T}; 2 stages x t={T}", result["cases"],
+                     extra=lambda c: f"  {c['seconds']:.1f} s")
     return result
 
 

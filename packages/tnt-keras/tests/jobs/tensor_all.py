@@ -12,6 +12,7 @@ writes the differences to serial Keras and every rank's checksums.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import _job
@@ -89,6 +90,7 @@ def main() -> None:
     cases = {}
     extra = {}
     for name in _job.only(CASES):
+        started = time.perf_counter()
         kind, opt, batch, n, epochs, make_plan, tol_l, tol_w, options = CASES[name]
         callbacks = tp_job.checkpoint_callbacks(out.parent) if name == "mlp_adam_edited" else None
         cases[name] = tp_job.run_case(kind, opt, batch, n, epochs, T, strategy=tnt.ParallelStrategy.ALL,
@@ -98,6 +100,7 @@ def main() -> None:
             extra["saving"] = saving_checks(out.parent)
         else:  # pipeline stages of tensor groups: the save gathers stages and joins shards
             cases[name]["plain_predict_diff"] = saved_predict_diff(kind, opt, out.parent / f"{name}.keras")
+        cases[name]["seconds"] = time.perf_counter() - started  # with its save / checkpoint checks
     _job.write(out, {"ranks": tnt.get_size(), "cases": cases, **extra})
 
 

@@ -31,30 +31,22 @@ def check(name: str, ok: bool, detail: object = "") -> None:
     CHECKS[name] = {"ok": bool(ok), "detail": str(detail)[:2000]}
 
 
-def mlp(seed: int) -> keras.Model:
+def mlp(seed: int, widths=(16, 12, 24, 8, 4), name: str = "mlp") -> keras.Model:
     """column -> row, column -> (Activation) -> row, lone Dense column+allgather (softmax)."""
     keras.utils.set_random_seed(seed)
     x = keras.Input((10,))
-    h = keras.layers.Dense(16, activation="relu", name="up1")(x)
-    h = keras.layers.Dense(12, name="down1")(h)
-    h = keras.layers.Dense(24, name="up2")(h)
+    h = keras.layers.Dense(widths[0], activation="relu", name="up1")(x)
+    h = keras.layers.Dense(widths[1], name="down1")(h)
+    h = keras.layers.Dense(widths[2], name="up2")(h)
     h = keras.layers.Activation("tanh", name="act")(h)
-    h = keras.layers.Dense(8, activation="relu", name="down2")(h)
-    y = keras.layers.Dense(4, activation="softmax", name="head")(h)
-    return keras.Model(x, y, name="mlp")
+    h = keras.layers.Dense(widths[3], activation="relu", name="down2")(h)
+    y = keras.layers.Dense(widths[4], activation="softmax", name="head")(h)
+    return keras.Model(x, y, name=name)
 
 
 def mlp3(seed: int) -> keras.Model:
     """The MLP with widths divisible by 3 (t = 3): two column/row pairs, a column+allgather head."""
-    keras.utils.set_random_seed(seed)
-    x = keras.Input((10,))
-    h = keras.layers.Dense(18, activation="relu", name="up1")(x)
-    h = keras.layers.Dense(12, name="down1")(h)
-    h = keras.layers.Dense(24, name="up2")(h)
-    h = keras.layers.Activation("tanh", name="act")(h)
-    h = keras.layers.Dense(9, activation="relu", name="down2")(h)
-    y = keras.layers.Dense(6, activation="softmax", name="head")(h)
-    return keras.Model(x, y, name="mlp3")
+    return mlp(seed, (18, 12, 24, 9, 6), "mlp3")
 
 
 def embed(seed: int) -> keras.Model:
@@ -441,7 +433,7 @@ def t3_load_checks(work: Path, t2_file: Path | None) -> dict:
     """At q = 3: the serial file of the trained mlp3 case and the 2-rank job's t = 2 file
     (the block model: its vocabulary rows re-sliced 2 -> 3, the rest replicated at t = 3)
     predict as the serial models they were saved from."""
-    serial, model, _, _ = TRAINED["mlp3", "adam"]
+    serial, _, _, _ = TRAINED["mlp3", "adam"]
     xp, _ = data("mlp3", 9)
     path = work / "serial3.keras"
     on_master(lambda: serial.save(path))

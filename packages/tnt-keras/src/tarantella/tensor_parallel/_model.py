@@ -66,7 +66,41 @@ def _shard_layer(layer, kind: str, group: TensorGroup):
     raise TensorParallelError(f"layer {layer.name!r}: unknown split {kind!r}")
 
 
-class TensorParallelModel(ReplicaLoops, keras.Model):
+def digest(variables) -> str:
+    """A SHA-256 of the variables' bytes, in order."""
+    h = hashlib.sha256()
+    for v in variables:
+        h.update(np.ascontiguousarray(v.numpy()).tobytes())
+    return h.hexdigest()
+
+
+class GroupMember:
+    """What a rank of a tensor group answers (a mixin: ``group``, ``_tnt_shards``)."""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks sharing one copy of each split layer."""
+        return self.group.size
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This rank's shard index in its tensor group."""
+        return self.group.rank
+
+    def _gather(self, local, axis: int | None) -> np.ndarray:
+        """The whole of a variable (or array) split along ``axis`` over the group (collective)."""
+        value = np.asarray(local.numpy() if hasattr(local, "numpy") else local)
+        if axis is None or self.group.comm is None:
+            return value
+        whole = self.group.comm.allgather(np.ascontiguousarray(np.moveaxis(value, axis, 0)))
+        return np.moveaxis(whole, 0, axis)
+
+    def shard_checksum(self) -> str:
+        """A digest of this rank's shards' bytes (equal on the ranks of its replica group)."""
+        return digest([v for shard in self._tnt_shards.values() for v in shard.weights])
+
+
+class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
     """This rank's shards of a model whose large layers are split over ``t`` ranks (and,
     with ``parallel_strategy="all"``, its replica's slice of every global batch)."""
 
@@ -148,26 +182,9 @@ class TensorParallelModel(ReplicaLoops, keras.Model):
             _sync.broadcast_from_master(replicated)
 
     # -- what this rank holds --------------------------------------------------------------
-    @property
-    def tensor_parallel_size(self) -> int:
-        """Ranks sharing one copy of each split layer."""
-        return self.group.size
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        """This rank's shard index in its tensor group."""
-        return self.group.rank
-
     def call(self, inputs, training=None):
         """The local model's forward pass (outputs identical on every rank of the group)."""
         return self.local_model(inputs, training=training)
-
-    def _gather(self, local, axis: int | None) -> np.ndarray:
-        value = np.asarray(local.numpy())
-        if axis is None or self.group.comm is None:
-            return value
-        whole = self.group.comm.allgather(np.ascontiguousarray(np.moveaxis(value, axis, 0)))
-        return np.moveaxis(whole, 0, axis)
 
     def get_weights(self) -> list[np.ndarray]:
         """The serial model's weights, serial-shaped, in its order (collective on the group)."""
@@ -185,19 +202,7 @@ class TensorParallelModel(ReplicaLoops, keras.Model):
     def replicated_checksum(self) -> str:
         """A digest of every replicated variable's bytes (equal on all ranks of a healthy group)."""
         shard_vars = {id(v) for shard in self._tnt_shards.values() for v in shard.weights}
-        digest = hashlib.sha256()
-        for v in self.local_model.weights:
-            if id(v) not in shard_vars:
-                digest.update(np.ascontiguousarray(v.numpy()).tobytes())
-        return digest.hexdigest()
-
-    def shard_checksum(self) -> str:
-        """A digest of this rank's shards' bytes (equal on the ranks of its replica group)."""
-        digest = hashlib.sha256()
-        for shard in self._tnt_shards.values():
-            for v in shard.weights:
-                digest.update(np.ascontiguousarray(v.numpy()).tobytes())
-        return digest.hexdigest()
+        return digest([v for v in self.local_model.weights if id(v) not in shard_vars])
 
     def verify_group(self) -> None:
         """Raise if replicated weights differ within the group (the ranks did not read the

@@ -22,8 +22,6 @@ data, so the in-graph collectives of its stage's shards are issued in the same o
 
 from __future__ import annotations
 
-import hashlib
-
 import keras
 import numpy as np
 
@@ -38,7 +36,8 @@ from ..pipelining._transport import CommTransport
 from ._collectives import TensorGroup
 from ._errors import TensorParallelError
 from ._layout import check_layout
-from ._plan import COLUMN, ROW, SPLIT_AXES, Plan, var_name
+from ._model import GroupMember, assign_slices, digest, shard_model, split_variables
+from ._plan import COLUMN, SPLIT_AXES, Plan, var_name
 
 
 class TensorStageTransport(CommTransport):
@@ -46,7 +45,7 @@ class TensorStageTransport(CommTransport):
     go to the same shard of the other stages; collectives run on the ranks of the same
     shard (pipeline group: same replica; replica group: same stage)."""
 
-    def __init__(self, num_stages: int, tensor_parallel_size: int) -> None:  # noqa: D107
+    def __init__(self, num_stages: int, tensor_parallel_size: int) -> None:
         world = tnt_comm.world()
         t = tensor_parallel_size
         self._tnt_comm = tnt_comm
@@ -92,8 +91,6 @@ class _StageBuilder:
 
     def __call__(self, pipeline_plan: PipelinePlan):
         t = self.tensor_plan.tensor_parallel_size
-        from ._model import assign_slices, shard_model, split_variables
-
         self.group = TensorGroup.of_world(t)  # adjacent ranks: the same stage of one replica
         transport = TensorStageTransport(pipeline_plan.num_stages, t)
         whole = build_stage(pipeline_plan, transport.stage)
@@ -107,7 +104,7 @@ class _StageBuilder:
         return transport, stage
 
 
-class TensorPipelinedModel(PipelinedModel):
+class TensorPipelinedModel(GroupMember, PipelinedModel):
     """This rank's shards of its pipeline stage (ALL with ``num_pipeline_stages`` > 1 and
     ``tensor_parallel_size`` > 1). Pipelining's model; ``get_weights`` and ``save`` give
     the whole serial model (shards joined, stages gathered)."""
@@ -135,24 +132,11 @@ class TensorPipelinedModel(PipelinedModel):
         return self._tnt_builder.group
 
     @property
-    def tensor_parallel_size(self) -> int:
-        """Ranks sharing one copy of each split layer of a stage."""
-        return self.group.size
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        """This rank's shard index in its tensor group."""
-        return self.group.rank
+    def _tnt_shards(self) -> dict:
+        return self._tnt_builder.shards
 
     def _split_axes(self, layer) -> dict[str, int]:
-        shards = self._tnt_builder.shards
-        return SPLIT_AXES[self.tensor_plan.kind(layer.name)] if layer.name in shards else {}
-
-    def _gather(self, value: np.ndarray, axis: int | None) -> np.ndarray:
-        if axis is None or self.group.comm is None:
-            return value
-        whole = self.group.comm.allgather(np.ascontiguousarray(np.moveaxis(value, axis, 0)))
-        return np.moveaxis(whole, 0, axis)
+        return SPLIT_AXES[self.tensor_plan.kind(layer.name)] if layer.name in self._tnt_shards else {}
 
     def _stage_payload(self, with_optimizer: bool) -> dict:
         """This stage's serial-shaped weights by layer (and optimizer state by pipelining's
@@ -185,20 +169,8 @@ class TensorPipelinedModel(PipelinedModel):
 
     def replicated_checksum(self) -> str:
         """A digest of this rank's replicated variables (equal on the ranks of a tensor group)."""
-        digest = hashlib.sha256()
-        for layer in self.stage_model.layers:
-            if layer.name not in self._tnt_builder.shards:
-                for v in layer.weights:
-                    digest.update(np.ascontiguousarray(v.numpy()).tobytes())
-        return digest.hexdigest()
-
-    def shard_checksum(self) -> str:
-        """A digest of this rank's shards (equal on the ranks of its replica group)."""
-        digest = hashlib.sha256()
-        for shard in self._tnt_builder.shards.values():
-            for v in shard.weights:
-                digest.update(np.ascontiguousarray(v.numpy()).tobytes())
-        return digest.hexdigest()
+        return digest([v for layer in self.stage_model.layers if layer.name not in self._tnt_shards
+                       for v in layer.weights])
 
     # -- compile ---------------------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs) -> None:
