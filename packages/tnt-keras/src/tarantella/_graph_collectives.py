@@ -4,7 +4,7 @@ Every rank must issue the same collectives in the same order. All ranks trace th
 graph, and each collective of a *chain* takes the previous one of its graph as an extra
 input, so the executor runs them in creation order whatever else could run in parallel.
 They are stateful: never pruned, constant-folded or merged by Grappler. The native ops
-(``tarantella._native``) run them without Python; the ``tf.numpy_function`` fallback
+(``tarantella.native``) run them without Python; the ``tf.numpy_function`` fallback
 calls the same tnt_comm collectives. Neither can live inside XLA.
 """
 
@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tnt_comm
 
-from . import _native
+from . import native as _native
 
 _last: dict[tuple[int, str], tf.Tensor] = {}
 

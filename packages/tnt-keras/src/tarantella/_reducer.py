@@ -35,7 +35,7 @@ import tensorflow as tf
 
 import tnt_comm
 
-from . import _native
+from . import native as _native
 
 _TOKEN = np.zeros((), dtype=np.int32)
 # TensorFlow's Split shares the input's memory for an output that starts 64-byte aligned

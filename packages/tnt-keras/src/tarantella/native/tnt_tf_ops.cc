@@ -1,6 +1,6 @@
 // TensorFlow kernels that hand tensors straight to tnt_comm (through its C interface,
 // tnt_comm_c_api.h): no Python, no GIL, no numpy conversion on the step's path.
-// Built against the installed TensorFlow on first use (tarantella/_native/__init__.py);
+// Built against the installed TensorFlow on first use (tarantella/native/__init__.py);
 // without a compiler tarantella falls back to tf.numpy_function ops with the same graph.
 //
 //   TntAllreduce      y = op over a communicator of x            (layer parallelism, sync BN)
@@ -45,7 +45,7 @@ const tnt_comm_c_api* api(OpKernelContext* ctx) {
   if (a == nullptr) {
     ctx->CtxFailure(tensorflow::errors::FailedPrecondition(
         "tarantella's native ops were loaded without tnt_comm's C interface "
-        "(load them through tarantella._native.ops())"));
+        "(load them through tarantella.native.ops())"));
   }
   return a;
 }

@@ -13,11 +13,15 @@ version and flags (``$TNT_NATIVE_OPS_CACHE``, else ``~/.cache/tarantella``), und
 file lock so ranks sharing a file system build it once (~20 s). If it cannot be built or
 loaded, or ``TNT_NATIVE_OPS=0``, every op falls back to ``tf.numpy_function`` with the
 same graph structure and the same collectives underneath, so ranks that differ in this
-still match each other. ``python -m tarantella._native`` builds it and reports.
+still match each other. ``python -m tarantella.native`` builds it and reports.
+
+Public: :func:`ops` (None under the fallback), :func:`in_use`, :data:`why_not`,
+:func:`library_path`, :func:`build`, :func:`disabled`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -26,6 +30,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -40,6 +45,7 @@ _SOURCE = Path(__file__).with_name("tnt_tf_ops.cc")
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
 _tried = False
+_forced_off = 0
 #: Why the native ops are not in use (None while they are, or before the first try).
 why_not: str | None = None
 
@@ -108,10 +114,17 @@ def _load(path: Path) -> ModuleType:
     return module
 
 
+def in_use() -> bool:
+    """True when collectives run as native ops (builds them on first call)."""
+    return ops() is not None
+
+
 def ops() -> ModuleType | None:
     """The loaded op module (``tnt_allreduce``, ``tnt_allgather``, ``tnt_fused_submit``,
     ``tnt_fused_wait``), building it if needed; None where the fallback is in use."""
     global _loaded, _tried, why_not
+    if _forced_off:
+        return None
     if _tried:
         return _loaded
     with _lock:
@@ -134,3 +147,14 @@ def ops() -> ModuleType | None:
                     "TNT_NATIVE_OPS=0 to skip the attempt.", why_not)
         _tried = True
         return _loaded
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Graphs traced inside use the ``tf.numpy_function`` fallback (benchmarks, tests)."""
+    global _forced_off
+    _forced_off += 1
+    try:
+        yield
+    finally:
+        _forced_off -= 1
