@@ -6,9 +6,10 @@
    metric tensors, tiny compute) trained by ``tnt.Model`` with ``TNT_FUSION_THRESHOLD=0``
    (one bucket per tensor) and with a threshold that puts everything in one bucket,
    timed round-robin in the same job. (step time with B buckets - step time with 1) /
-   (B - 1) is what one more bucket costs a training step: its submit op
-   (``tf.numpy_function``: GIL, array conversion), its slice of the wait op, the split,
-   and its collective's share not hidden by the others in flight.
+   (B - 1) is what one more bucket costs a training step: its submit op, its slice of the
+   wait op, the split, and its collective's share not hidden by the others in flight. With
+   the native ops (the row) and with the ``tf.numpy_function`` fallback (GIL, array
+   conversion; traced under ``tnt.native.disabled()``), all four models in one job.
 2. jit: ResNet-20 trained by ``tnt.Model`` (64 KB fusion threshold, so that there are
    buckets to overlap) with ``jit_compile=False`` and ``True``,
    round-robin: samples/s of each and ``overlap_fraction`` = the share of buckets
@@ -17,13 +18,15 @@
    back, when backprop has ended), and the spread of the submits over the step.
 
 The engine's submits are timed by wrapping the public ``tnt_comm.FusedAllreduce`` (as
-training.py does); tnt-keras is unchanged. Rank 0 prints a table and writes
+training.py does), which only the fallback calls from Python: the bucket count and the jit
+part use it. Rank 0 prints a table and writes
 benchmarks/results/step_bridge.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -83,6 +86,8 @@ def epoch_seconds(model, ds, epochs: int) -> list[float]:
 
 
 def bridge(quick: bool) -> dict:
+    """Per-bucket step cost with the native ops and with the tf.numpy_function fallback
+    (traced under tnt.native.disabled()), all four models timed round-robin."""
     steps, rounds = (40, 3) if quick else (100, 5)
     rng = np.random.default_rng(0)
     n = tnt.get_size()
@@ -91,30 +96,34 @@ def bridge(quick: bool) -> dict:
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8 * n)
     weights = mlp().get_weights()
     models, buckets = {}, {}
-    for name, kb in (("one_bucket", 1 << 20), ("bucket_per_tensor", 0)):
+    for ops, name in itertools.product(("fallback", "native"), ("one_bucket", "bucket_per_tensor")):
+        kb = 1 << 20 if name == "one_bucket" else 0
         os.environ["TNT_FUSION_THRESHOLD"] = str(kb)
         m = tnt.Model(mlp())
         os.environ.pop("TNT_FUSION_THRESHOLD")
         m.set_weights(weights)
         m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         SubmitClock.reset()
-        m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up: traces, builds the reducer
-        buckets[name] = len(SubmitClock.submits) // 2
-        models[name] = m
+        with tnt.native.disabled() if ops == "fallback" else contextlib.nullcontext():
+            m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up: traces the step, builds the reducer
+        if ops == "fallback":  # the Python submits are only seen here; same plan natively
+            buckets[name] = len(SubmitClock.submits) // 2
+        models[(ops, name)] = m
     per_round = {k: [] for k in models}
     for _ in range(rounds):
-        for name, m in models.items():
+        for key, m in models.items():
             tnt_comm.barrier()
-            per_round[name].append(bl.median(epoch_seconds(m, ds, 1)) / steps)
-    step = {k: bl.median(v) for k, v in per_round.items()}
+            per_round[key].append(bl.median(epoch_seconds(m, ds, 1)) / steps)
     extra = buckets["bucket_per_tensor"] - buckets["one_bucket"]
-    per_bucket = [(b - a) / extra for a, b in zip(per_round["one_bucket"], per_round["bucket_per_tensor"])]
-    return {
-        "buckets": buckets,
-        "step_s": step,
-        "step_s_per_round": per_round,
-        "step_host_overhead_per_bucket_us": bl.median(per_bucket) * 1e6,
-    }
+    out = {"buckets": buckets, "native_ops": tnt.native.in_use(), "native_why_not": tnt.native.why_not,
+           "step_s": {f"{o}/{b}": bl.median(v) for (o, b), v in per_round.items()},
+           "step_s_per_round": {f"{o}/{b}": v for (o, b), v in per_round.items()}}
+    for ops in ("native", "fallback"):
+        per_bucket = [(b - a) / extra for a, b in zip(per_round[(ops, "one_bucket")],
+                                                      per_round[(ops, "bucket_per_tensor")])]
+        suffix = "" if ops == "native" else "_fallback"
+        out[f"step_host_overhead_per_bucket_us{suffix}"] = bl.median(per_bucket) * 1e6
+    return out
 
 
 def overlap(quick: bool) -> dict:
@@ -170,11 +179,16 @@ def rows(result: dict) -> list[dict]:
     out = []
     if "bridge" in result:
         b = result["bridge"]
+        st = b["step_s"]
         out.append({"name": "step_host_overhead_per_bucket_us", "value": b["step_host_overhead_per_bucket_us"],
                     "target": 30.0, "higher_is_better": False, "unit": "us per bucket per step",
-                    "detail": f"MLP step {b['step_s']['one_bucket'] * 1e3:.2f} ms with "
-                              f"{b['buckets']['one_bucket']} bucket, {b['step_s']['bucket_per_tensor'] * 1e3:.2f} "
-                              f"ms with {b['buckets']['bucket_per_tensor']} (step_bridge.py, load {load:.1f})"})
+                    "detail": f"native ops{'' if b['native_ops'] else ' NOT in use: ' + str(b['native_why_not'])}: "
+                              f"MLP step {st['native/one_bucket'] * 1e3:.2f} ms with "
+                              f"{b['buckets']['one_bucket']} bucket, {st['native/bucket_per_tensor'] * 1e3:.2f} "
+                              f"ms with {b['buckets']['bucket_per_tensor']}; tf.numpy_function fallback in the same "
+                              f"job: {st['fallback/one_bucket'] * 1e3:.2f} / {st['fallback/bucket_per_tensor'] * 1e3:.2f}"
+                              f" ms, {b['step_host_overhead_per_bucket_us_fallback']:.1f} us per bucket "
+                              f"(step_bridge.py, load {load:.1f})"})
     if "jit" in result:
         j = result["jit"]
         out.append({"name": "overlap_fraction_jit", "value": j["jit_true"]["overlap_fraction"], "target": None,
@@ -195,7 +209,8 @@ def main() -> None:
     if args.only in (None, "bridge"):
         result["bridge"] = bridge(args.quick)
     if args.only in (None, "jit"):
-        result["jit"] = overlap(args.quick)
+        with tnt.native.disabled():  # the submits are timed by wrapping the Python engine
+            result["jit"] = overlap(args.quick)
     result["machine_after"] = bl.machine()
     result["rows"] = rows(result)
     if tnt.get_rank() != 0:
@@ -205,9 +220,11 @@ def main() -> None:
           f"{result['machine_after']['loadavg'][0]:.2f})")
     if "bridge" in result:
         b = result["bridge"]
-        print(f"  MLP step: {b['step_s']['one_bucket'] * 1e3:.2f} ms with {b['buckets']['one_bucket']} bucket(s), "
-              f"{b['step_s']['bucket_per_tensor'] * 1e3:.2f} ms with {b['buckets']['bucket_per_tensor']}: "
-              f"step_host_overhead_per_bucket_us = {b['step_host_overhead_per_bucket_us']:.1f}")
+        for ops, suffix in (("native", ""), ("fallback", "_fallback")):
+            print(f"  MLP step, {ops} ops: {b['step_s'][ops + '/one_bucket'] * 1e3:.2f} ms with "
+                  f"{b['buckets']['one_bucket']} bucket(s), {b['step_s'][ops + '/bucket_per_tensor'] * 1e3:.2f} ms "
+                  f"with {b['buckets']['bucket_per_tensor']}: step_host_overhead_per_bucket_us = "
+                  f"{b['step_host_overhead_per_bucket_us' + suffix]:.1f}")
     if "jit" in result:
         j = result["jit"]
         for name in ("jit_false", "jit_true"):
