@@ -7,6 +7,8 @@
     plan.replicate("ffn_up").split("head", "column+allgather")   # edit, then pass it back:
     model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.ALL,   # N / 2 replicas
                       tensor_parallel_size=2, tensor_parallel_plan=plan)     # (or a LayoutMap)
+    model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.ALL,   # N / (p * 2) replicas
+                      tensor_parallel_size=2, num_pipeline_stages=p)         # of p stages of 2 ranks
     model.save("m.keras")          # TENSOR: a serial Keras file
     model = tnt.models.load_model("m.keras", parallel_strategy=tnt.ParallelStrategy.TENSOR,
                                   tensor_parallel_size=q)   # any q
@@ -24,6 +26,7 @@ from ._layout_map import from_layout_map
 from ._model import TensorParallelModel, tensor_parallel_model
 from ._plan import KINDS, SUPPORTED, LayerSplit, Plan, plan, plan_from_kinds
 from ._saving import load_model
+from ._stages import TensorPipelinedModel
 
 __all__ = [
     "KINDS",
@@ -38,6 +41,7 @@ __all__ = [
     "TensorGroup",
     "TensorParallelError",
     "TensorParallelModel",
+    "TensorPipelinedModel",
     "VocabEmbedding",
     "check_layout",
     "copy_to_group",

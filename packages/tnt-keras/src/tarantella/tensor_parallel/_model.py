@@ -11,7 +11,8 @@ the collectives cannot live inside XLA).
 
 ``TENSOR`` runs one group of N == t ranks; ``ALL`` with ``tensor_parallel_size=t`` runs
 N / t data replicas of such groups (``_replicas``: each replica reads its slice of the
-global batch, gradients are summed over the replica group only).
+global batch, gradients are summed over the replica group only), or, with pipeline
+stages, pipelining's model whose stages are tensor groups (``_stages``).
 """
 
 from __future__ import annotations
