@@ -124,6 +124,12 @@ def test_replicas_checkpoints_are_serial_files_and_save_opens_in_plain_keras(rep
     assert s["plain_predict_diff"] <= TOL_WEIGHTS, s
 
 
+def test_replicas_load_model_splits_the_file_over_each_replicas_group(report):
+    s = report["saving"]
+    assert s["load_all_replicas"] == 2, s
+    assert s["load_all_predict_diff"] <= TOL_WEIGHTS, s
+
+
 def test_replicas_backup_resumes_as_the_uninterrupted_run(report):
     s = report["saving"]
     assert s["resumed_epochs"] == 1, s  # of 2: the backup was taken after epoch 1

@@ -219,6 +219,12 @@ def test_all_with_split_layer_markers_and_tensor_groups_needs_p_times_t_ranks():
         tnt.Model(model, parallel_strategy=ALL, tensor_parallel_size=2)
 
 
+def test_load_model_into_pipeline_stages_of_tensor_groups_is_refused_naming_the_fix(tmp_path):
+    with pytest.raises(TensorParallelError, match=r"not available yet.*keras\.saving\.load_model on every rank"):
+        tnt.models.load_model(tmp_path / "m.keras", parallel_strategy=ALL, tensor_parallel_size=2,
+                              num_pipeline_stages=2)
+
+
 def test_column_row_pair_across_pipeline_stages_is_refused():
     model = mlp()
     cut = tnt.pipelining.plan(model, split_after=["up2"])   # up2 (column) | act, down2 (row)

@@ -27,12 +27,15 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) ->
     ``parallel_strategy=PIPELINING|ALL, num_pipeline_stages=q`` loads it into q stages
     (any q, whatever the file was saved with; see tnt.pipelining.load_model);
     ``parallel_strategy=TENSOR, tensor_parallel_size=q`` splits it over q ranks (any q,
-    whatever t it was saved at; see tnt.tensor_parallel.load_model).
+    whatever t it was saved at; see tnt.tensor_parallel.load_model); ``ALL`` with
+    ``tensor_parallel_size=q`` over data replicas of q-rank tensor groups.
     """
-    if ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA)) is ParallelStrategy.TENSOR:
+    strategy = ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA))
+    if strategy is ParallelStrategy.TENSOR or (
+            strategy is ParallelStrategy.ALL and kwargs.get("tensor_parallel_size", 1) != 1):
         from .tensor_parallel import load_model as load_tensor_parallel
 
-        kwargs.pop("parallel_strategy")
+        kwargs["parallel_strategy"] = strategy.value
         return load_tensor_parallel(filepath, custom_objects=custom_objects, compile=compile, **kwargs)
     if ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA)) is not ParallelStrategy.DATA:
         from .pipelining import load_model as load_pipelined

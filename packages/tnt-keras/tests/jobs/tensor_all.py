@@ -74,6 +74,12 @@ def saving_checks(work: Path) -> dict:
     out = tp_job.checkpoint_checks(T, work, strategy=tnt.ParallelStrategy.ALL, make_plan=make_plan,
                                    batch_n_epochs=(batch, n, epochs))
     out["plain_predict_diff"] = saved_predict_diff("mlp", "adam", work / "all.keras")
+    loaded = tnt.models.load_model(work / "all.keras", parallel_strategy=tnt.ParallelStrategy.ALL,
+                                   tensor_parallel_size=T, tensor_parallel_plan=make_plan(tp_job.mlp(0)))
+    serial = tp_job.TRAINED["mlp", "adam"][0]
+    xp, _ = tp_job.data("mlp", 9)
+    out["load_all_replicas"] = loaded.num_replicas
+    out["load_all_predict_diff"] = _job.max_abs_diff(loaded.predict(xp, verbose=0), serial.predict(xp, verbose=0))
     return out
 
 

@@ -198,14 +198,24 @@ def load_weights(tpm, filepath) -> None:
 
 
 def load_model(filepath, *, tensor_parallel_size: int, tensor_parallel_plan=None, custom_objects=None,
-               compile: bool = True, safe_mode: bool = True, **kwargs):
+               compile: bool = True, safe_mode: bool = True, parallel_strategy: str = "tensor", **kwargs):
     """Load a ``.keras`` file (saved serially or tensor-parallel at any t) split over
     ``tensor_parallel_size`` ranks; each rank reads only its slices of the split layers.
 
     ``tensor_parallel_plan``: a plan of the file's model (default: the automatic plan).
+    ``parallel_strategy="all"``: data replicas of such groups (N a multiple of t; every
+    replica reads the same slices). Pipeline stages of tensor groups cannot be loaded yet.
     """
     from ._model import TensorParallelModel
 
+    strategy = getattr(parallel_strategy, "value", parallel_strategy)
+    stages = sorted({"num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan"} & set(kwargs))
+    if strategy == "all" and stages:
+        raise TensorParallelError(
+            f"tnt.models.load_model(parallel_strategy=ALL, tensor_parallel_size > 1) with {', '.join(stages)}: "
+            "loading into pipeline stages of tensor groups is not available yet. Load the file with "
+            "keras.saving.load_model on every rank and wrap that model with tnt.Model(..., parallel_strategy="
+            "ALL, num_pipeline_stages=p, tensor_parallel_size=t).")
     if kwargs:
         raise TensorParallelError(f"tnt.models.load_model(parallel_strategy=TENSOR) got unknown keyword "
                                   f"argument(s) {sorted(kwargs)}; it takes tensor_parallel_size=, "
@@ -215,7 +225,7 @@ def load_model(filepath, *, tensor_parallel_size: int, tensor_parallel_plan=None
             raise TensorParallelError(f"{filepath} is not a .keras file: tnt.models.load_model(parallel_strategy="
                                       "TENSOR) loads .keras files (use model.load_weights for .weights.h5).")
         full = _deferred_from_file(archive, custom_objects, compile, safe_mode)
-        model = TensorParallelModel(full, tensor_parallel_size=tensor_parallel_size,
+        model = TensorParallelModel(full, tensor_parallel_size=tensor_parallel_size, parallel_strategy=strategy,
                                     tensor_parallel_plan=tensor_parallel_plan, _weights_from_file=True)
         split = {id(s) for s, _, _ in model._split_variables()}
         for var in full.variables:  # replicated layers (and seeds): real variables, read below
