@@ -1,5 +1,6 @@
 #include "c_api.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -113,7 +114,15 @@ int api_allgather(std::int64_t comm, const void* in, void* out, const std::int64
     const ArrayDesc d = describe(shape, ndim, dtype);
     if (ndim == 0) throw std::invalid_argument("allgather of a scalar: give it one dimension");
     const Gathered g = allgather(runtime_engine(), c, in, d);
-    std::memcpy(out, g.data->data(), static_cast<std::size_t>(d.nbytes() * c->size));
+    // tnt::allgather lets axis-0 lengths differ; this interface promises size * in.
+    const bool same = std::all_of(g.bytes_per_rank.begin(), g.bytes_per_rank.end(),
+                                  [&](std::int64_t b) { return b == d.nbytes(); });
+    const std::int64_t got = d.nbytes() * c->size;
+    if (!same) {
+      throw std::invalid_argument("allgather: the ranks' arrays differ in length along axis 0 (this "
+                                  "rank's " + d.str() + "); native allgather needs one shape on every rank");
+    }
+    std::memcpy(out, g.data->data(), static_cast<std::size_t>(got));
   });
 }
 

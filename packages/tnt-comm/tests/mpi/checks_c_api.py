@@ -83,6 +83,10 @@ def c_api_errors_are_codes_with_messages() -> None:
         y = np.zeros(R + 1, np.float32)
         assert API.allreduce(W.native_handle(), ptr(y), ptr(y), shape_of(y), 1, b"float32", 0, err, ERR) != 0
         assert b"float32 (1,)" in err.value and b"float32 (2,)" in err.value, err.value
+        rows = np.zeros((R + 1, 2), np.float32)  # the native allgather needs one shape everywhere
+        out = np.zeros((N, R + 1, 2), np.float32)
+        assert API.allgather(W.native_handle(), ptr(rows), ptr(out), shape_of(rows), 2, b"float32", err, ERR) == 3
+        assert b"differ in length along axis 0" in err.value, err.value
 
 
 @check

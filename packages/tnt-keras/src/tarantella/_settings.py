@@ -103,6 +103,7 @@ class Settings:
     log_on_all_devices: bool
     output_on_all_devices: bool
     tensorboard_on_all_devices: bool
+    native_ops: bool
 
 
 def load() -> Settings:
@@ -113,4 +114,5 @@ def load() -> Settings:
         log_on_all_devices=_flag("TNT_LOG_ON_ALL_DEVICES", False),
         output_on_all_devices=_flag("TNT_OUTPUT_ON_ALL_DEVICES", False),
         tensorboard_on_all_devices=_flag("TNT_TENSORBOARD_ON_ALL_DEVICES", False),
+        native_ops=native_ops_enabled(),
     )

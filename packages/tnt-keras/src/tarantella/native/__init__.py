@@ -119,6 +119,7 @@ def in_use() -> bool:
     return ops() is not None
 
 
+@tf.autograph.experimental.do_not_convert  # called while tracing: plain Python, no autograph
 def ops() -> ModuleType | None:
     """The loaded op module (``tnt_allreduce``, ``tnt_allgather``, ``tnt_fused_submit``,
     ``tnt_fused_wait``), building it if needed; None where the fallback is in use."""
