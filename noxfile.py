@@ -3,6 +3,7 @@
     nox                 # the whole test suite (what .ci/run and the README run)
     nox -s comm         # tests of one package: comm, data, cli, keras
     nox -s data_matrix  # tnt-data's full sharding matrix (opt-in; the suite runs 5 of 12 cases)
+    nox -s keras_large  # tnt-keras jobs of 8 ranks (opt-in: minutes on 2 cores)
     nox -s multihost    # jobs across 2-3 "hosts" made of Linux network namespaces (root)
     nox -s lint         # ruff
     nox -s docs         # the site (MkDocs, strict) into site/, its code blocks and examples/ run
@@ -54,6 +55,7 @@ def _pytest(session: nox.Session, package: str) -> None:
     session.run(
         "pytest",
         str(PKG / package / "tests"),
+        "--ignore", str(PKG / package / "tests" / "large"),  # opt-in: nox -s keras_large
         "--durations=15",  # CI logs show where the suite's time goes
         *session.posargs,
         env=MPI_ENV,
@@ -111,6 +113,16 @@ def keras(session: nox.Session) -> None:
     )
     _build_native_ops(session, required=True)
     _pytest(session, "tnt-keras")
+
+
+@nox.session
+def keras_large(session: nox.Session) -> None:
+    """tnt-keras jobs too large for the suite on 2 cores (8 ranks: replicas x stages x tensor)."""
+    session.install(
+        _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras", "test")
+    )
+    _build_native_ops(session, required=True)
+    session.run("pytest", str(PKG / "tnt-keras" / "tests" / "large"), *session.posargs, env=MPI_ENV)
 
 
 def _build_native_ops(session: nox.Session, required: bool) -> None:

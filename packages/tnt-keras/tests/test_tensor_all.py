@@ -13,13 +13,11 @@ Checked: History, evaluate, predict and the gathered (whole, serial-shaped) weig
 against serial Keras; every rank holds the same logs and weights; replicated variables
 bitwise equal where they must be; each rank holds only its shards.
 
-``TNT_TEST_8_RANKS=1`` adds an 8-rank launch (2 replicas x 2 stages x t = 2, one short
-epoch): 8 TensorFlow processes cost minutes on a 2-core machine, so it is opt-in.
+The 8-rank launch (2 replicas x 2 stages x t = 2) is ``tests/large/`` (``nox -s keras_large``):
+8 TensorFlow processes cost minutes on a 2-core machine, so it is outside the default suite.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 from conftest import launch, print_diff_table
@@ -97,18 +95,6 @@ def test_each_pipeline_rank_holds_only_its_stages_shards(report):
         assert "up1/kernel" not in local[rank]
     for slots in report["cases"]["staged_adam_pipeline"]["optimizer_slot_shapes"]:
         assert [16, 12] not in slots and [10, 16] not in slots and [24, 8] not in slots, slots   # shard-shaped
-
-
-@pytest.mark.skipif(os.environ.get("TNT_TEST_8_RANKS") != "1",
-                    reason="opt-in: TNT_TEST_8_RANKS=1 (8 TensorFlow processes, minutes on 2 cores)")
-def test_replicas_of_pipeline_stages_of_tensor_groups_on_8_ranks(tmp_path):
-    result = launch(8, "tensor_all.py", tmp_path / "tensor_all_8.json", "--only", "staged_sgd_8ranks")
-    assert result["ranks"] == 8
-    c = result["cases"]["staged_sgd_8ranks"]   # rank = (replica * 2 + stage) * 2 + shard
-    print_diff_table("ALL: 2 replicas x 2 stages x t=2", result["cases"])
-    _matches_serial(c)
-    shards = c["shard_checksums"]
-    assert shards[:4] == shards[4:] and len(set(shards[:4])) == 4, shards   # replica 1 == replica 0
 
 
 # -- files under ALL ------------------------------------------------------------------------------------
