@@ -180,6 +180,17 @@ def test_t3_matches_serial_with_every_layer_split(report_t3):
         assert rank_vars["down2/kernel"] == [8, 9] and rank_vars["head/kernel"] == [9, 2], rank_vars
 
 
+def test_jit_compile_has_xla_compile_the_segments_between_collectives(report_t3):
+    """jit_compile=True: XLA auto-clusters segments of the tensor-parallel step on every
+    rank (none before: the setting is scoped to tnt's calls), results within tolerance."""
+    c = report_t3["cases"]["mlp3_adam_jit"]
+    assert c["clustered_before"] == 0 and c["jit_setting_after"] == "", c
+    assert all(n >= 1 for n in c["clustered_graphs"]), c["clustered_graphs"]
+    assert c["start_same"] and c["histories_per_rank_equal"] and c["weights_per_rank_equal"]
+    assert c["history_diff"] <= c["tol_loss"] and c["evaluate_diff"] <= c["tol_loss"], c
+    assert c["weight_diff"] <= c["tol_weights"] and c["predict_diff"] <= c["tol_weights"], c
+
+
 def test_serial_and_t2_files_load_at_q3_with_the_same_predictions(report_t3):
     s = report_t3["loading"]
     assert s["serial_file_predict_diff"] <= TOL_WEIGHTS, s

@@ -9,18 +9,26 @@ ranks. Plan and error checks need no training and run in the same job.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import _job
-import keras
-import numpy as np
-import tensorflow as tf
+# Before TensorFlow runs its first function: XLA's clustering pass writes the graphs it
+# clustered here, so the jit case can show that XLA compiled segments of the step.
+XLA_DUMPS = Path(tempfile.mkdtemp(prefix="tnt_xla_dumps_"))
+os.environ["TF_XLA_FLAGS"] = "--tf_xla_clustering_debug"
+os.environ["TF_DUMP_GRAPH_PREFIX"] = str(XLA_DUMPS)
 
-import tarantella as tnt
-import tnt_comm
+import _job  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tarantella as tnt  # noqa: E402
+import tnt_comm  # noqa: E402
 
 TP = tnt.tensor_parallel
 CHECKS: dict[str, dict] = {}
@@ -122,8 +130,14 @@ CASES = {
 CASES_T3 = {"mlp3_adam": ("mlp3", "adam", 12, 12 * 3 + 1, 2, 1e-5, 2e-5)}
 
 
+def clustered_graphs() -> int:
+    """Graphs XLA's auto-clustering marked for compilation so far (on this rank)."""
+    return sum("_XlaCluster" in f.read_text(errors="replace")
+               for f in XLA_DUMPS.glob("mark_for_compilation_annotated*"))
+
+
 def run_case(kind, opt, batch, n, epochs, t, strategy=tnt.ParallelStrategy.TENSOR, make_plan=None,
-             callbacks=None, **options):
+             callbacks=None, jit=False, **options):
     """``make_plan(source model)``: the tensor_parallel_plan (default: automatic, every pair split);
     ``options``: more tnt.Model arguments (e.g. the pipeline's with ALL)."""
     x, y = data(kind, n)
@@ -135,7 +149,8 @@ def run_case(kind, opt, batch, n, epochs, t, strategy=tnt.ParallelStrategy.TENSO
     local = getattr(model, "stage_model", model)  # with pipeline stages: this rank's stage
     start_same = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), serial.get_weights()))
     for m in (serial, model):
-        m.compile(optimizer(opt), "sparse_categorical_crossentropy", metrics=["accuracy"])
+        m.compile(optimizer(opt), "sparse_categorical_crossentropy", metrics=["accuracy"],
+                  **({"jit_compile": True} if jit and m is model else {}))
     fit = dict(batch_size=batch, epochs=epochs, shuffle=False, verbose=0, validation_data=(xv, yv))
     h_serial = serial.fit(x, y, **fit).history
     h_tensor = model.fit(x, y, **fit, callbacks=callbacks).history
@@ -458,6 +473,15 @@ def main_t3(out: Path, t2_file: Path | None) -> None:
     for name, (kind, opt, batch, n, epochs, tol_l, tol_w) in CASES_T3.items():
         cases[name] = run_case(kind, opt, batch, n, epochs, 3)
         cases[name].update(tol_loss=tol_l, tol_weights=tol_w)
+    # jit_compile=True: XLA compiles the segments between the collectives (auto-clustering,
+    # only inside tnt's fit/evaluate/predict); same tolerances as without.
+    kind, opt, batch, n, epochs, tol_l, tol_w = CASES_T3["mlp3_adam"]
+    before = clustered_graphs()
+    cases["mlp3_adam_jit"] = run_case(kind, opt, batch, n, epochs, 3, jit=True)
+    cases["mlp3_adam_jit"].update(tol_loss=tol_l, tol_weights=tol_w,
+                                  clustered_graphs=tnt_comm.allgather_object(clustered_graphs() - before),
+                                  clustered_before=before, jit_setting_after=tf.config.optimizer.get_jit())
+    shutil.rmtree(XLA_DUMPS, ignore_errors=True)
     loading = t3_load_checks(out.parent, t2_file)
     # the launch's whole CPU time (TensorFlow import included), summed over the ranks
     loading["cpu_seconds_all_ranks"] = sum(tnt_comm.allgather_object(time.process_time()))

@@ -27,6 +27,9 @@ from ._model import TensorParallelModel, tensor_parallel_model
 from ._plan import KINDS, SUPPORTED, LayerSplit, Plan, plan, plan_from_kinds
 from ._saving import load_model
 from ._stages import TensorPipelinedModel
+from ._xla import allow_cpu_clusters as _allow_cpu_clusters
+
+_allow_cpu_clusters()  # TF_XLA_FLAGS is read when the first function runs (see _xla)
 
 __all__ = [
     "KINDS",

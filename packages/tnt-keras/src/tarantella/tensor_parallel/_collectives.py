@@ -15,8 +15,8 @@ trace the same graph, and each collective takes the previous one of its graph as
 input, so the executor runs them in creation order (forward in layer order, then backward
 in reverse), whatever else could run in parallel. They are ``stateful=True``: never pruned,
 never constant-folded by Grappler (cf. the start token of ``_reducer``), and not reordered
-against each other. Neither op can live inside XLA: a tensor-parallel step runs with
-``jit_compile=False``.
+against each other. Neither op can live inside XLA: a tensor-parallel step is never one
+XLA cluster (with ``jit_compile=True``, XLA compiles the segments between them: ``_xla``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ as it is. All ranks of the group read the same global batch, so replicated layer
 the same inputs, compute the same outputs and gradients, and the optimizer keeps them
 identical without any exchange; the shards meet only in the in-graph collectives. Loss,
 metrics and logs are therefore the same on every rank, and Keras' own ``train_step``,
-``fit``, callbacks and History run unchanged on the wrapper (with ``jit_compile=False``:
-the collectives cannot live inside XLA).
+``fit``, callbacks and History run unchanged on the wrapper (never as one XLA cluster:
+the collectives cannot live inside XLA; ``jit_compile=True`` compiles the segments
+between them, ``_xla``).
 
 ``TENSOR`` runs one group of N == t ranks; ``ALL`` with ``tensor_parallel_size=t`` runs
 N / t data replicas of such groups (``_replicas``: each replica reads its slice of the
@@ -26,7 +27,6 @@ import numpy as np
 import tnt_comm
 
 from .. import _backup, _inputs, _internals, _runtime, _sync
-from .._logging import logger
 from .._rank_callbacks import callbacks_for_rank
 from ..pipelining._deferred import current_or_initial, has_deferred, is_deferred, materialise
 from ..pipelining._graph import model_graph
@@ -49,6 +49,7 @@ from ._plan import (
     var_name,
 )
 from ._replicas import ReplicaLoops
+from ._xla import compiled_segments
 
 _OPTIONS = ("tensor_parallel_size", "tensor_parallel_plan")
 
@@ -104,6 +105,19 @@ class GroupMember:
 class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
     """This rank's shards of a model whose large layers are split over ``t`` ranks (and,
     with ``parallel_strategy="all"``, its replica's slice of every global batch)."""
+
+    #: compile(jit_compile=True): XLA compiles the segments between collectives (``_xla``).
+    _tnt_xla_segments = False
+
+    @property
+    def jit_compile(self):
+        """None (not False) while XLA compiles the segments: Keras passes this to
+        ``tf.function``, whose ``jit_compile=False`` would forbid auto-clustering."""
+        return None if self._tnt_xla_segments else keras.Model.jit_compile.fget(self)
+
+    @jit_compile.setter
+    def jit_compile(self, value) -> None:
+        keras.Model.jit_compile.fset(self, value)
 
     def __init__(self, model: keras.Model, *, tensor_parallel_size: int,
                  tensor_parallel_plan=None, parallel_strategy: str = "tensor",
@@ -230,17 +244,16 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
 
     # -- compile / run ---------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, *, jit_compile="auto", **kwargs):
-        """Keras' compile of the local model's wrapper (``jit_compile`` is always off: the
-        group collectives are host ops XLA cannot hold)."""
+        """Keras' compile of the local model's wrapper. The group collectives are ops XLA
+        cannot hold, so the step is never one XLA cluster; ``jit_compile=True`` has XLA
+        compile the segments between them instead (``_xla``)."""
         optimizer = keras.optimizers.get(optimizer)
         if self.plan.split_layers() and (getattr(optimizer, "clipnorm", None) or
                                          getattr(optimizer, "global_clipnorm", None)):
             raise TensorParallelError(
                 "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards "
                 "of the split layers' gradients. Use clipvalue=, or train with ParallelStrategy.DATA.")
-        if jit_compile is True:
-            logger.warning("tnt.Model(TENSOR): jit_compile=True is ignored; the tensor-group "
-                           "collectives run outside XLA.")
+        self._tnt_xla_segments = jit_compile is True
         super().compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
         if self._tnt_steps is not None:  # its reducers hold the old metrics' and optimizer's slots
             self._tnt_steps.close()
@@ -271,10 +284,14 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
         the replicas. Without replicas, a BackupAndRestore callback writes from the master
         (``_backup``), other writing callbacks run as in data parallelism
         (``_rank_callbacks``) and progress prints on the master only."""
+        with compiled_segments(self._tnt_xla_segments):
+            history = self._fit(*args, **kwargs)
+        self.verify_group()
+        return history
+
+    def _fit(self, *args, **kwargs):
         if self._tnt_replicas is not None:
-            history = self._fit_replicas(*args, **kwargs)
-            self.verify_group()
-            return history
+            return self._fit_replicas(*args, **kwargs)
         kwargs = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs).arguments
         kwargs.pop("self")
         callbacks, backup = _backup.adapt(kwargs.get("callbacks"))
@@ -293,20 +310,21 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
                 # the group; all of them must read the same batches.
                 with _internals.temporary_global_seed(_inputs.next_array_shuffle_seed(self._common_seed())):
                     history = super().fit(**kwargs)
-        self.verify_group()
         return history
 
     def evaluate(self, *args, **kwargs):
         """Keras' evaluate; with data replicas over the union of their slices (global metrics)."""
-        if self._tnt_replicas is None or _internals.is_cached_eval_call(kwargs):
-            return super().evaluate(*args, **kwargs)
-        return self._evaluate_replicas(*args, **kwargs)
+        with compiled_segments(self._tnt_xla_segments):
+            if self._tnt_replicas is None or _internals.is_cached_eval_call(kwargs):
+                return super().evaluate(*args, **kwargs)
+            return self._evaluate_replicas(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
         """Keras' predict; with data replicas every rank returns the whole predictions."""
-        if self._tnt_replicas is None:
-            return super().predict(*args, **kwargs)
-        return self._predict_replicas(*args, **kwargs)
+        with compiled_segments(self._tnt_xla_segments):
+            if self._tnt_replicas is None:
+                return super().predict(*args, **kwargs)
+            return self._predict_replicas(*args, **kwargs)
 
     # -- files (see _saving) -------------------------------------------------------------------
     def save(self, filepath, overwrite=True, **kwargs) -> None:
