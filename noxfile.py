@@ -109,7 +109,14 @@ def keras(session: nox.Session) -> None:
     session.install(
         _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras", "test")
     )
+    _build_native_ops(session, required=True)
     _pytest(session, "tnt-keras")
+
+
+def _build_native_ops(session: nox.Session, required: bool) -> None:
+    """Build tarantella's native TensorFlow ops once, before launched jobs start many ranks
+    (docs/performance.md). The tests require them; elsewhere the fallback is fine."""
+    session.run("python", "-m", "tarantella.native", success_codes=[0] if required else [0, 1])
 
 
 @nox.session
@@ -138,6 +145,7 @@ def bench(session: nox.Session) -> None:
         _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras"),
         "mpi4py", "matplotlib", "tf_keras",
     )
+    _build_native_ops(session, required=False)
     session.run("python", str(ROOT / "benchmarks" / "run_all.py"), *session.posargs, env=MPI_ENV)
 
 

@@ -6,24 +6,29 @@
    metric tensors, tiny compute) trained by ``tnt.Model`` with ``TNT_FUSION_THRESHOLD=0``
    (one bucket per tensor) and with a threshold that puts everything in one bucket,
    timed round-robin in the same job. (step time with B buckets - step time with 1) /
-   (B - 1) is what one more bucket costs a training step: its submit op
-   (``tf.numpy_function``: GIL, array conversion), its slice of the wait op, the split,
-   and its collective's share not hidden by the others in flight.
+   (B - 1) is what one more bucket costs a training step: its submit op, its slice of the
+   wait op, the split, and its collective's share not hidden by the others in flight. With
+   the native ops (the row) and with the ``tf.numpy_function`` fallback (GIL, array
+   conversion; traced under ``tnt.native.disabled()``), all four models in one job.
 2. jit: ResNet-20 trained by ``tnt.Model`` (64 KB fusion threshold, so that there are
    buckets to overlap) with ``jit_compile=False`` and ``True``,
    round-robin: samples/s of each and ``overlap_fraction`` = the share of buckets
    submitted earlier than the step's last submit by at least 5 % of the step (with jit
    the part before the exchange is one XLA cluster, so every bucket is submitted, back to
-   back, when backprop has ended), and the spread of the submits over the step.
+   back, when backprop has ended), and the spread of the submits over the step. Speeds
+   with the native ops (and the fallback's beside them); the submit times come from the
+   fallback models, whose submits pass through Python (same graph, same buckets).
 
 The engine's submits are timed by wrapping the public ``tnt_comm.FusedAllreduce`` (as
-training.py does); tnt-keras is unchanged. Rank 0 prints a table and writes
+training.py does), which only the fallback calls from Python: the bucket count and the jit
+part use it. Rank 0 prints a table and writes
 benchmarks/results/step_bridge.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -83,6 +88,8 @@ def epoch_seconds(model, ds, epochs: int) -> list[float]:
 
 
 def bridge(quick: bool) -> dict:
+    """Per-bucket step cost with the native ops and with the tf.numpy_function fallback
+    (traced under tnt.native.disabled()), all four models timed round-robin."""
     steps, rounds = (40, 3) if quick else (100, 5)
     rng = np.random.default_rng(0)
     n = tnt.get_size()
@@ -91,30 +98,34 @@ def bridge(quick: bool) -> dict:
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8 * n)
     weights = mlp().get_weights()
     models, buckets = {}, {}
-    for name, kb in (("one_bucket", 1 << 20), ("bucket_per_tensor", 0)):
+    for ops, name in itertools.product(("fallback", "native"), ("one_bucket", "bucket_per_tensor")):
+        kb = 1 << 20 if name == "one_bucket" else 0
         os.environ["TNT_FUSION_THRESHOLD"] = str(kb)
         m = tnt.Model(mlp())
         os.environ.pop("TNT_FUSION_THRESHOLD")
         m.set_weights(weights)
         m.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         SubmitClock.reset()
-        m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up: traces, builds the reducer
-        buckets[name] = len(SubmitClock.submits) // 2
-        models[name] = m
+        with tnt.native.disabled() if ops == "fallback" else contextlib.nullcontext():
+            m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up: traces the step, builds the reducer
+        if ops == "fallback":  # the Python submits are only seen here; same plan natively
+            buckets[name] = len(SubmitClock.submits) // 2
+        models[(ops, name)] = m
     per_round = {k: [] for k in models}
     for _ in range(rounds):
-        for name, m in models.items():
+        for key, m in models.items():
             tnt_comm.barrier()
-            per_round[name].append(bl.median(epoch_seconds(m, ds, 1)) / steps)
-    step = {k: bl.median(v) for k, v in per_round.items()}
+            per_round[key].append(bl.median(epoch_seconds(m, ds, 1)) / steps)
     extra = buckets["bucket_per_tensor"] - buckets["one_bucket"]
-    per_bucket = [(b - a) / extra for a, b in zip(per_round["one_bucket"], per_round["bucket_per_tensor"])]
-    return {
-        "buckets": buckets,
-        "step_s": step,
-        "step_s_per_round": per_round,
-        "step_host_overhead_per_bucket_us": bl.median(per_bucket) * 1e6,
-    }
+    out = {"buckets": buckets, "native_ops": tnt.native.in_use(), "native_why_not": tnt.native.why_not,
+           "step_s": {f"{o}/{b}": bl.median(v) for (o, b), v in per_round.items()},
+           "step_s_per_round": {f"{o}/{b}": v for (o, b), v in per_round.items()}}
+    for ops in ("native", "fallback"):
+        per_bucket = [(b - a) / extra for a, b in zip(per_round[(ops, "one_bucket")],
+                                                      per_round[(ops, "bucket_per_tensor")])]
+        suffix = "" if ops == "native" else "_fallback"
+        out[f"step_host_overhead_per_bucket_us{suffix}"] = bl.median(per_bucket) * 1e6
+    return out
 
 
 def overlap(quick: bool) -> dict:
@@ -125,15 +136,16 @@ def overlap(quick: bool) -> dict:
     ds = bl.dataset(tf, "resnet", cfg["micro_batch"] * n, steps)
     weights = bl.build(keras, "resnet").get_weights()
     models = {}
-    for jit in (False, True):
+    for ops, jit in itertools.product(("native", "fallback"), (False, True)):
         os.environ["TNT_FUSION_THRESHOLD"] = str(JIT_THRESHOLD_KB)  # several buckets to overlap
         m = tnt.Model(bl.build(keras, "resnet"))
         os.environ.pop("TNT_FUSION_THRESHOLD")
         m.set_weights(weights)
         m.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"],
                   jit_compile=jit)
-        m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up (traces and compiles)
-        models[f"jit_{str(jit).lower()}"] = m
+        with tnt.native.disabled() if ops == "fallback" else contextlib.nullcontext():
+            m.fit(ds.take(2), epochs=1, verbose=0)  # warm-up (traces and compiles)
+        models[f"{ops}/jit_{str(jit).lower()}"] = m
     sps = {k: [] for k in models}
     fractions = {k: [] for k in models}
     spreads = {k: [] for k in models}
@@ -143,7 +155,8 @@ def overlap(quick: bool) -> dict:
             SubmitClock.reset()
             seconds = epoch_seconds(m, ds, 1)
             sps[name].append(cfg["micro_batch"] * n * steps / seconds[0])
-            # split the submits into steps at each wait (one wait per step)
+            # split the submits into steps at each wait (one wait per step); only the
+            # fallback's submits pass through Python, where SubmitClock sees them
             submits, waits = SubmitClock.submits, SubmitClock.waits
             start = 0
             for prev, w in itertools.pairwise(waits):  # whole steps only: between two waits
@@ -154,11 +167,13 @@ def overlap(quick: bool) -> dict:
                     fractions[name].append(sum(s < last - EARLY_SHARE * period for s in step) / len(step))
                     spreads[name].append((last - min(step)) / period)
     out = {}
-    for name in models:
-        out[name] = {
-            "samples_per_s": bl.median(sps[name]),
-            "overlap_fraction": float(np.mean(fractions[name])),
-            "submit_spread_share_of_step": bl.median(spreads[name]),
+    for jit in ("jit_false", "jit_true"):
+        fb = f"fallback/{jit}"
+        out[jit] = {
+            "samples_per_s": bl.median(sps[f"native/{jit}"]),
+            "samples_per_s_fallback": bl.median(sps[fb]),
+            "overlap_fraction": float(np.mean(fractions[fb])),
+            "submit_spread_share_of_step": bl.median(spreads[fb]),
         }
     out["jit_over_nojit_speed"] = out["jit_true"]["samples_per_s"] / out["jit_false"]["samples_per_s"]
     return out
@@ -170,11 +185,16 @@ def rows(result: dict) -> list[dict]:
     out = []
     if "bridge" in result:
         b = result["bridge"]
+        st = b["step_s"]
         out.append({"name": "step_host_overhead_per_bucket_us", "value": b["step_host_overhead_per_bucket_us"],
                     "target": 30.0, "higher_is_better": False, "unit": "us per bucket per step",
-                    "detail": f"MLP step {b['step_s']['one_bucket'] * 1e3:.2f} ms with "
-                              f"{b['buckets']['one_bucket']} bucket, {b['step_s']['bucket_per_tensor'] * 1e3:.2f} "
-                              f"ms with {b['buckets']['bucket_per_tensor']} (step_bridge.py, load {load:.1f})"})
+                    "detail": f"native ops{'' if b['native_ops'] else ' NOT in use: ' + str(b['native_why_not'])}: "
+                              f"MLP step {st['native/one_bucket'] * 1e3:.2f} ms with "
+                              f"{b['buckets']['one_bucket']} bucket, {st['native/bucket_per_tensor'] * 1e3:.2f} "
+                              f"ms with {b['buckets']['bucket_per_tensor']}; tf.numpy_function fallback in the same "
+                              f"job: {st['fallback/one_bucket'] * 1e3:.2f} / {st['fallback/bucket_per_tensor'] * 1e3:.2f}"
+                              f" ms, {b['step_host_overhead_per_bucket_us_fallback']:.1f} us per bucket "
+                              f"(step_bridge.py, load {load:.1f})"})
     if "jit" in result:
         j = result["jit"]
         out.append({"name": "overlap_fraction_jit", "value": j["jit_true"]["overlap_fraction"], "target": None,
@@ -205,13 +225,16 @@ def main() -> None:
           f"{result['machine_after']['loadavg'][0]:.2f})")
     if "bridge" in result:
         b = result["bridge"]
-        print(f"  MLP step: {b['step_s']['one_bucket'] * 1e3:.2f} ms with {b['buckets']['one_bucket']} bucket(s), "
-              f"{b['step_s']['bucket_per_tensor'] * 1e3:.2f} ms with {b['buckets']['bucket_per_tensor']}: "
-              f"step_host_overhead_per_bucket_us = {b['step_host_overhead_per_bucket_us']:.1f}")
+        for ops, suffix in (("native", ""), ("fallback", "_fallback")):
+            print(f"  MLP step, {ops} ops: {b['step_s'][ops + '/one_bucket'] * 1e3:.2f} ms with "
+                  f"{b['buckets']['one_bucket']} bucket(s), {b['step_s'][ops + '/bucket_per_tensor'] * 1e3:.2f} ms "
+                  f"with {b['buckets']['bucket_per_tensor']}: step_host_overhead_per_bucket_us = "
+                  f"{b['step_host_overhead_per_bucket_us' + suffix]:.1f}")
     if "jit" in result:
         j = result["jit"]
         for name in ("jit_false", "jit_true"):
-            print(f"  ResNet-20 {name}: {j[name]['samples_per_s']:.1f} samples/s, overlap_fraction "
+            print(f"  ResNet-20 {name}: {j[name]['samples_per_s']:.1f} samples/s (fallback ops "
+                  f"{j[name]['samples_per_s_fallback']:.1f}), overlap_fraction "
                   f"{j[name]['overlap_fraction']:.2f}, submits spread over "
                   f"{100 * j[name]['submit_spread_share_of_step']:.1f} % of the step")
         print(f"  jit / no jit speed: {j['jit_over_nojit_speed']:.3f}")

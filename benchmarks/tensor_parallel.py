@@ -16,10 +16,11 @@ Rows (results/tensor_parallel[_4].json -> summary.json through summary.py):
   Keras on rank 0 alone, same global batch (paired per round, median). Beside it: data
   parallelism and pipelining (2 stages) on the same model and ranks.
 - tensor_collective_overhead_us: time per in-graph SUM-allreduce (``reduce_from_group``,
-  a ``tf.numpy_function`` op inside a ``tf.function``, K of them chained) minus the time of
+  a native op inside a ``tf.function``, K of them chained) minus the time of
   the same ``Communicator.allreduce`` called K times from Python on the same group, same
   bytes (1 KiB, latency-bound): what the graph op adds beyond the MPI call. Median of
-  rounds; the allgather's figure is in the detail.
+  rounds; the allgather's figure, and both with the ``tf.numpy_function`` fallback
+  (``tnt.native.disabled()``) measured in the same job, are in the detail.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ def _per_call(fn, reps: int) -> float:
 
 
 def collective_overhead(reps: int) -> dict:
+    """Per call: direct from Python, and in graph with the native ops and with the
+    tf.numpy_function fallback (traced under tnt.native.disabled()), side by side."""
     group = tnt.tensor_parallel.TensorGroup.of_world(tnt.get_size())
     x = np.ones(256, np.float32)  # 1 KiB
     xt = tf.constant(x)
@@ -170,21 +173,32 @@ def collective_overhead(reps: int) -> dict:
         for _ in range(K):
             a = group.comm.allreduce(a, tnt_comm.Op.SUM) * np.float32(0.5)
 
-    @tf.function(jit_compile=False)
-    def in_graph(t):
-        for _ in range(K):
-            t = tnt.tensor_parallel.reduce_from_group(t, group) * 0.5
-        return t
+    def chains():
+        @tf.function(jit_compile=False)
+        def in_graph(t):
+            for _ in range(K):
+                t = tnt.tensor_parallel.reduce_from_group(t, group) * 0.5
+            return t
 
-    @tf.function(jit_compile=False)
-    def gathered(t):
-        for _ in range(K):
-            t = tnt.tensor_parallel.gather_last_axis(t[: 256 // group.size], group)
-        return t
+        @tf.function(jit_compile=False)
+        def gathered(t):
+            for _ in range(K):
+                t = tnt.tensor_parallel.gather_last_axis(t[: 256 // group.size], group)
+            return t
 
-    return {"direct_allreduce_us": _per_call(direct, reps) * 1e6,
-            "in_graph_allreduce_us": _per_call(lambda: in_graph(xt).numpy(), reps) * 1e6,
-            "in_graph_allgather_us": _per_call(lambda: gathered(xt).numpy(), reps) * 1e6,
+        in_graph.get_concrete_function(xt)  # traced here: inside or outside disabled()
+        gathered.get_concrete_function(xt)
+        return in_graph, gathered
+
+    native_ar, native_ag = chains()
+    with tnt.native.disabled():
+        fallback_ar, fallback_ag = chains()
+    return {"native_ops": tnt.native.in_use(), "native_why_not": tnt.native.why_not,
+            "direct_allreduce_us": _per_call(direct, reps) * 1e6,
+            "in_graph_allreduce_us": _per_call(lambda: native_ar(xt).numpy(), reps) * 1e6,
+            "in_graph_allgather_us": _per_call(lambda: native_ag(xt).numpy(), reps) * 1e6,
+            "fallback_allreduce_us": _per_call(lambda: fallback_ar(xt).numpy(), reps) * 1e6,
+            "fallback_allgather_us": _per_call(lambda: fallback_ag(xt).numpy(), reps) * 1e6,
             "direct_allgather_us": _per_call(lambda: [group.comm.allgather(x[:128]) for _ in range(K)], reps) * 1e6}
 
 
@@ -227,7 +241,10 @@ def main() -> int:
              "higher_is_better": False, "unit": "us per in-graph collective beyond the MPI call",
              "detail": (f"allreduce 1 KiB: in graph {co['in_graph_allreduce_us']:.1f} us vs direct "
                         f"{co['direct_allreduce_us']:.1f} us; allgather in graph {co['in_graph_allgather_us']:.1f} "
-                        f"us vs direct {co['direct_allgather_us']:.1f} us (t={n}, K={K} chained, median of "
+                        f"us vs direct {co['direct_allgather_us']:.1f} us; "
+                        f"{'native ops' if co['native_ops'] else 'native ops NOT in use: ' + str(co['native_why_not'])}; "
+                        f"the tf.numpy_function fallback: allreduce {co['fallback_allreduce_us']:.1f} us, allgather "
+                        f"{co['fallback_allgather_us']:.1f} us (t={n}, K={K} chained, median of "
                         f"{reps}) (tensor_parallel.py)")},
         ]
     result["rows"] = rows

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "c_api.h"
 #include "collectives.h"
 #include "errors.h"
 #include "fused.h"
@@ -158,6 +159,8 @@ class PyComm {
     py::gil_scoped_release release;
     return PyComm(tnt::split(e, c_, color, key));
   }
+  // Its id for native code (tnt_comm_c_api.h), valid while the communicator lives.
+  std::int64_t native_handle() const { return c_api_register(c_); }
   PyComm dup() {
     Engine& e = runtime_engine();
     py::gil_scoped_release release;
@@ -203,7 +206,7 @@ class PyFused {
     Engine& engine = runtime_engine();
     CommPtr over = comm != nullptr ? comm->ptr() : engine.world_comm();
     py::gil_scoped_release release;
-    impl_ = std::make_unique<FusedAllreduce>(engine, dup(engine, over), std::move(parsed), threshold,
+    impl_ = std::make_shared<FusedAllreduce>(engine, dup(engine, over), std::move(parsed), threshold,
                                              static_cast<ReduceOp>(op), slot_align_bytes);
   }
 
@@ -239,6 +242,8 @@ class PyFused {
   py::list wait_buckets() { return results(true); }
 
   void close() { impl_->close(); }
+  // Its id for native code (tnt_comm_c_api.h), valid while the engine lives.
+  std::int64_t native_handle() const { return c_api_register(impl_); }
 
  private:
   // Releasing the GIL costs more than copying a small tensor (and invites a thread
@@ -313,7 +318,7 @@ class PyFused {
   }
 
   std::vector<py::dtype> dtypes_;
-  std::unique_ptr<FusedAllreduce> impl_;
+  std::shared_ptr<FusedAllreduce> impl_;
 };
 
 }  // namespace
@@ -356,6 +361,7 @@ PYBIND11_MODULE(_core, m) {
   });
 
   m.def("reducible_dtypes", &dtype_names);
+  m.def("c_api_address", [] { return reinterpret_cast<std::uintptr_t>(c_api_table()); });
   m.def("world", [] { return PyComm(runtime_engine().world_comm()); });
   m.def("begin_local_work", [] { runtime_engine().begin_local_work(); });
   m.def("end_local_work", [] { runtime_engine().end_local_work(); });
@@ -370,6 +376,7 @@ PYBIND11_MODULE(_core, m) {
       .def("allgather", &PyComm::allgather)
       .def("split", &PyComm::split)
       .def("dup", &PyComm::dup)
+      .def("native_handle", &PyComm::native_handle)
       .def("isend", &PyComm::isend)
       .def("irecv", &PyComm::irecv);
 
@@ -390,5 +397,6 @@ PYBIND11_MODULE(_core, m) {
       .def("submit_many", &PyFused::submit_many)
       .def("wait", &PyFused::wait)
       .def("wait_buckets", &PyFused::wait_buckets)
-      .def("close", &PyFused::close);
+      .def("close", &PyFused::close)
+      .def("native_handle", &PyFused::native_handle);
 }

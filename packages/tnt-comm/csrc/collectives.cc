@@ -264,6 +264,7 @@ Gathered allgather(Engine& engine, const CommPtr& comm, const void* in, const Ar
     }
     out->shape = first.shape;
     out->shape.front() = rows;
+    out->bytes_per_rank = *counts;
     std::int64_t total = 0;
     for (const auto c : *counts) total += c;
     out->data = std::make_shared<FusionBuffer>(static_cast<std::size_t>(total));

@@ -53,6 +53,7 @@ void broadcast(Engine& engine, const CommPtr& comm, void* buf, const ArrayDesc& 
 struct Gathered {
   std::shared_ptr<FusionBuffer> data;
   std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> bytes_per_rank;  // in rank order
 };
 // Concatenation along axis 0 in rank order; axis-0 lengths may differ.
 Gathered allgather(Engine& engine, const CommPtr& comm, const void* in, const ArrayDesc& desc);

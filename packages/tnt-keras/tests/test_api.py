@@ -11,6 +11,7 @@ from conftest import assert_check, launched_checks
 
 CHECKS = [
     "rank_api",
+    "native_ops_used_and_equal_fallback",
     "initial_weights_broadcast_from_rank0",
     "numpy_inputs_equal_serial",
     "validation_split_equal_serial",

@@ -58,6 +58,7 @@ BAD_SETTINGS = {
     "log_level": ("TNT_LOG_LEVEL", "LOUD", ["TNT_LOG_LEVEL='LOUD' is not a log level", "DEBUG, INFO"]),
     "flag": ("TNT_OUTPUT_ON_ALL_DEVICES", "maybe", ["TNT_OUTPUT_ON_ALL_DEVICES='maybe' is not a boolean",
                                                       "true/false"]),
+    "native_flag": ("TNT_NATIVE_OPS", "fast", ["TNT_NATIVE_OPS='fast' is not a boolean", "true/false"]),
 }
 
 _PROBE = """
@@ -121,14 +122,32 @@ def test_bad_setting_value(setting_messages, case):
         assert fragment in message, message
 
 
-def test_bad_setting_fails_at_import_and_unknown_names_warn():
+_NO_COMPILER = """
+import tensorflow as tf, tarantella as tnt, tnt_comm
+from tarantella import _graph_collectives
+f = tf.function(lambda x: _graph_collectives.allreduce(x, tnt_comm.world(), "t", "ar"))
+x = tf.constant([1.0, 2.0, 3.0])
+kinds = {op.type for op in f.get_concrete_function(x).graph.get_operations()}
+print("RESULT", tnt.native.in_use(), tnt.native.why_not, [float(f(x).numpy().sum())],
+      "PyFunc" if "PyFunc" in kinds and "TntAllreduce" not in kinds else sorted(kinds))
+"""
+
+
+def test_bad_setting_fails_at_import_and_unknown_names_warn(tmp_path):
     """A bad value stops `import tarantella` (so every rank stops at once, before any
     collective); a misspelt TNT_* name is reported with a suggestion."""
-    bad, typo, timeout = _python_all([
+    bad, typo, timeout, no_compiler = _python_all([
         ("import tarantella", (), {"TNT_FUSION_THRESHOLD": "-5"}),
         ("import tarantella", (), {"TNT_FUSION_TRESHOLD": "64"}),
         ("import tarantella", (), {"TNT_COMM_TIMEOUT": "soon"}),
+        (_NO_COMPILER, (), {"CXX": "/nonexistent/c++", "TNT_NATIVE_OPS_CACHE": str(tmp_path)}),
     ])
+    # Without a compiler (and no built library in the cache) the collectives fall back to
+    # tf.numpy_function ops: same results, one warning saying why.
+    assert no_compiler.returncode == 0, no_compiler.stderr[-3000:]
+    assert "RESULT False RuntimeError: no C++ compiler (set CXX or install g++) [6.0] PyFunc" in no_compiler.stdout, (
+        no_compiler.stdout[-2000:], no_compiler.stderr[-3000:])
+    assert "native TensorFlow ops are unavailable" in no_compiler.stderr, no_compiler.stderr[-3000:]
     assert bad.returncode != 0
     assert "SettingError: TNT_FUSION_THRESHOLD='-5' is negative" in bad.stderr, bad.stderr[-3000:]
     assert typo.returncode == 0, typo.stderr[-3000:]

@@ -24,11 +24,13 @@ from ._collectives import (
 from ._comm import Communicator, Op, Request, world
 from ._errors import CommError, StallError
 from ._fused import FusedAllreduce, TensorSpec, plan_buckets
+from ._native import C_API_VERSION, c_api_address, c_api_include_dir
 from ._runtime import abort, finalize, init, is_initialized
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "C_API_VERSION",
     "CommError",
     "Communicator",
     "FusedAllreduce",
@@ -44,6 +46,8 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "c_api_address",
+    "c_api_include_dir",
     "finalize",
     "init",
     "is_initialized",

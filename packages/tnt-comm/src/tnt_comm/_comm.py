@@ -98,6 +98,11 @@ class Communicator:
         key = _rank_arg(key, "split", "key")
         return Communicator(self._core.split(color, key))
 
+    def native_handle(self) -> int:
+        """This communicator's id for native code (``tnt_comm_c_api.h``; see
+        :func:`tnt_comm.c_api_address`). Valid while this communicator lives."""
+        return int(self._core.native_handle())
+
     def dup(self) -> Communicator:
         """A new communicator with the same ranks whose traffic never meets this one's."""
         return Communicator(self._core.dup())

@@ -157,6 +157,11 @@ class FusedAllreduce:
         """
         return self._core.wait_buckets()
 
+    def native_handle(self) -> int:
+        """This engine's id for native code (``tnt_comm_c_api.h``: ``fused_submit``,
+        ``fused_wait_buckets``). Valid while this engine lives."""
+        return int(self._core.native_handle())
+
     def close(self) -> None:
         """Refuse further use; a pending wait() fails. In-flight buckets still finish."""
         self._core.close()

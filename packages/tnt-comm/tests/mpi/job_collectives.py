@@ -371,6 +371,7 @@ def bad_input_errors() -> None:
                   [t.TensorSpec("i", 3, "int32")], 0, t.Op.AVG)
 
 
+import checks_c_api  # noqa: E402,F401  (the C interface native code calls)
 import checks_comm  # noqa: E402,F401  (registers the communicator/point-to-point checks)
 
 run_all(R)

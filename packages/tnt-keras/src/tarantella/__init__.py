@@ -9,7 +9,7 @@ Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run
 
 from __future__ import annotations
 
-from . import keras, models, pipelining, tensor_parallel
+from . import keras, models, native, pipelining, tensor_parallel
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._inputs import InputError
 from ._internals import UnsupportedVersionError
@@ -38,6 +38,7 @@ __all__ = [
     "keras",
     "local_batch_size",
     "models",
+    "native",
     "pipelining",
     "tensor_parallel",
 ]

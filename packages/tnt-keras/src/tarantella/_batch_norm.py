@@ -23,33 +23,17 @@ import threading
 from collections.abc import Iterator
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 import tnt_comm
 
-from . import _internals, _runtime
-
-_last_collective: dict[tuple[int, str], tf.Tensor] = {}
+from . import _graph_collectives, _internals, _runtime
 
 
 def _chained_allreduce(t: tf.Tensor, direction: str) -> tf.Tensor:
     """SUM over ranks of ``t`` as a graph op, ordered after the previous one of its graph."""
-    inputs = [t]
-    if not tf.executing_eagerly():
-        graph = tf.compat.v1.get_default_graph()
-        prev = _last_collective.get((id(graph), direction))
-        if prev is not None and prev.graph is graph:
-            inputs.append(prev)
-
-    def reduce(a: np.ndarray, *_order) -> np.ndarray:
-        return tnt_comm.allreduce(np.ascontiguousarray(a), tnt_comm.Op.SUM)
-
-    out = tf.numpy_function(reduce, inputs, t.dtype, stateful=True, name=f"tnt_bn_allreduce_{direction}")
-    out.set_shape(t.shape)
-    if not tf.executing_eagerly():
-        _last_collective[(id(tf.compat.v1.get_default_graph()), direction)] = out
-    return out
+    return _graph_collectives.allreduce(t, tnt_comm.world(), f"batch_norm_{direction}",
+                                        f"tnt_bn_allreduce_{direction}")
 
 
 @tf.custom_gradient

@@ -35,6 +35,8 @@ import tensorflow as tf
 
 import tnt_comm
 
+from . import native as _native
+
 _TOKEN = np.zeros((), dtype=np.int32)
 # TensorFlow's Split shares the input's memory for an output that starts 64-byte aligned
 # (EIGEN_MAX_ALIGN_BYTES) and copies the others.
@@ -125,43 +127,60 @@ class GraphReducer:
         if start is None:
             start = start_token()
         keep = tf.constant(True) if keep is None else tf.convert_to_tensor(keep, tf.bool)
-        # stateful=False on purpose: a stateful op would be chained after every earlier
-        # side-effecting op of the step (tf.function's automatic control dependencies), so
-        # no bucket could start before backprop ends. The start token keeps Grappler from
-        # constant-folding it instead.
-        tokens = [
-            tf.numpy_function(
-                lambda *arrays, members=members: self._submit_np(members, keep_from, *arrays),
-                [start, keep, *(values[i] for i in members)],
-                tf.int32,
-                stateful=False,
-                name="tnt_submit_bucket",
+        native = _native.ops()
+        if native is not None:
+            handle = self._engine.native_handle()
+            tokens = [
+                native.tnt_fused_submit(start, keep, [values[i] for i in members], engine=handle,
+                                        members=members, keep_from=keep_from, name="tnt_submit_bucket")
+                for members in self._plan
+            ]
+            buckets = native.tnt_fused_wait(
+                tokens, Tout=[self.slots[m[0]].dtype for m in self._plan], engine=handle,
+                counts=[sum(self._pieces(m)[0]) for m in self._plan], name="tnt_wait")
+        else:
+            # stateful=False on purpose: a stateful op would be chained after every earlier
+            # side-effecting op of the step (tf.function's automatic control dependencies), so
+            # no bucket could start before backprop ends. The start token keeps Grappler from
+            # constant-folding it instead.
+            tokens = [
+                tf.numpy_function(
+                    lambda *arrays, members=members: self._submit_np(members, keep_from, *arrays),
+                    [start, keep, *(values[i] for i in members)],
+                    tf.int32,
+                    stateful=False,
+                    name="tnt_submit_bucket",
+                )
+                for members in self._plan
+            ]
+            buckets = tf.numpy_function(
+                self._wait_np,
+                tokens,
+                [self.slots[members[0]].dtype for members in self._plan],
+                stateful=True,
+                name="tnt_wait",
             )
-            for members in self._plan
-        ]
-        buckets = tf.numpy_function(
-            self._wait_np,
-            tokens,
-            [self.slots[members[0]].dtype for members in self._plan],
-            stateful=True,
-            name="tnt_wait",
-        )
         out: list[tf.Tensor | None] = [None] * len(self.slots)
         for members, flat in zip(self._plan, buckets):
-            # pieces: each slot, and the padding before the next slot where there is any
-            sizes, slot_piece = [], []
-            for k, i in enumerate(members):
-                slot_piece.append(len(sizes))
-                sizes.append(self.slots[i].count)
-                end = self._offsets[i] + self.slots[i].count
-                pad = self._offsets[members[k + 1]] - end if k + 1 < len(members) else 0
-                if pad:
-                    sizes.append(pad)
+            sizes, slot_piece = self._pieces(members)
             flat.set_shape([sum(sizes)])
             parts = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
             for i, p in zip(members, slot_piece):
                 out[i] = tf.reshape(parts[p], self.slots[i].shape)
         return out
+
+    def _pieces(self, members: list[int]) -> tuple[list[int], list[int]]:
+        """A bucket's pieces (each slot, and the padding before the next slot where there
+        is any) as element counts, and the piece index of each slot."""
+        sizes, slot_piece = [], []
+        for k, i in enumerate(members):
+            slot_piece.append(len(sizes))
+            sizes.append(self.slots[i].count)
+            end = self._offsets[i] + self.slots[i].count
+            pad = self._offsets[members[k + 1]] - end if k + 1 < len(members) else 0
+            if pad:
+                sizes.append(pad)
+        return sizes, slot_piece
 
     def close(self) -> None:
         self._engine.close()

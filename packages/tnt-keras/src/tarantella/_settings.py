@@ -59,6 +59,11 @@ def _fusion_threshold_bytes() -> int:
     return int(kib * 1024)
 
 
+def native_ops_enabled() -> bool:
+    """``TNT_NATIVE_OPS`` (default on): build and use the native TensorFlow collectives."""
+    return _flag("TNT_NATIVE_OPS", True)
+
+
 def _log_level() -> str:
     name = "TNT_LOG_LEVEL"
     raw = os.environ.get(name, "WARNING")
@@ -73,7 +78,8 @@ KNOWN = frozenset({
     "TNT_FUSION_THRESHOLD", "TNT_LOG_LEVEL", "TNT_LOG_ON_ALL_DEVICES",
     "TNT_OUTPUT_ON_ALL_DEVICES", "TNT_TENSORBOARD_ON_ALL_DEVICES",
     "TNT_COMM_TIMEOUT", "TNT_COMM_POLL_SPIN_US", "TNT_COMM_POLL_MAX_SLEEP_US", "TNT_COMM_MPI",
-    "TNT_MPIRUN",
+    "TNT_MPIRUN", "TNT_NATIVE_OPS", "TNT_NATIVE_OPS_CACHE", "TNT_COMM_HANDOFF_SPIN_US",
+    "TNT_COMM_WAIT_SPIN_US",
 })
 
 
@@ -97,6 +103,7 @@ class Settings:
     log_on_all_devices: bool
     output_on_all_devices: bool
     tensorboard_on_all_devices: bool
+    native_ops: bool
 
 
 def load() -> Settings:
@@ -107,4 +114,5 @@ def load() -> Settings:
         log_on_all_devices=_flag("TNT_LOG_ON_ALL_DEVICES", False),
         output_on_all_devices=_flag("TNT_OUTPUT_ON_ALL_DEVICES", False),
         tensorboard_on_all_devices=_flag("TNT_TENSORBOARD_ON_ALL_DEVICES", False),
+        native_ops=native_ops_enabled(),
     )

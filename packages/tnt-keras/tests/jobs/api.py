@@ -73,6 +73,47 @@ def serial_and_tnt(seed=5):
     return compiled(serial), compiled(model)
 
 
+def check_native_ops() -> None:
+    """The native collectives are built and used here (a compiler exists on every machine
+    that builds tnt-comm), and they give exactly what the tf.numpy_function fallback and
+    numpy give: allreduce, allgather and the fused gradient reducer, inside tf.function."""
+    from tarantella import _graph_collectives, _reducer
+
+    n, r = tnt.get_size(), tnt.get_rank()
+    world = tnt_comm.world()
+    x = tf.constant((np.arange(12, dtype=np.float32).reshape(3, 4) - 5) * (r + 1) / 3)
+    grads = [tf.fill([5], float(r + 1)), tf.fill([2, 3], 0.5 * (r + 1)), tf.fill([7], -float(r))]
+    slots = [_reducer.Slot(f"g{i}", tuple(g.shape), tf.float32) for i, g in enumerate(grads)]
+
+    def traced():
+        reducer = _reducer.GraphReducer(slots, threshold_bytes=32)  # buckets of ~1-2 slots
+
+        @tf.function
+        def step(x, *g):
+            return (_graph_collectives.allreduce(x, world, "api", "ar"),
+                    _graph_collectives.allgather_stacked(x, world, "api", "ag"),
+                    reducer.reduce(list(g)))
+        ops = [op.type for op in step.get_concrete_function(x, *grads).graph.get_operations()]
+        return step(x, *grads), ops, reducer
+
+    native, native_ops, native_reducer = traced()
+    with tnt.native.disabled():
+        fallback, fallback_ops, fallback_reducer = traced()
+    want_ar = sum((np.arange(12, dtype=np.float32).reshape(3, 4) - 5) * (q + 1) / 3 for q in range(n))
+    want_ag = np.stack([(np.arange(12, dtype=np.float32).reshape(3, 4) - 5) * (q + 1) / 3 for q in range(n)])
+    want_g = [np.full([5], n * (n + 1) / 2), np.full([2, 3], 0.5 * n * (n + 1) / 2),
+              np.full([7], -n * (n - 1) / 2)]
+    same = (_job.max_abs_diff(native, fallback), _job.max_abs_diff(native[0], want_ar),
+            _job.max_abs_diff(native[1], want_ag), _job.max_abs_diff(native[2], want_g))
+    kinds = ({"TntAllreduce", "TntAllgather", "TntFusedSubmit", "TntFusedWait"} <= set(native_ops),
+             "PyFunc" not in native_ops, "PyFunc" in fallback_ops and "TntAllreduce" not in fallback_ops)
+    native_reducer.close()
+    fallback_reducer.close()
+    check("native_ops_used_and_equal_fallback",
+          tnt.native.in_use() and tnt.native.why_not is None and all(kinds) and max(same) < 1e-5,
+          dict(in_use=tnt.native.in_use(), why_not=tnt.native.why_not, kinds=kinds, diffs=same))
+
+
 def check_rank_api() -> None:
     ranks = gathered(tnt.get_rank())
     check("rank_api", ranks == list(range(tnt.get_size())) and tnt.get_master_rank() == 0
@@ -346,6 +387,7 @@ def main() -> None:
             (shared / "io").mkdir()
         tnt_comm.barrier()
         check_rank_api()
+        check_native_ops()
         check_initial_broadcast()
         check_numpy_inputs()
         check_predict_on_every_rank()

@@ -1,8 +1,9 @@
 """In-graph collectives on a tensor group, with the gradients layer parallelism needs.
 
 A split layer's shards live on the ranks of one *tensor group*; three collectives join
-their partial results, each a graph op (``tf.numpy_function`` calling the group's
-blocking ``tnt_comm`` collective) with a custom gradient:
+their partial results, each a graph op (``tarantella._graph_collectives``: a native op
+calling the group's blocking ``tnt_comm`` collective, or its ``tf.numpy_function``
+fallback) with a custom gradient:
 
     copy_to_group     (f)  forward identity            backward SUM-allreduce
     reduce_from_group (g)  forward SUM-allreduce       backward identity
@@ -14,18 +15,20 @@ trace the same graph, and each collective takes the previous one of its graph as
 input, so the executor runs them in creation order (forward in layer order, then backward
 in reverse), whatever else could run in parallel. They are ``stateful=True``: never pruned,
 never constant-folded by Grappler (cf. the start token of ``_reducer``), and not reordered
-against each other. ``tf.numpy_function`` cannot live inside XLA: a tensor-parallel step
-runs with ``jit_compile=False``.
+against each other. Neither op can live inside XLA: a tensor-parallel step runs with
+``jit_compile=False``.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 import tnt_comm
 
-_last_collective: dict[int, tf.Tensor] = {}
+from .. import _graph_collectives
+
+#: The order chain of every tensor-group collective (see _graph_collectives).
+_CHAIN = "tensor_group"
 
 
 class TensorGroup:
@@ -48,26 +51,8 @@ class TensorGroup:
         return f"<TensorGroup rank {self.rank} of {self.size}>"
 
 
-def _ordered(fn, x: tf.Tensor, name: str) -> tf.Tensor:
-    """``fn`` (numpy -> numpy, same dtype) as a graph op after the previous collective."""
-    inputs = [x]
-    graph = None
-    if not tf.executing_eagerly():
-        graph = tf.compat.v1.get_default_graph()
-        prev = _last_collective.get(id(graph))
-        if prev is not None and prev.graph is graph:
-            inputs.append(prev)
-    out = tf.numpy_function(lambda a, *_order: fn(np.ascontiguousarray(a)), inputs, x.dtype,
-                            stateful=True, name=name)
-    if graph is not None:
-        _last_collective[id(graph)] = out
-    return out
-
-
 def _allreduce(group: TensorGroup, x: tf.Tensor, name: str) -> tf.Tensor:
-    out = _ordered(lambda a: group.comm.allreduce(a, tnt_comm.Op.SUM), x, name)
-    out.set_shape(x.shape)
-    return out
+    return _graph_collectives.allreduce(x, group.comm, _CHAIN, name)
 
 
 def copy_to_group(x: tf.Tensor, group: TensorGroup) -> tf.Tensor:
@@ -103,14 +88,10 @@ def gather_last_axis(x: tf.Tensor, group: TensorGroup) -> tf.Tensor:
         return x
     width = x.shape[-1]
 
-    def gather(a: np.ndarray) -> np.ndarray:
-        whole = group.comm.allgather(np.ascontiguousarray(np.moveaxis(a, -1, 0)))
-        return np.ascontiguousarray(np.moveaxis(whole, 0, -1))
-
     @tf.custom_gradient
     def gathered(t):
-        out = _ordered(gather, t, "tnt_tp_allgather")
-        out.set_shape(t.shape[:-1].concatenate([width * group.size]))
+        stacked = _graph_collectives.allgather_stacked(t, group.comm, _CHAIN, "tnt_tp_allgather")
+        out = tf.concat(tf.unstack(stacked, num=group.size), axis=-1)
 
         def grad(dy):
             start = group.rank * width

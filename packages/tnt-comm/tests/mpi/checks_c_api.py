@@ -1,0 +1,124 @@
+"""The C interface (tnt_comm_c_api.h) called through ctypes, as native code calls it:
+results equal numpy's, and bad handles or mismatched arguments are errors with messages."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+from _harness import check
+
+import tnt_comm as t
+
+R, N = t.rank(), t.size()
+W = t.world()
+I64P = ctypes.POINTER(ctypes.c_int64)
+ERR = 1024
+
+
+class CApi(ctypes.Structure):
+    _fields_ = [
+        ("version", ctypes.c_int32),
+        ("struct_size", ctypes.c_int32),
+        ("allreduce", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, I64P,
+                                       ctypes.c_int32, ctypes.c_char_p, ctypes.c_int32, ctypes.c_char_p,
+                                       ctypes.c_size_t)),
+        ("allgather", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, I64P,
+                                       ctypes.c_int32, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t)),
+        ("fused_submit", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, I64P,
+                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t)),
+        ("fused_wait_buckets", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                ctypes.POINTER(ctypes.c_void_p), I64P, ctypes.c_char_p,
+                                                ctypes.c_size_t)),
+    ]
+
+
+API = CApi.from_address(t.c_api_address())
+
+
+def shape_of(a: np.ndarray) -> ctypes.Array:
+    return (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
+
+
+def ptr(a: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+@check
+def c_api_table_and_header() -> None:
+    assert API.version == t.C_API_VERSION == 1, API.version
+    assert API.struct_size == ctypes.sizeof(CApi), (API.struct_size, ctypes.sizeof(CApi))
+    header = Path(t.c_api_include_dir()) / "tnt_comm_c_api.h"
+    assert f"#define TNT_COMM_C_API_VERSION {t.C_API_VERSION}" in header.read_text()
+
+
+@check
+def c_api_allreduce_and_allgather_match_numpy() -> None:
+    handle = W.native_handle()
+    assert handle == W.native_handle()  # one id per communicator
+    x = (np.arange(12, dtype=np.float32).reshape(3, 4) + 1) * (R + 1)
+    out = np.empty_like(x)
+    err = ctypes.create_string_buffer(ERR)
+    assert API.allreduce(handle, ptr(x), ptr(out), shape_of(x), 2, b"float32", int(t.Op.SUM), err, ERR) == 0, err.value
+    assert np.array_equal(out, (np.arange(12, dtype=np.float32).reshape(3, 4) + 1) * N * (N + 1) / 2)
+    m = np.array([R, -R], dtype=np.int64)
+    assert API.allreduce(handle, ptr(m), ptr(m), shape_of(m), 1, b"int64", int(t.Op.MAX), err, ERR) == 0  # in place
+    assert m.tolist() == [N - 1, 0]
+    g = np.empty((N, 2, 4), np.float32)
+    row = np.full((1, 2, 4), R, np.float32)
+    assert API.allgather(handle, ptr(row), ptr(g), shape_of(row), 3, b"float32", err, ERR) == 0, err.value
+    assert np.array_equal(g, np.arange(N, dtype=np.float32)[:, None, None] * np.ones((N, 2, 4), np.float32))
+
+
+@check
+def c_api_errors_are_codes_with_messages() -> None:
+    err = ctypes.create_string_buffer(ERR)
+    x = np.zeros(2, np.float32)
+    assert API.allreduce(987654, ptr(x), ptr(x), shape_of(x), 1, b"float32", 0, err, ERR) == 3  # TNT_ERR_ARG
+    assert b"no live communicator with native handle 987654" in err.value, err.value
+    assert API.allreduce(W.native_handle(), ptr(x), ptr(x), shape_of(x), 1, b"complex64", 0, err, ERR) == 3
+    assert b"complex64" in err.value, err.value
+    if N > 1:  # shapes that differ across ranks: the check names every rank's arguments
+        y = np.zeros(R + 1, np.float32)
+        assert API.allreduce(W.native_handle(), ptr(y), ptr(y), shape_of(y), 1, b"float32", 0, err, ERR) != 0
+        assert b"float32 (1,)" in err.value and b"float32 (2,)" in err.value, err.value
+        rows = np.zeros((R + 1, 2), np.float32)  # the native allgather needs one shape everywhere
+        out = np.zeros((N, R + 1, 2), np.float32)
+        assert API.allgather(W.native_handle(), ptr(rows), ptr(out), shape_of(rows), 2, b"float32", err, ERR) == 3
+        assert b"differ in length along axis 0" in err.value, err.value
+
+
+@check
+def c_api_fused_engine_round() -> None:
+    specs = [t.TensorSpec(f"c{i}", 3 + i, "float32") for i in range(4)]
+    with t.FusedAllreduce(specs, 16, comm=W, slot_alignment=64) as f:
+        handle = f.native_handle()
+        err = ctypes.create_string_buffer(ERR)
+        values = [np.full(s.count, R + 1 + i, np.float32) for i, s in enumerate(specs)]
+        for members in f.plan:
+            idx = (ctypes.c_int64 * len(members))(*members)
+            # the last tensor is submitted as NULL: zeros, as a rank without data sends
+            data = (ctypes.c_void_p * len(members))(*(None if i == 3 else values[i].ctypes.data for i in members))
+            assert API.fused_submit(handle, len(members), idx, data, err, ERR) == 0, err.value
+        sizes = [f.slot_offsets[m[-1]] + specs[m[-1]].count - f.slot_offsets[m[0]] for m in f.plan]
+        outs = [np.empty(n, np.float32) for n in sizes]
+        out_p = (ctypes.c_void_p * len(outs))(*(o.ctypes.data for o in outs))
+        caps = (ctypes.c_int64 * len(outs))(*(o.nbytes for o in outs))
+        assert API.fused_wait_buckets(handle, len(outs), out_p, caps, err, ERR) == 0, err.value
+        for members, flat in zip(f.plan, outs):
+            for i in members:
+                got = flat[f.slot_offsets[i] - f.slot_offsets[members[0]]:][:specs[i].count]
+                want = 0 if i == 3 else sum(r + 1 + i for r in range(N))
+                assert (got == want).all(), (i, got, want)
+        bad = (ctypes.c_int64 * len(outs))(*(o.nbytes + 4 for o in outs))
+        for members in f.plan:  # a second round whose outputs are the wrong size
+            idx = (ctypes.c_int64 * len(members))(*members)
+            data = (ctypes.c_void_p * len(members))(*(values[i].ctypes.data for i in members))
+            assert API.fused_submit(handle, len(members), idx, data, err, ERR) == 0, err.value
+        assert API.fused_wait_buckets(handle, len(outs), out_p, bad, err, ERR) == 3
+        assert b"bytes, its output" in err.value, err.value
+    one = (ctypes.c_int64 * 1)(0)
+    data = (ctypes.c_void_p * 1)(values[0].ctypes.data)
+    assert API.fused_submit(handle, 1, one, data, err, ERR) == 1, err.value  # TNT_ERR_COMM
+    assert b"the engine was closed" in err.value, err.value

@@ -1,0 +1,288 @@
+// TensorFlow kernels that hand tensors straight to tnt_comm (through its C interface,
+// tnt_comm_c_api.h): no Python, no GIL, no numpy conversion on the step's path.
+// Built against the installed TensorFlow on first use (tarantella/native/__init__.py);
+// without a compiler tarantella falls back to tf.numpy_function ops with the same graph.
+//
+//   TntAllreduce      y = op over a communicator of x            (layer parallelism, sync BN)
+//   TntAllgather      y[r] = x of rank r, stacked on a new axis 0 (layer parallelism)
+//   TntFusedSubmit    copies a bucket's tensors into the fused engine, which starts the
+//                     bucket's allreduce once it is complete       (data parallelism)
+//   TntFusedWait      every bucket's reduced bytes, one flat tensor per bucket
+//
+// `after` inputs only order ops (see tensor_parallel/_collectives.py); their values are unused.
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tnt_comm_c_api.h"
+
+namespace tnt_tf {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+std::atomic<const tnt_comm_c_api*> g_api{nullptr};
+
+// Note [Tensors outlive a stalled call]: after a stall MPI may still read or write the
+// buffers of the failed call; keep references to them forever (as tnt_comm's Python layer
+// leaks its arrays' references).
+void keep_forever(const std::vector<Tensor>& tensors) {
+  static std::mutex mu;
+  static std::vector<Tensor>* graveyard = new std::vector<Tensor>();  // never destroyed
+  std::lock_guard<std::mutex> lock(mu);
+  graveyard->insert(graveyard->end(), tensors.begin(), tensors.end());
+}
+
+const tnt_comm_c_api* api(OpKernelContext* ctx) {
+  const tnt_comm_c_api* a = g_api.load(std::memory_order_acquire);
+  if (a == nullptr) {
+    ctx->CtxFailure(tensorflow::errors::FailedPrecondition(
+        "tarantella's native ops were loaded without tnt_comm's C interface "
+        "(load them through tarantella.native.ops())"));
+  }
+  return a;
+}
+
+// Reports a failed call; keeps the call's tensors alive after a stall.
+void fail(OpKernelContext* ctx, int status, const char* err, const std::vector<Tensor>& tensors) {
+  if (status == TNT_ERR_STALL || status == TNT_ERR_COMM) keep_forever(tensors);
+  const std::string msg(err);
+  if (status == TNT_ERR_ARG) {
+    ctx->CtxFailure(tensorflow::errors::InvalidArgument(msg));
+  } else if (status == TNT_ERR_STALL) {
+    ctx->CtxFailure(tensorflow::errors::DeadlineExceeded(msg));
+  } else {
+    ctx->CtxFailure(tensorflow::errors::Internal(msg));
+  }
+}
+
+const char* numpy_name(tensorflow::DataType t) {
+  switch (t) {
+    case tensorflow::DT_FLOAT: return "float32";
+    case tensorflow::DT_DOUBLE: return "float64";
+    case tensorflow::DT_HALF: return "float16";
+    case tensorflow::DT_BFLOAT16: return "bfloat16";
+    case tensorflow::DT_INT32: return "int32";
+    case tensorflow::DT_INT64: return "int64";
+    default: return nullptr;
+  }
+}
+
+std::vector<int64_t> dims_of(const TensorShape& s) {
+  std::vector<int64_t> d;
+  for (int i = 0; i < s.dims(); ++i) d.push_back(s.dim_size(i));
+  return d;
+}
+
+constexpr size_t kErrLen = 4096;
+
+class AllreduceOp : public OpKernel {
+ public:
+  explicit AllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const tnt_comm_c_api* a = api(ctx);
+    if (a == nullptr) return;
+    const Tensor& x = ctx->input(0);
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
+    const std::vector<int64_t> dims = dims_of(x.shape());
+    char err[kErrLen] = {0};
+    const int s = a->allreduce(comm_, x.tensor_data().data(), const_cast<char*>(y->tensor_data().data()),
+                               dims.data(), static_cast<int32_t>(dims.size()), numpy_name(x.dtype()),
+                               op_, err, sizeof err);
+    if (s != TNT_OK) fail(ctx, s, err, {x, *y});
+  }
+
+ private:
+  int64_t comm_ = 0;
+  int32_t op_ = 0;
+};
+
+class AllgatherOp : public OpKernel {
+ public:
+  explicit AllgatherOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+    OP_REQUIRES_OK(c, c->GetAttr("group_size", &size_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const tnt_comm_c_api* a = api(ctx);
+    if (a == nullptr) return;
+    const Tensor& x = ctx->input(0);
+    TensorShape out_shape({size_});
+    out_shape.AppendShape(x.shape());
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &y));
+    // Gathered along axis 0 of a [1, *shape] view: every rank's x, stacked.
+    std::vector<int64_t> dims = dims_of(x.shape());
+    dims.insert(dims.begin(), 1);
+    char err[kErrLen] = {0};
+    const int s = a->allgather(comm_, x.tensor_data().data(), const_cast<char*>(y->tensor_data().data()),
+                               dims.data(), static_cast<int32_t>(dims.size()), numpy_name(x.dtype()),
+                               err, sizeof err);
+    if (s != TNT_OK) fail(ctx, s, err, {x, *y});
+  }
+
+ private:
+  int64_t comm_ = 0;
+  int64_t size_ = 1;
+};
+
+class FusedSubmitOp : public OpKernel {
+ public:
+  explicit FusedSubmitOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("engine", &engine_));
+    OP_REQUIRES_OK(c, c->GetAttr("members", &members_));
+    OP_REQUIRES_OK(c, c->GetAttr("keep_from", &keep_from_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const tnt_comm_c_api* a = api(ctx);
+    if (a == nullptr) return;
+    const bool keep = ctx->input(1).scalar<bool>()();
+    const int n = static_cast<int>(members_.size());
+    OP_REQUIRES(ctx, ctx->num_inputs() == n + 2,
+                tensorflow::errors::InvalidArgument("TntFusedSubmit: ", ctx->num_inputs() - 2,
+                                                    " values for ", n, " members"));
+    std::vector<const void*> data(n);
+    for (int k = 0; k < n; ++k) {
+      // A rank without data contributes zeros for the masked slots (NULL: the engine fills).
+      data[k] = (!keep && members_[k] >= keep_from_) ? nullptr : ctx->input(k + 2).tensor_data().data();
+    }
+    char err[kErrLen] = {0};
+    const int s = a->fused_submit(engine_, n, members_.data(), data.data(), err, sizeof err);
+    if (s != TNT_OK) {
+      fail(ctx, s, err, {});
+      return;
+    }
+    Tensor* token = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &token));
+    token->scalar<int32_t>()() = 0;
+  }
+
+ private:
+  int64_t engine_ = 0;
+  std::vector<int64_t> members_;
+  int64_t keep_from_ = 0;
+};
+
+class FusedWaitOp : public OpKernel {
+ public:
+  explicit FusedWaitOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("engine", &engine_));
+    OP_REQUIRES_OK(c, c->GetAttr("counts", &counts_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const tnt_comm_c_api* a = api(ctx);
+    if (a == nullptr) return;
+    const int n = static_cast<int>(counts_.size());
+    std::vector<void*> out(n);
+    std::vector<int64_t> capacity(n);
+    for (int b = 0; b < n; ++b) {
+      Tensor* t = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(b, TensorShape({counts_[b]}), &t));
+      out[b] = const_cast<char*>(t->tensor_data().data());
+      capacity[b] = static_cast<int64_t>(t->tensor_data().size());
+    }
+    char err[kErrLen] = {0};
+    const int s = a->fused_wait_buckets(engine_, n, out.data(), capacity.data(), err, sizeof err);
+    if (s != TNT_OK) fail(ctx, s, err, {});
+  }
+
+ private:
+  int64_t engine_ = 0;
+  std::vector<int64_t> counts_;
+};
+
+}  // namespace tnt_tf
+
+// Called once after loading, with tnt_comm.c_api_address(); 0 on success, else the
+// table's version (this library is older or newer than the installed tnt_comm).
+extern "C" int tnt_tf_ops_set_api(const void* table) {
+  const auto* t = static_cast<const tnt_comm_c_api*>(table);
+  if (t == nullptr || t->version != TNT_COMM_C_API_VERSION ||
+      t->struct_size < static_cast<int32_t>(sizeof(tnt_comm_c_api))) {
+    return t == nullptr ? -1 : t->version;
+  }
+  tnt_tf::g_api.store(t, std::memory_order_release);
+  return 0;
+}
+
+#define TNT_TYPES "{float, double, half, bfloat16, int32, int64}"
+
+REGISTER_OP("TntAllreduce")
+    .Input("x: T")
+    .Input("after: Tafter")
+    .Output("y: T")
+    .Attr("T: " TNT_TYPES)
+    .Attr("Tafter: list(type) >= 0")
+    .Attr("comm: int")
+    .Attr("reduce_op: int")
+    .SetIsStateful()  // a collective: never pruned, folded or merged
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("TntAllgather")
+    .Input("x: T")
+    .Input("after: Tafter")
+    .Output("y: T")
+    .Attr("T: " TNT_TYPES)
+    .Attr("Tafter: list(type) >= 0")
+    .Attr("comm: int")
+    .Attr("group_size: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t size = 1;
+      TF_RETURN_IF_ERROR(c->GetAttr("group_size", &size));
+      tensorflow::shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(size), c->input(0), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    });
+
+// Not stateful on purpose (cf. tarantella/_reducer.py): a stateful op would be chained
+// after every earlier side-effecting op of the step, so no bucket could start before
+// backprop ends. The start token input keeps Grappler from constant-folding it.
+REGISTER_OP("TntFusedSubmit")
+    .Input("start: int32")
+    .Input("keep: bool")
+    .Input("values: Tvalues")
+    .Output("token: int32")
+    .Attr("Tvalues: list(type) >= 1")
+    .Attr("engine: int")
+    .Attr("members: list(int)")
+    .Attr("keep_from: int")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("TntFusedWait")
+    .Input("tokens: N * int32")
+    .Output("buckets: Tout")
+    .Attr("N: int >= 1")
+    .Attr("Tout: list(type) >= 1")
+    .Attr("engine: int")
+    .Attr("counts: list(int)")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      std::vector<int64_t> counts;
+      TF_RETURN_IF_ERROR(c->GetAttr("counts", &counts));
+      for (size_t b = 0; b < counts.size(); ++b) c->set_output(static_cast<int>(b), c->Vector(counts[b]));
+      return absl::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("TntAllreduce").Device(tensorflow::DEVICE_CPU), tnt_tf::AllreduceOp);
+REGISTER_KERNEL_BUILDER(Name("TntAllgather").Device(tensorflow::DEVICE_CPU), tnt_tf::AllgatherOp);
+REGISTER_KERNEL_BUILDER(Name("TntFusedSubmit").Device(tensorflow::DEVICE_CPU), tnt_tf::FusedSubmitOp);
+REGISTER_KERNEL_BUILDER(Name("TntFusedWait").Device(tensorflow::DEVICE_CPU), tnt_tf::FusedWaitOp);
