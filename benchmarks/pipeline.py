@@ -9,9 +9,11 @@ Rows (results/pipeline.json -> summary.json through summary.py):
   variables: p = 2 from the stage each rank trains; p = 4 from the four stages built one
   after another in one process (the plan is a pure function, as on 4 ranks). Also the
   stage balance max/min.
-- pipeline_bubble_error_p2: measured idle fraction of a stage (1 - compute time / schedule
-  time, over the timed steps) minus (p - 1)/(m + p - 1), m in {2, 4, 8}, GPipe on a
-  balanced dense stack; the row is the largest |error|.
+- pipeline_bubble_error_p2: measured idle fraction of a stage minus (p - 1)/(m + p - 1),
+  m in {2, 4, 8}, GPipe on a balanced dense stack; the row is the largest |error|. The
+  idle fraction is 1 - compute time / the pipeline's span of each step (first stage in to
+  last stage out, tarantella.pipelining.pipeline_idle_fractions), as the theory counts
+  it; each stage's idle on its own clock is in the JSON beside it.
 - pipeline_speedup_p2_m8: samples/s of 2 stages (1F1B, m = 8) / plain Keras on rank 0
   alone, same global batch, one compute thread per rank, paired per round (median).
   Beside it: one process running the same 8 micro-batches (gradient accumulation) and
@@ -33,13 +35,16 @@ import keras  # noqa: E402
 
 import tarantella as tnt  # noqa: E402
 import tnt_comm  # noqa: E402
-from tarantella.pipelining import build_stage, plan  # noqa: E402
+from tarantella.pipelining import build_stage, pipeline_idle_fractions, plan  # noqa: E402
 
 QUICK = "--quick" in sys.argv
-# Micro-batches of B / M = 512 rows: a 1-thread matmul at 64 rows runs at ~0.4 of its
-# 512-row speed here (measured), which would charge the pipeline for small matrices.
+# Micro-batches of B / M = 2048 rows. A 1-thread 512-wide matmul here runs per sample at
+# the same speed at 2048 and 4096 rows, but 1.7x slower at 1024 and 512 rows (and 64 rows
+# at ~0.4 of 512 rows' speed): measured on this VM (docs/pipelining.md, "Measured"). Smaller
+# micro-batches would charge the pipeline for small matrices, not for pipelining; the
+# accumulation row (one process, the same micro-batches) shows what they cost.
 WIDTH, DEPTH, CLASSES = 512, 8, 10
-B, M = 4096, 8
+B, M = 16384, 8
 STEPS = 3 if QUICK else 5
 ROUNDS = 1 if QUICK else 3
 
@@ -54,10 +59,20 @@ def stack(seed: int = 0) -> keras.Model:
 
 
 def dataset(steps: int) -> tf.data.Dataset:
+    """``steps`` global batches, tf.data autotuning off.
+
+    With autotuning on, deleting the iterator at the end of every ``fit`` waits for
+    tf.data's autotune thread to wake up from its sleep (measured: 0.8-4.6 s, growing with
+    the length of the fit, in plain Keras and tnt alike; seen in gdb as
+    ``RootDataset::Iterator::~Iterator`` waiting on ``Model::OptimizeLoop``). That fixed
+    cost per fit call is no part of a training step and would swamp a 5-step timing.
+    """
     rng = np.random.default_rng(0)
     x = rng.normal(size=(B * 2, WIDTH)).astype("float32")
     y = rng.integers(0, CLASSES, B * 2).astype("int32")
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat().take(steps)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat().take(steps).with_options(options)
 
 
 def serial_bytes() -> int:
@@ -144,12 +159,11 @@ def accumulation_alone(steps: int) -> float | None:
     return tnt_comm.broadcast_object(result, 0)
 
 
-def distributed(steps: int, **options) -> tuple[float, dict | None]:
+def distributed(steps: int, **options) -> float:
     model = tnt.Model(stack(), **options)
     model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
     seconds = max(tnt_comm.allgather_object(timed_fit(model, steps)))
-    stats = model.pipeline_stats() if hasattr(model, "pipeline_stats") else None
-    return steps * B / seconds, stats
+    return steps * B / seconds
 
 
 def bubble(m: int) -> list[dict]:
@@ -159,10 +173,15 @@ def bubble(m: int) -> list[dict]:
     model.fit(dataset(2), epochs=1, verbose=0)
     model.pipeline_stats(reset=True)
     model.fit(dataset(STEPS), epochs=1, verbose=0)
-    stats = model.pipeline_stats()
-    stats["theory"] = 1 / (m + 1)
-    stats["m"] = m
-    return tnt_comm.allgather_object(stats)
+    stats = tnt_comm.allgather_object(model.pipeline_stats())
+    span_idle = pipeline_idle_fractions(stats)
+    for row, idle in zip(stats, span_idle):
+        row["own_clock_idle_fraction"] = row.pop("idle_fraction")
+        row["idle_fraction"] = idle  # over the step's span, as the theory counts (pipelining._stats)
+        row["theory"] = 1 / (m + 1)
+        row["m"] = m
+        del row["windows"]
+    return stats
 
 
 def main() -> int:
@@ -178,9 +197,9 @@ def main() -> int:
     for r in range(ROUNDS):
         alone = keras_alone(STEPS)
         accum = accumulation_alone(STEPS)
-        piped, _ = distributed(STEPS, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+        piped = distributed(STEPS, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
                                num_pipeline_stages=2, num_micro_batches=M, pipeline_schedule="1f1b")
-        data_parallel, _ = distributed(STEPS)
+        data_parallel = distributed(STEPS)
         rounds.append({"keras_alone": alone, "accumulation_alone": accum, "pipeline_p2_m8": piped,
                        "data_parallel_2": data_parallel})
         if tnt.is_master_rank():
@@ -217,6 +236,7 @@ def main() -> int:
         {"name": "pipeline_bubble_error_p2", "value": max(abs(e) for e in bubble_errors), "target": 0.05,
          "higher_is_better": False, "unit": "|idle fraction - (p-1)/(m+p-1)|",
          "detail": "; ".join(f"m={b['m']} stage {b['stage']}: idle {b['idle_fraction']:.3f} vs {b['theory']:.3f}"
+                             f" (own clock {b['own_clock_idle_fraction']:.3f})"
                              for b in bubbles) + " (pipeline.py)"},
         {"name": "pipeline_speedup_p2_m8", "value": speedup, "target": 0.85 * 2 * M / (M + 1),
          "higher_is_better": True, "unit": "x plain Keras samples/s (1 rank)",

@@ -17,6 +17,7 @@ from tarantella.pipelining import (
     compute_order,
     micro_batch_sizes,
     peak_in_flight,
+    pipeline_idle_fractions,
     plan,
 )
 
@@ -265,3 +266,14 @@ def test_micro_batch_sizes_differ_by_at_most_one_and_drop_nothing():
             assert sum(sizes) == b and (not sizes or max(sizes) - min(sizes) <= 1) and 0 not in sizes
     with pytest.raises(PipelineError, match=">= 1"):
         micro_batch_sizes(4, 0)
+
+
+def test_idle_fractions_count_each_step_from_the_first_stage_in_to_the_last_out():
+    # Step 1 spans 0..10 s (stage 1 enters late, stage 0 leaves last), step 2 spans 20..28 s:
+    # 18 s of pipeline; stage 0 computed 6 + 6 s, stage 1 7 + 2 s. On its own clock stage 1
+    # would look idle 1 - 9/13 only; over the spans it is idle 1 - 9/18.
+    stage0 = {"windows": [(0.0, 10.0, 6.0), (20.0, 28.0, 6.0)]}
+    stage1 = {"windows": [(1.0, 9.0, 7.0), (21.0, 26.0, 2.0)]}
+    assert pipeline_idle_fractions([stage0, stage1]) == pytest.approx([1 - 12 / 18, 1 - 9 / 18])
+    with pytest.raises(ValueError, match="different numbers of steps"):
+        pipeline_idle_fractions([stage0, {"windows": stage1["windows"][:1]}])

@@ -18,6 +18,7 @@ from ._plan import Boundary, Plan, Stage, plan
 from ._saving import load_model
 from ._schedule import SCHEDULES, Action, actions, compute_order, micro_batch_sizes, peak_in_flight
 from ._stages import StageModel, build_stage
+from ._stats import pipeline_idle_fractions
 
 __all__ = [
     "SCHEDULES",
@@ -37,6 +38,7 @@ __all__ = [
     "load_model",
     "micro_batch_sizes",
     "peak_in_flight",
+    "pipeline_idle_fractions",
     "pipelined_model",
     "plan",
 ]

@@ -42,6 +42,7 @@ class StepResult:
     predictions: list = field(default_factory=list)  # last stage, predict: one output per micro-batch
     peak_live: int = 0  # the most micro-batches held in tapes at once
     seconds: float = 0.0  # wall time of the schedule
+    window: tuple[float, float] = (0.0, 0.0)  # its start and end, time.time() (comparable across ranks of a host)
     busy_seconds: float = 0.0  # of which computing forward/backward passes (the rest is waiting)
 
 
@@ -140,7 +141,7 @@ class StageExecutor:
         pending: dict[int, list] = {}
         next_to_add = 0
         variables = self.model.trainable_variables
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
 
         for a in actions(plan, self.schedule, len(sizes), st.index, training=training):
             i = a.micro_batch
@@ -191,6 +192,7 @@ class StageExecutor:
         for request in sends:
             request.wait()
         result.seconds = time.perf_counter() - started
+        result.window = (started_at, started_at + result.seconds)
         return result
 
     def _run_forward(self, mode, i, inputs, y, sample_weight, lo, hi, total, result, outputs_np):

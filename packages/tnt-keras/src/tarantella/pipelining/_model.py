@@ -146,14 +146,21 @@ class PipelinedModel(keras.Model):
         return self._tnt_stage.peak_live
 
     def pipeline_stats(self, reset: bool = False) -> dict:
-        """This rank's schedule time, compute time and idle fraction over the train steps so far."""
+        """This rank's schedule time, compute time and idle fraction over the train steps so far.
+
+        ``idle_fraction`` is 1 - compute / schedule time of this stage alone. ``windows``
+        holds (start, end, compute seconds) of the last 10000 train schedules, start and
+        end from ``time.time()``: gathered from all stages they give the idle fraction
+        over the pipeline's whole span of each step (:func:`pipeline_idle_fractions`).
+        """
         st = self._tnt_stage
         stats = {"stage": self.stage, "replica": self.replica, "schedule_seconds": st.schedule_seconds,
                  "busy_seconds": st.busy_seconds,
                  "idle_fraction": 1.0 - st.busy_seconds / st.schedule_seconds if st.schedule_seconds else None,
-                 "peak_micro_batches_in_flight": st.peak_live}
+                 "peak_micro_batches_in_flight": st.peak_live, "windows": list(st.windows)}
         if reset:
             st.schedule_seconds = st.busy_seconds = 0.0
+            st.windows.clear()
         return stats
 
     @property

@@ -25,6 +25,8 @@ before backprop, as Keras' own train step scales it (``_executor``).
 
 from __future__ import annotations
 
+from collections import deque
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -60,6 +62,9 @@ class StageRuntime:
         self.peak_live = 0
         self.schedule_seconds = 0.0  # wall time in schedules (train steps) ...
         self.busy_seconds = 0.0  # ... of which computing: 1 - busy/wall is the idle fraction
+        # (start, end, busy seconds) of the last train schedules: with the other stages'
+        # windows, the idle fraction over the pipeline's span of each step (bubble)
+        self.windows: deque[tuple[float, float, float]] = deque(maxlen=10_000)
         self._others_regularized = any(st.has_regularizer for st in plan.stages[:-1])
         self._apply = None
         self._engine = None  # fused allreduce over the replica group, made at the first step
@@ -118,6 +123,7 @@ class StageRuntime:
         self.peak_live = max(self.peak_live, result.peak_live)
         self.schedule_seconds += result.seconds
         self.busy_seconds += result.busy_seconds
+        self.windows.append((*result.window, result.busy_seconds))
         variables = self.model.trainable_variables
         grads = result.grads if result.grads is not None else [tf.zeros_like(v) for v in variables]
         self._add_other_stages_regularization(n)
