@@ -254,10 +254,11 @@ REGISTER_OP("TntAllgather")
 // after every earlier side-effecting op of the step, so no bucket could start before
 // backprop ends. The start token input keeps Grappler from constant-folding it.
 REGISTER_OP("TntFusedSubmit")
-    .Input("start: int32")
+    .Input("start: Tstart")  // any run-time tensor (a variable read, an earlier result)
     .Input("keep: bool")
     .Input("values: Tvalues")
     .Output("token: int32")
+    .Attr("Tstart: type")
     .Attr("Tvalues: list(type) >= 1")
     .Attr("engine: int")
     .Attr("members: list(int)")
