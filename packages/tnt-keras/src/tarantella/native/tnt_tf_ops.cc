@@ -83,57 +83,65 @@ std::vector<int64_t> dims_of(const TensorShape& s) {
 
 constexpr size_t kErrLen = 4096;
 
-class AllreduceOp : public OpKernel {
+// A blocking collective of one input into one output on a communicator (attr "comm"):
+// subclasses give the output shape and the C call.
+class BlockingCollective : public OpKernel {
  public:
-  explicit AllreduceOp(OpKernelConstruction* c) : OpKernel(c) {
+  explicit BlockingCollective(OpKernelConstruction* c) : OpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_));
   }
   void Compute(OpKernelContext* ctx) override {
     const tnt_comm_c_api* a = api(ctx);
     if (a == nullptr) return;
     const Tensor& x = ctx->input(0);
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
-    const std::vector<int64_t> dims = dims_of(x.shape());
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, output_shape(x.shape()), &y));
     char err[kErrLen] = {0};
-    const int s = a->allreduce(comm_, x.tensor_data().data(), const_cast<char*>(y->tensor_data().data()),
-                               dims.data(), static_cast<int32_t>(dims.size()), numpy_name(x.dtype()),
-                               op_, err, sizeof err);
+    const int s = call(*a, x, const_cast<char*>(y->tensor_data().data()), err, sizeof err);
     if (s != TNT_OK) fail(ctx, s, err, {x, *y});
   }
 
- private:
+ protected:
+  virtual TensorShape output_shape(const TensorShape& in) const = 0;
+  virtual int call(const tnt_comm_c_api& a, const Tensor& x, void* out, char* err, size_t len) const = 0;
   int64_t comm_ = 0;
+};
+
+class AllreduceOp : public BlockingCollective {
+ public:
+  explicit AllreduceOp(OpKernelConstruction* c) : BlockingCollective(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &op_));
+  }
+
+ private:
+  TensorShape output_shape(const TensorShape& in) const override { return in; }
+  int call(const tnt_comm_c_api& a, const Tensor& x, void* out, char* err, size_t len) const override {
+    const std::vector<int64_t> dims = dims_of(x.shape());
+    return a.allreduce(comm_, x.tensor_data().data(), out, dims.data(), static_cast<int32_t>(dims.size()),
+                       numpy_name(x.dtype()), op_, err, len);
+  }
   int32_t op_ = 0;
 };
 
-class AllgatherOp : public OpKernel {
+class AllgatherOp : public BlockingCollective {
  public:
-  explicit AllgatherOp(OpKernelConstruction* c) : OpKernel(c) {
-    OP_REQUIRES_OK(c, c->GetAttr("comm", &comm_));
+  explicit AllgatherOp(OpKernelConstruction* c) : BlockingCollective(c) {
     OP_REQUIRES_OK(c, c->GetAttr("group_size", &size_));
-  }
-  void Compute(OpKernelContext* ctx) override {
-    const tnt_comm_c_api* a = api(ctx);
-    if (a == nullptr) return;
-    const Tensor& x = ctx->input(0);
-    TensorShape out_shape({size_});
-    out_shape.AppendShape(x.shape());
-    Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &y));
-    // Gathered along axis 0 of a [1, *shape] view: every rank's x, stacked.
-    std::vector<int64_t> dims = dims_of(x.shape());
-    dims.insert(dims.begin(), 1);
-    char err[kErrLen] = {0};
-    const int s = a->allgather(comm_, x.tensor_data().data(), const_cast<char*>(y->tensor_data().data()),
-                               dims.data(), static_cast<int32_t>(dims.size()), numpy_name(x.dtype()),
-                               err, sizeof err);
-    if (s != TNT_OK) fail(ctx, s, err, {x, *y});
   }
 
  private:
-  int64_t comm_ = 0;
+  TensorShape output_shape(const TensorShape& in) const override {
+    TensorShape out({size_});
+    out.AppendShape(in);
+    return out;
+  }
+  int call(const tnt_comm_c_api& a, const Tensor& x, void* out, char* err, size_t len) const override {
+    // Gathered along axis 0 of a [1, *shape] view: every rank's x, stacked.
+    std::vector<int64_t> dims = dims_of(x.shape());
+    dims.insert(dims.begin(), 1);
+    return a.allgather(comm_, x.tensor_data().data(), out, dims.data(), static_cast<int32_t>(dims.size()),
+                       numpy_name(x.dtype()), err, len);
+  }
   int64_t size_ = 1;
 };
 
