@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
+import time
 import types
 from typing import NoReturn
 
@@ -14,6 +15,7 @@ _core = load_core()
 _lock = threading.Lock()
 _ready = False
 _previous_hook = None
+_ABORT_DRAIN_S = 0.5  # see abort()
 
 
 def init() -> None:
@@ -60,6 +62,11 @@ def abort(code: int = 1) -> NoReturn:
             stream.flush()
         except Exception:
             pass
+    # Why: our output goes through a pipe to the MPI starter's forwarder, which reads it
+    # asynchronously; MPI_Abort kills this process and its pipe at once, and under load the
+    # forwarder had not yet read the end of the traceback — the error message itself (seen
+    # in CI: a StallError cut off mid-traceback). A short pause lets it drain.
+    time.sleep(_ABORT_DRAIN_S)
     _core.abort(int(code))
     raise AssertionError("unreachable")  # pragma: no cover
 
