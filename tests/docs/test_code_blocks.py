@@ -4,8 +4,9 @@ A ```python block is a complete script when it parses and every name it reads is
 in the block itself (imported, assigned, defined) or is a builtin, and it holds no `...`
 placeholder; the rest are fragments (they use `model`, `dataset`, ... from the text
 around them) and are only checked to parse, as are interactive transcripts (`>>>`). A complete script runs on 1 rank; an HTML
-comment `<!-- ranks: 2 -->` on the line before the block runs it on 2. Adding a complete
-script to a page adds a test here: the docs cannot rot.
+comment `<!-- ranks: 2 -->` on the line before the block runs it on 2 (all the 2-rank
+scripts in one launch, see run_scripts.py). Adding a complete script to a page adds a test
+here: the docs cannot rot.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,9 +97,42 @@ def test_the_guide_has_complete_scripts():
     assert all(b.ranks in (1, 2) for b in SCRIPTS)
 
 
+# Scripts on more than one rank share one launch per rank count (run_scripts.py): each
+# rank imports TensorFlow once for all of them. 1-rank scripts run alone, as written (one
+# sets TensorFlow's threading, which must come before any TensorFlow op of the process).
+RUNNER = Path(__file__).with_name("run_scripts.py")
+_shared_jobs: dict[int, subprocess.CompletedProcess] = {}
+
+
+def _shared_job(ranks: int, tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+    """The one launch that runs every complete script meant for ``ranks`` ranks."""
+    if ranks not in _shared_jobs:
+        specs = []
+        for n, block in enumerate(b for b in SCRIPTS if b.ranks == ranks):
+            script = tmp_path_factory.mktemp(f"script{n}-") / "script.py"
+            script.write_text(block.code, encoding="utf-8")
+            specs.append(f"{block.id}={script}")
+        _shared_jobs[ranks] = tarantella(ranks, RUNNER, *specs, cwd=tmp_path_factory.getbasetemp())
+    return _shared_jobs[ranks]
+
+
 @pytest.mark.parametrize("block", SCRIPTS, ids=[b.id for b in SCRIPTS])
-def test_complete_script_runs(block, tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(block.code, encoding="utf-8")
-    proc = tarantella(block.ranks, script, cwd=tmp_path)
-    assert proc.returncode == 0, f"{block.id} on {block.ranks} rank(s): {explain(proc)}"
+def test_complete_script_runs(block, tmp_path, tmp_path_factory):
+    if block.ranks == 1:
+        script = tmp_path / "script.py"
+        script.write_text(block.code, encoding="utf-8")
+        proc = tarantella(block.ranks, script, cwd=tmp_path)
+        assert proc.returncode == 0, f"{block.id} on 1 rank: {explain(proc)}"
+        return
+    proc = _shared_job(block.ranks, tmp_path_factory)
+    done = re.search(rf"^docs-script-done: {re.escape(block.id)}$", proc.stdout, flags=re.M)
+    started = re.search(rf"^docs-script-started: {re.escape(block.id)}$", proc.stdout, flags=re.M)
+    where = "failed" if started else "never started (an earlier script of the job failed)"
+    assert done, f"{block.id} on {block.ranks} ranks {where}: {explain(proc)}"
+
+
+@pytest.mark.parametrize("ranks", sorted({b.ranks for b in SCRIPTS if b.ranks > 1}))
+def test_shared_launch_ends_cleanly(ranks, tmp_path_factory):
+    # Every script done is not enough: the job must also exit 0 (no failure at shutdown).
+    proc = _shared_job(ranks, tmp_path_factory)
+    assert proc.returncode == 0, f"scripts on {ranks} ranks: {explain(proc)}"
