@@ -1,5 +1,6 @@
 """Every example of examples/ runs at a tiny size on 2 ranks and reaches what a working run
-reaches. (examples/lenet5.py is the README's main job, tested in tnt-keras' suite.)"""
+reaches. (examples/lenet5.py, the README's main job, runs from the installed wheels in
+tests/packaging; the GAN in tnt-keras' suite.)"""
 
 from __future__ import annotations
 

@@ -115,6 +115,8 @@ def test_lenet5_on_two_ranks_from_the_installed_wheels(keras_venv, tmp_path):
     assert found, proc.stdout[-3000:]
     assert int(found.group(1)) == 2
     assert float(found.group(2)) > 0.95, proc.stdout[-2000:]
+    # Progress is printed by the master only: one line per epoch, not two.
+    assert len(re.findall(r"^Epoch 1/8", proc.stdout, flags=re.M)) == 1, proc.stdout[-2000:]
 
 
 NO_TF_SCRIPT = """
