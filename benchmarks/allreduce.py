@@ -11,7 +11,9 @@
    bound (one contiguous MPI_Allreduce + one memcpy of the same bytes).
 4. Latency: a 4 KiB fused bucket round (submit + wait) vs one MPI_Allreduce of 4 KiB,
    also with the last rank arriving 1 ms late (the communication thread is asleep by
-   then); and a 4-byte tnt_comm.allreduce vs mpi4py's.
+   then); and a 4-byte tnt_comm.allreduce vs mpi4py's. Beside them, the floors of an
+   engine built on non-blocking collectives: MPI_Iallreduce + a test loop (4 KiB), and
+   the two of a checked 4 B allreduce (description check, then data).
 
 "fused" is a round as tnt-keras runs it (submit_many per bucket, wait_buckets); the
 same round with one submit() call and one result array per tensor is reported beside it.
@@ -110,13 +112,30 @@ def small_bucket_latency(reps: int) -> dict[str, float]:
         def mpi() -> object:
             return COMM.Allreduce(x, out)
 
-        res = {"fused_s": timed(fused, reps), "mpi4py_s": timed(mpi, reps)}
+        def mpi_nonblocking() -> None:
+            req = COMM.Iallreduce(x, out)
+            while not req.Test():
+                pass
+
+        res = {"fused_s": timed(fused, reps), "mpi4py_s": timed(mpi, reps),
+               "mpi4py_nonblocking_s": timed(mpi_nonblocking, reps)}
         res["fused_late_peer_s"] = timed(delayed(fused), reps // 2) - LATE_S
         res["mpi4py_late_peer_s"] = timed(delayed(mpi), reps // 2) - LATE_S
     one = np.ones(1, np.float32)
     one_out = np.empty_like(one)
     res["plain_4B_s"] = timed(lambda: t.allreduce(one), reps)
     res["mpi4py_4B_s"] = timed(lambda: COMM.Allreduce(one, one_out), reps)
+    check, check_out = np.zeros(4, np.int64), np.empty(4, np.int64)
+
+    def checked_nonblocking() -> None:
+        """The floor of a checked plain allreduce built on non-blocking MPI: the
+        description check (4 int64, MAX) and the data, each an MPI_Iallreduce + test loop."""
+        for buf, res_buf, op in ((check, check_out, MPI.MAX), (one, one_out, MPI.SUM)):
+            req = COMM.Iallreduce(buf, res_buf, op)
+            while not req.Test():
+                pass
+
+    res["mpi4py_checked_nonblocking_4B_s"] = timed(checked_nonblocking, reps)
     return res
 
 
@@ -208,6 +227,11 @@ def main() -> None:
             "small_bucket_latency_late_peer_vs_mpi": latency["fused_late_peer_s"] / latency["mpi4py_late_peer_s"],
             "small_tensors_fused_vs_floor_plus_memcpy": small["fused_s"] / (small["floor_s"] + small["memcpy_s"]),
             "plain_allreduce_4B_vs_mpi4py": latency["plain_4B_s"] / latency["mpi4py_4B_s"],
+            # The floors of an engine built on non-blocking collectives (one thread owns
+            # the requests, so nothing blocks inside MPI), measured in the same run:
+            "small_bucket_nonblocking_floor_vs_mpi": latency["mpi4py_nonblocking_s"] / latency["mpi4py_s"],
+            "plain_4B_checked_nonblocking_floor_vs_mpi4py":
+                latency["mpi4py_checked_nonblocking_4B_s"] / latency["mpi4py_4B_s"],
             "resnet50_fused_over_floor": resnet["fused_s"] / resnet["floor_s"],
             "resnet50_within_15pct": resnet["fused_s"] <= 1.15 * resnet["floor_s"],
             "small_speedup_vs_per_tensor": small["per_tensor_s"] / small["fused_s"],
@@ -237,6 +261,9 @@ def main() -> None:
               f"{lat['mpi4py_s'] * 1e6:.1f}; last rank {LATE_S * 1e3:.0f} ms late (delay subtracted): "
               f"{lat['fused_late_peer_s'] * 1e6:.1f} vs {lat['mpi4py_late_peer_s'] * 1e6:.1f}; "
               f"4 B tnt_comm.allreduce {lat['plain_4B_s'] * 1e6:.1f} vs mpi4py {lat['mpi4py_4B_s'] * 1e6:.1f}")
+        print(f"  non-blocking floors (mpi4py Iallreduce + Test loop): 4 KiB "
+              f"{lat['mpi4py_nonblocking_s'] * 1e6:.1f}; 4 B check + data "
+              f"{lat['mpi4py_checked_nonblocking_4B_s'] * 1e6:.1f}")
         print("\nResNet-50 set, other thresholds (fused / floor):")
         for r in sweep:
             print(f"  {r['threshold_bytes'] >> 20:4d} MiB, {r['buckets']:3d} buckets: "

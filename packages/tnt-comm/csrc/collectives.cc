@@ -191,8 +191,10 @@ void allreduce(Engine& engine, const CommPtr& comm, const void* in, void* out,
       return nullptr;
     });
   }
-  run_blocking(engine, std::make_shared<StepTask>(
-                           comm, "allreduce(" + desc.str() + ", " + op_name(op) + ")", std::move(steps)));
+  auto task = std::make_shared<StepTask>(comm, "allreduce(" + desc.str() + ", " + op_name(op) + ")",
+                                         std::move(steps));
+  task->set_payload_bytes(desc.nbytes());
+  run_blocking(engine, std::move(task));
 }
 
 void broadcast(Engine& engine, const CommPtr& comm, void* buf, const ArrayDesc& desc, int root) {
@@ -227,9 +229,10 @@ void broadcast(Engine& engine, const CommPtr& comm, void* buf, const ArrayDesc& 
     return nullptr;
   });
   steps.push_back([=](DataPlane& t) { return t.ibcast(buf, nbytes, root); });
-  run_blocking(engine, std::make_shared<StepTask>(
-                           comm, "broadcast(" + desc.str() + ", root=" + std::to_string(root) + ")",
-                           std::move(steps)));
+  auto task = std::make_shared<StepTask>(
+      comm, "broadcast(" + desc.str() + ", root=" + std::to_string(root) + ")", std::move(steps));
+  task->set_payload_bytes(nbytes);
+  run_blocking(engine, std::move(task));
 }
 
 Gathered allgather(Engine& engine, const CommPtr& comm, const void* in, const ArrayDesc& desc) {
@@ -274,7 +277,9 @@ Gathered allgather(Engine& engine, const CommPtr& comm, const void* in, const Ar
   steps.push_back([in, out, counts](DataPlane& t) {
     return t.iallgatherv(in, out->data->data(), *counts);
   });
-  run_blocking(engine, std::make_shared<StepTask>(comm, "allgather(" + desc.str() + ")", std::move(steps)));
+  auto task = std::make_shared<StepTask>(comm, "allgather(" + desc.str() + ")", std::move(steps));
+  task->set_payload_bytes(desc.nbytes() * comm->size);  // about what it receives
+  run_blocking(engine, std::move(task));
   return std::move(*out);
 }
 
@@ -311,10 +316,12 @@ CommPtr split(Engine& engine, const CommPtr& parent, int color, int key) {
     engine.adopt(child);
     return nullptr;
   });
-  run_blocking(engine, std::make_shared<StepTask>(
-                           parent, "split(color=" + std::to_string(color) + ", key=" +
-                                       std::to_string(key) + ") of " + parent->name,
-                           std::move(steps)));
+  auto task = std::make_shared<StepTask>(parent,
+                                         "split(color=" + std::to_string(color) + ", key=" +
+                                             std::to_string(key) + ") of " + parent->name,
+                                         std::move(steps));
+  task->set_thread_only();  // MPI_Comm_split blocks
+  run_blocking(engine, std::move(task));
   return child;
 }
 

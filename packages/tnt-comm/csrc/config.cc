@@ -36,6 +36,7 @@ Config load_config() {
   c.poll_max_sleep_us = env_number(kPollMaxSleepEnv, kDefaultPollMaxSleepUs, "200");
   c.wait_spin_us = env_number(kWaitSpinEnv, kDefaultWaitSpinUs, "1000", true);
   c.handoff_spin_us = env_number(kHandoffSpinEnv, -1.0, "30", true);
+  c.drive_spin_us = env_number(kDriveSpinEnv, kDefaultDriveSpinUs, "200", true);
   return c;
 }
 

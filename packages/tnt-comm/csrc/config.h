@@ -30,6 +30,10 @@ inline constexpr double kDefaultWaitSpinUs = 0.0;
 inline constexpr const char* kHandoffSpinEnv = "TNT_COMM_HANDOFF_SPIN_US";
 inline constexpr double kAutoHandoffSpinUs = 30.0;
 
+// Note [Waiter drives] in engine.cc: a caller blocked on a result drives MPI itself for
+// up to this long after the last progress, then hands back to the thread. 0 = never.
+inline constexpr const char* kDriveSpinEnv = "TNT_COMM_DRIVE_SPIN_US";
+inline constexpr double kDefaultDriveSpinUs = 200.0;
 // How often an idle communication thread wakes to answer stall queries of other ranks.
 inline constexpr std::chrono::milliseconds kIdleServiceInterval{50};
 // How long a stalled rank waits for the other ranks' answers before reporting.
@@ -41,6 +45,7 @@ struct Config {
   double poll_max_sleep_us = kDefaultPollMaxSleepUs;
   double wait_spin_us = kDefaultWaitSpinUs;
   double handoff_spin_us = -1.0;  // -1: unset, chosen by Engine::handoff_spin_us()
+  double drive_spin_us = kDefaultDriveSpinUs;
 };
 
 // Reads all TNT_COMM_* variables. Throws std::invalid_argument naming the variable,

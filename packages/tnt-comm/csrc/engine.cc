@@ -93,14 +93,99 @@ bool Engine::admit(std::shared_ptr<Task>& task, std::string& why) {
   return false;
 }
 
+namespace {
+bool is_ready(std::future<void>& done) {
+  return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+}  // namespace
+
 void Engine::run(std::shared_ptr<Task> task, std::future<void>& done, const std::string& what) {
-  Waiting waiting(*this, std::move(task));
+  if (drive(task, [&done] { return is_ready(done); })) {
+    done.get();  // rethrows the task's error
+    return;
+  }
+  if (task != nullptr) {  // not driven: queue it, with one lock and one wake-up
+    Waiting waiting(*this, std::move(task));
+    wait_for(done, what);
+    return;
+  }
+  Waiting waiting(*this);  // queued by drive(), now the thread's
   wait_for(done, what);
 }
 
 void Engine::await(std::future<void>& done, const std::string& what) {
+  std::shared_ptr<Task> none;
+  if (drive(none, [&done] { return is_ready(done); })) {
+    done.get();
+    return;
+  }
   Waiting waiting(*this);
   wait_for(done, what);
+}
+
+// Note [Waiter drives]
+// A blocking call through the thread is two hand-offs (the task to the thread, its result
+// back), each a futex wake-up of 10-60 us on this VM (Note [Hand-off]): a 4 B allreduce
+// took ~70 us against MPI's 3.4. But a caller about to block needs its core for nothing
+// else. So it takes the driver's lock (drive_mu_) and does the thread's work itself:
+// starts the queued tasks in queue order (its own and other threads', Note [Lanes]) and
+// tests every active request until its result is there; no thread wakes another. One
+// driver at a time (the lock: MPI is never called from two threads at once and the
+// state under the lock stays single-threaded); a second waiter waits as before. The
+// thread sees drivers_ and sleeps instead of polling; it takes over when a driver leaves
+// work behind. A driver spins only while progress is recent (TNT_COMM_DRIVE_SPIN_US,
+// like the thread's spin in Note [Polling]), then hands back to the thread, which polls
+// with sleeps: a waiter whose peer is still computing does not hold a core for long.
+// Tasks with a blocking MPI call (split) are left to the thread, whose callers can then
+// still detect that it is stuck, and so are large ones (kDriveMaxBytes in task.h: their
+// speed is bandwidth, and MPI's temporary buffers behave badly on callers' threads);
+// answering stall queries and leave notices stays the thread's (between drivers).
+// TNT_COMM_DRIVE_SPIN_US=0 turns driving off.
+bool Engine::drive(std::shared_ptr<Task>& task, const std::function<bool()>& ready) {
+  if (config_.drive_spin_us <= 0.0 || (task != nullptr && task->thread_only())) return false;
+  if (drivers_.fetch_add(1) != 0) {
+    drivers_.fetch_sub(1);
+    return false;
+  }
+  std::unique_lock<std::mutex> driving(drive_mu_);  // the thread lets go within one round
+  struct Leave {  // before drive_mu_ is released: hand remaining work to the thread
+    Engine& e;
+    ~Leave() {
+      std::lock_guard<std::mutex> lock(e.mu_);
+      e.drivers_.fetch_sub(1);
+      if (!e.queue_.empty() || !e.active_.empty()) {
+        e.pokes_.fetch_add(1, std::memory_order_release);
+        e.cv_.notify_one();
+      }
+    }
+  } leave{*this};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ || !broken_.empty() || abort_code_ >= 0) return false;  // the usual path says why
+    if (task != nullptr) queue_.push_back(std::move(task));  // no wake-up: this thread runs it
+  }
+  if (ready()) return true;  // the thread finished it before this caller took over
+  const auto spin = std::chrono::duration_cast<Clock::duration>(Micros(config_.drive_spin_us));
+  auto last_progress = Clock::now();
+  std::vector<std::shared_ptr<Task>> starting;
+  for (;;) {
+    heartbeat_ns_.store(now_ns());
+    bool skipped = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (abort_code_ >= 0) control_->hard_abort()(abort_code_);
+      take_startable(starting, /*with_blocking=*/false, &skipped);
+    }
+    // Only a task that ends can make `ready()` true now (no one else drives), and
+    // future::wait_for costs a clock read and a system call: ask only after progress.
+    const bool progressed = step_active(starting);
+    if (progressed && ready()) return true;
+    const auto now = Clock::now();
+    if (progressed) last_progress = now;
+    check_deadlines(now);
+    if (skipped || now - last_progress > spin) return false;
+    for (int i = 0; i < 8; ++i) cpu_relax();
+  }
 }
 
 void Engine::wait_for(std::future<void>& done, const std::string& what) {
@@ -205,7 +290,8 @@ void Engine::fail(Task& task, const std::string& why) noexcept {
 // all their MPI calls when they start, in queue order, so messages between two ranks
 // keep their order; they never wait behind collectives. Different communicators never
 // wait for each other: that is what lets a pipeline's sends overlap a fused reduction.
-void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
+void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_blocking,
+                            bool* skipped) {
   std::vector<const Comm*> blocked;
   for (const Active& a : active_) {
     if (a.task->lane() == Lane::kCollective && a.task->more_collective_steps()) {
@@ -220,6 +306,11 @@ void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out) {
         continue;
       }
       blocked.push_back(&t.comm());  // later collectives of this comm start after it
+    }
+    if (!with_blocking && t.thread_only()) {
+      if (skipped != nullptr) *skipped = true;
+      ++it;
+      continue;
     }
     out.push_back(std::move(*it));
     it = queue_.erase(it);
@@ -262,59 +353,57 @@ void Engine::loop() {
   auto last_serve = last_progress;
   Clock::time_point idle_spin_until{};  // Note [Hand-off]
   bool was_waiting = false;
+  bool serve_due = false;
   // More ranks on this host than cores: spinning and short sleeps would take the core
   // from the rank being waited for (see Note [Polling]).
   const bool oversubscribed =
       static_cast<unsigned>(world_.local_size) > std::max(1u, std::thread::hardware_concurrency());
   double sleep_us = kPollMinSleepUs;
   std::vector<std::shared_ptr<Task>> starting;
+  // Held while this thread drives; let go between rounds and whenever it sleeps, so a
+  // waiting caller can drive instead (Note [Waiter drives]).
+  std::unique_lock<std::mutex> driving(drive_mu_, std::defer_lock);
   for (;;) {
     heartbeat_ns_.store(now_ns());
+    if (driving.owns_lock()) driving.unlock();
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (drivers_.load() > 0 && abort_code_ < 0) {  // a caller drives: sleep
+        if (cv_.wait_for(lock, kIdleServiceInterval) == std::cv_status::timeout) serve_due = true;
+      }
+    }
+    driving.lock();
+    if (serve_due) {  // answer other ranks' stall queries now and then
+      serve_due = false;
+      heartbeat_ns_.store(now_ns());
+      serve();
+    }
     bool waiting = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      for (;;) {
-        if (abort_code_ >= 0) control_->hard_abort()(abort_code_);
-        take_startable(starting);
-        if (!starting.empty() || !active_.empty()) break;
-        if (stopping_ && queue_.empty()) break;
+      if (abort_code_ >= 0) control_->hard_abort()(abort_code_);
+      take_startable(starting);
+      if (starting.empty() && active_.empty()) {
+        if (stopping_ && queue_.empty()) break;  // drained (still driving: shut down)
+        driving.unlock();
         if (Clock::now() < idle_spin_until) {  // Note [Hand-off]
           spin_for_work(lock, idle_spin_until);
           idle_spin_until = {};
-          continue;
+        } else if (cv_.wait_for(lock, kIdleServiceInterval) == std::cv_status::timeout) {
+          serve_due = true;  // idle
         }
-        // Idle: sleep, waking now and then to answer other ranks' stall queries.
-        if (cv_.wait_for(lock, kIdleServiceInterval) == std::cv_status::timeout) {
-          lock.unlock();
-          heartbeat_ns_.store(now_ns());
-          serve();
-          lock.lock();
-        }
+        continue;
       }
-      if (starting.empty() && active_.empty()) break;  // stopping and drained
       waiting = waiting_ > 0;
     }
-    bool progressed = !starting.empty();
-    for (auto& t : starting) start(std::move(t));
-    starting.clear();
-    for (std::size_t i = 0; i < active_.size();) {
-      if (advance(active_[i])) {
-        active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
-        progressed = true;
-      } else {
-        ++i;
-      }
-    }
     const auto now = Clock::now();
-    if (progressed) {
+    if (step_active(starting)) {
       last_progress = now;
       sleep_us = kPollMinSleepUs;
       if (waiting) idle_spin_until = now + handoff;
       continue;
     }
-    for (Active& a : active_) {
-      if (a.task != nullptr && now >= a.deadline) on_deadline(a);  // extends, or fails all
-    }
+    check_deadlines(now);
     if (now - last_serve > std::chrono::milliseconds(5)) {
       last_serve = now;
       serve();
@@ -326,10 +415,8 @@ void Engine::loop() {
           fail_task(a, std::current_exception());
         }
       }
+      drop_ended();
     }
-    active_.erase(std::remove_if(active_.begin(), active_.end(),
-                                 [](const Active& a) { return a.task == nullptr; }),
-                  active_.end());
     if (waiting && !was_waiting) {  // a caller just started waiting: spin again
       last_progress = now;
       sleep_us = kPollMinSleepUs;
@@ -340,6 +427,7 @@ void Engine::loop() {
       for (int i = 0; i < 8; ++i) cpu_relax();
       continue;
     }
+    driving.unlock();
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, Micros(sleep_us), [this, waiting] {
       return !queue_.empty() || (waiting_ > 0 && !waiting) || stopping_ || abort_code_ >= 0;
@@ -347,6 +435,34 @@ void Engine::loop() {
     if (!waiting || oversubscribed) sleep_us = std::min(sleep_us * 2.0, config_.poll_max_sleep_us);
   }
   finish_shutdown();
+}
+
+bool Engine::step_active(std::vector<std::shared_ptr<Task>>& starting) {
+  bool progressed = !starting.empty();
+  for (auto& t : starting) start(std::move(t));
+  starting.clear();
+  for (std::size_t i = 0; i < active_.size();) {
+    if (advance(active_[i])) {
+      active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+      progressed = true;
+    } else {
+      ++i;
+    }
+  }
+  return progressed;
+}
+
+void Engine::check_deadlines(Clock::time_point now) {
+  for (Active& a : active_) {
+    if (a.task != nullptr && now >= a.deadline) on_deadline(a);  // extends, or fails all
+  }
+  drop_ended();
+}
+
+void Engine::drop_ended() {
+  active_.erase(std::remove_if(active_.begin(), active_.end(),
+                               [](const Active& a) { return a.task == nullptr; }),
+                active_.end());
 }
 
 double Engine::handoff_spin_us() const {

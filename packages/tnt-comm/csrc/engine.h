@@ -1,7 +1,9 @@
 // The communication thread. It owns the ControlPlane and every communicator's DataPlane
-// (so MPI is initialised, used and finalised from one thread), starts queued tasks in
-// order, keeps several in flight, and never spins a core while nobody waits. Callers
-// enqueue tasks and wait on futures with the GIL released (Engine::await).
+// (so MPI is initialised and finalised on one thread), starts queued tasks in order,
+// keeps several in flight, and never spins a core while nobody waits. Callers enqueue
+// tasks and wait on futures with the GIL released (Engine::await); a caller about to
+// block drives the requests itself for a short while (Note [Waiter drives]), one driver
+// at a time, so MPI is never called from two threads at once.
 #pragma once
 
 #include <atomic>
@@ -55,8 +57,15 @@ class Engine {
   // thread completes requests without sleeping (Note [Polling]). Throws StallError if
   // the thread itself stops answering (stuck in a blocking MPI call) for the timeout.
   void await(std::future<void>& done, const std::string& what);
-  // enqueue() + await() with one lock and one wake-up of the thread (blocking calls).
+  // enqueue() + await(); the caller drives the task itself where it can (Note [Waiter
+  // drives]), else one lock and one wake-up of the thread.
   void run(std::shared_ptr<Task> task, std::future<void>& done, const std::string& what);
+  // Note [Waiter drives]: a caller about to block until `ready()` runs the thread's work
+  // itself (queueing `task` first, if given and not null) for up to TNT_COMM_DRIVE_SPIN_US
+  // after the last progress. True once `ready()`; false if it did not drive (disabled,
+  // another caller drives, shutdown, broken, a thread_only() task) or stopped: then the
+  // thread carries on, `task` is null if it was queued, and the caller waits as before.
+  bool drive(std::shared_ptr<Task>& task, const std::function<bool()>& ready);
 
   // True when the thread has not looped for the timeout (stuck in a blocking MPI call).
   bool thread_stuck() const;
@@ -77,7 +86,7 @@ class Engine {
   // ranks can no longer match, e.g. after a stall detected outside the engine).
   void mark_broken(const std::string& why);
   // A communicator derived on the communication thread (split, dup): served, announced
-  // at leave, and destroyed before the transport. Communication thread only.
+  // at leave, and destroyed before the transport. The driver only (drive_mu_ held).
   void adopt(const std::shared_ptr<Comm>& comm) { comms_.push_back(comm); }
 
   // Note [Long local work]: while > 0, this rank tells ranks waiting for it that it is
@@ -107,7 +116,15 @@ class Engine {
 
  private:
   void loop();
-  void take_startable(std::vector<std::shared_ptr<Task>>& out);
+  // Moves the tasks that may start now from queue_ to `out` (Note [Lanes]). Without
+  // `with_blocking`, a thread_only() task stays queued and sets *skipped.
+  void take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_blocking = true,
+                      bool* skipped = nullptr);
+  // Starts `starting` and advances every active task: true if any made progress.
+  bool step_active(std::vector<std::shared_ptr<Task>>& starting);
+  // Fails or extends the tasks past their deadline; drops the ended ones.
+  void check_deadlines(Clock::time_point now);
+  void drop_ended();  // removes the tasks that ended (task == nullptr) from active_
   void start(std::shared_ptr<Task> task);
   bool advance(Active& a);  // true once the task is finished
   void fail_task(Active& a, std::exception_ptr error);
@@ -134,8 +151,11 @@ class Engine {
   WorldInfo world_;
   std::shared_ptr<Comm> world_comm_;
   std::future<void> started_;
-  // Communication thread only (abort excepted: hard_abort_ is set before the thread
-  // publishes the start-up and never changes):
+  // Held by whoever drives the requests (Note [Waiter drives]): the thread, or a caller.
+  std::mutex drive_mu_;
+  std::atomic<int> drivers_{0};  // callers driving or about to (the thread then sleeps)
+  // The driver's only (drive_mu_ held; abort excepted: hard_abort_ is set before the
+  // thread publishes the start-up and never changes):
   std::unique_ptr<ControlPlane> control_;
   std::vector<std::shared_ptr<Comm>> comms_;
   std::vector<Active> active_;

@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
@@ -89,6 +90,7 @@ class BucketTask final : public Task {
   }
 
   bool more_collective_steps() const override { return !issued_; }
+  bool thread_only() const override { return s_->layout.buckets[b_].nbytes() > kDriveMaxBytes; }
 
   std::unique_ptr<Request> next(DataPlane& t) override {
     if (issued_) return nullptr;
@@ -296,12 +298,16 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
   auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeout_s));
-  Engine::Waiting waiting(*s.engine);  // the thread completes buckets without sleeping
-  // Note [Hand-off] in engine.cc: the last bucket of a short round lands within the spin.
-  spin_until([&s] { return s.finished.load(std::memory_order_acquire) >= s.buckets.size(); },
-             std::chrono::steady_clock::now() +
-                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double, std::micro>(s.engine->handoff_spin_us())));
+  const auto all_done = [&s] { return s.finished.load(std::memory_order_acquire) >= s.buckets.size(); };
+  std::shared_ptr<Task> no_task;
+  std::optional<Engine::Waiting> waiting;
+  if (!s.engine->drive(no_task, all_done)) {  // Note [Waiter drives] in engine.cc
+    waiting.emplace(*s.engine);  // the thread completes buckets without sleeping
+    // Note [Hand-off] in engine.cc: the last bucket of a short round lands within the spin.
+    spin_until(all_done, std::chrono::steady_clock::now() +
+                             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double, std::micro>(s.engine->handoff_spin_us())));
+  }
   std::unique_lock<std::mutex> lock(s.mu);
   while (s.done_count < s.buckets.size() && !s.closed && s.broken.empty()) {
     if (s.cv.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +

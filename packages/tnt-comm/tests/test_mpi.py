@@ -23,15 +23,18 @@ def test_collectives_and_fused_engine(run_job, ranks: int) -> None:
 @pytest.mark.parametrize(
     "spins",
     [
-        # sleep-only paths of the communication thread and of waiting callers
-        {"TNT_COMM_POLL_SPIN_US": "0", "TNT_COMM_WAIT_SPIN_US": "0", "TNT_COMM_HANDOFF_SPIN_US": "0"},
+        # sleep-only paths of the communication thread and of waiting callers, which
+        # never drive (every request is the thread's)
+        {"TNT_COMM_POLL_SPIN_US": "0", "TNT_COMM_WAIT_SPIN_US": "0", "TNT_COMM_HANDOFF_SPIN_US": "0",
+         "TNT_COMM_DRIVE_SPIN_US": "0"},
         # every spin on (hand-off spins are off by default on a 2-core host)
         {"TNT_COMM_WAIT_SPIN_US": "1000", "TNT_COMM_HANDOFF_SPIN_US": "50"},
     ],
     ids=["spins_off", "spins_on"],
 )
 def test_collectives_with_polling_spins_off_and_on(run_job, spins: dict[str, str]) -> None:
-    # Note [Polling], Note [Hand-off]: every result right whichever way the threads wait.
+    # Note [Polling], [Hand-off], [Waiter drives]: every result right whichever way the
+    # threads wait.
     proc = run_job("job_collectives.py", 2, env=spins)
     assert proc.returncode == 0, explain(proc)
     ok = re.findall(r"rank (\d+): CHECKS OK (\d+)", proc.stdout)

@@ -333,6 +333,55 @@ def back_to_back_small_collectives_and_late_ranks() -> None:
 
 
 @check
+def waiters_drive_while_other_threads_wait() -> None:
+    # Note [Waiter drives]: three threads block at once, each on its own communicator (a
+    # small allreduce loop; a fused round loop; a ring of point-to-point messages, small
+    # and large), so one drives while the others wait, the driver starts the others'
+    # queued tasks, and work passes back and forth between drivers and the thread.
+    comms = [t.world().dup() for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def guarded(fn):
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # reported below
+                errors.append(e)
+        return run
+
+    def small_allreduces() -> None:
+        for it in range(200):
+            got = comms[0].allreduce(np.array([it * (R + 1)], np.int64))
+            expect_equal(got, np.array([it * RANK_SUM], np.int64), f"threaded allreduce {it}")
+
+    def fused_rounds() -> None:
+        with t.FusedAllreduce([t.TensorSpec("a", 256, "float32"), t.TensorSpec("b", 40000, "float32")],
+                              1024, comm=comms[1]) as f:
+            for it in range(60):
+                f.submit(1, np.full(40000, R + it, np.float32))
+                f.submit(0, np.full(256, R - it, np.float32))
+                a, b = f.wait()
+                expect_equal(a, np.full(256, N * (N - 1) // 2 - N * it, np.float32), f"fused a {it}")
+                expect_equal(b, np.full(40000, N * (N - 1) // 2 + N * it, np.float32), f"fused b {it}")
+
+    def ring_messages() -> None:
+        c = comms[2]
+        for it in range(60):
+            n = 3 if it % 3 else 70000  # small ones are driven; large ones are the thread's
+            req = c.isend(np.full(n, R * 1000 + it, np.int32), (R + 1) % N, [it])
+            got = c.recv((R - 1) % N, [it], np.int32, [n])
+            expect_equal(got, np.full(n, ((R - 1) % N) * 1000 + it, np.int32), f"ring message {it}")
+            req.wait()
+
+    threads = [threading.Thread(target=guarded(fn)) for fn in (small_allreduces, fused_rounds, ring_messages)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+
+
+@check
 def fused_slots_aligned_to_64_bytes() -> None:
     specs = [t.TensorSpec("a", 5, "float32"), t.TensorSpec("b", 17, "float32"),
              t.TensorSpec("c", 3, "float64"), t.TensorSpec("d", 9, "float64")]
