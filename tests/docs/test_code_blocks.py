@@ -5,7 +5,7 @@ in the block itself (imported, assigned, defined) or is a builtin, and it holds 
 placeholder; the rest are fragments (they use `model`, `dataset`, ... from the text
 around them) and are only checked to parse, as are interactive transcripts (`>>>`). A complete script runs on 1 rank; an HTML
 comment `<!-- ranks: 2 -->` on the line before the block runs it on 2 (all the 2-rank
-scripts in one launch, see run_scripts.py). Adding a complete script to a page adds a test
+scripts in one launch, see tests/run_scripts.py). Adding a complete script to a page adds a test
 here: the docs cannot rot.
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from launch import ROOT, explain, tarantella
+from run_scripts import RUNNER, script_output
 
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
 _FENCE = re.compile(r"^(?P<ranks><!-- ranks: (?P<n>\d+) -->\n)?```python\n(?P<code>.*?)^```",
@@ -100,7 +101,6 @@ def test_the_guide_has_complete_scripts():
 # Scripts on more than one rank share one launch per rank count (run_scripts.py): each
 # rank imports TensorFlow once for all of them. 1-rank scripts run alone, as written (one
 # sets TensorFlow's threading, which must come before any TensorFlow op of the process).
-RUNNER = Path(__file__).with_name("run_scripts.py")
 _shared_jobs: dict[int, subprocess.CompletedProcess] = {}
 
 
@@ -111,7 +111,7 @@ def _shared_job(ranks: int, tmp_path_factory: pytest.TempPathFactory) -> subproc
         for n, block in enumerate(b for b in SCRIPTS if b.ranks == ranks):
             script = tmp_path_factory.mktemp(f"script{n}-") / "script.py"
             script.write_text(block.code, encoding="utf-8")
-            specs.append(f"{block.id}={script}")
+            specs.append(f"{block.id}={script.parent} {script}")
         _shared_jobs[ranks] = tarantella(ranks, RUNNER, *specs, cwd=tmp_path_factory.getbasetemp())
     return _shared_jobs[ranks]
 
@@ -125,10 +125,8 @@ def test_complete_script_runs(block, tmp_path, tmp_path_factory):
         assert proc.returncode == 0, f"{block.id} on 1 rank: {explain(proc)}"
         return
     proc = _shared_job(block.ranks, tmp_path_factory)
-    done = re.search(rf"^docs-script-done: {re.escape(block.id)}$", proc.stdout, flags=re.M)
-    started = re.search(rf"^docs-script-started: {re.escape(block.id)}$", proc.stdout, flags=re.M)
-    where = "failed" if started else "never started (an earlier script of the job failed)"
-    assert done, f"{block.id} on {block.ranks} ranks {where}: {explain(proc)}"
+    assert script_output(proc.stdout, block.id) is not None, (
+        f"{block.id} on {block.ranks} ranks failed or never started: {explain(proc)}")
 
 
 @pytest.mark.parametrize("ranks", sorted({b.ranks for b in SCRIPTS if b.ranks > 1}))
