@@ -5,10 +5,40 @@ tests/packaging; the GAN in tnt-keras' suite.)"""
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+from pathlib import Path
 
+import pytest
 from launch import ROOT, explain, tarantella
+from run_scripts import RUNNER, script_output
 
 EXAMPLES = ROOT / "examples"
+# Both examples run in one 2-rank launch (tests/run_scripts.py: TensorFlow imported once
+# per rank, not once per example), each with its own arguments and working directory.
+RESNET_ARGS = ("--steps", "6", "--epochs", "3", "--image-size", "32", "--classes", "4",
+               "--micro-batch-size", "8", "--learning-rate", "0.0005", "--warmup-steps", "2")
+TRANSFORMER_ARGS = ("--samples", "2048", "--epochs", "4", "--length", "6", "--width", "32")
+
+
+@pytest.fixture(scope="module")
+def examples_job(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, Path]]:
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("resnet50", "transformer")}
+    specs = [
+        "transformer=" + shlex.join([str(dirs["transformer"]), str(EXAMPLES / "transformer.py"),
+                                     *TRANSFORMER_ARGS]),
+        "resnet50=" + shlex.join([str(dirs["resnet50"]), str(EXAMPLES / "resnet50.py"), *RESNET_ARGS,
+                                  "--workdir", str(dirs["resnet50"])]),
+    ]
+    proc = tarantella(2, RUNNER, *specs, cwd=tmp_path_factory.getbasetemp())
+    return proc, dirs
+
+
+def _output(examples_job, name: str) -> str:
+    proc, _ = examples_job
+    out = script_output(proc.stdout, name)
+    assert out is not None, f"{name} failed or never started: {explain(proc)}"
+    return out
 
 
 def _result(line_pattern: str, stdout: str) -> re.Match:
@@ -17,34 +47,33 @@ def _result(line_pattern: str, stdout: str) -> re.Match:
     return found
 
 
-def test_resnet50_learns_synthetic_classes(tmp_path):
+def test_the_examples_job_ends_cleanly(examples_job):
+    proc, _ = examples_job
+    assert proc.returncode == 0, explain(proc)
+
+
+def test_resnet50_learns_synthetic_classes(examples_job):
     # 3 epochs of 6 steps at 32x32: the learning-rate warm-up and decay, ModelCheckpoint
     # and BackupAndRestore all run; 4 classes of coloured noise are learnt past chance.
-    proc = tarantella(2, EXAMPLES / "resnet50.py", "--steps", "6", "--epochs", "3",
-                      "--image-size", "32", "--classes", "4", "--micro-batch-size", "8",
-                      "--learning-rate", "0.0005", "--warmup-steps", "2",
-                      "--workdir", str(tmp_path))
-    assert proc.returncode == 0, explain(proc)
+    stdout, tmp_path = _output(examples_job, "resnet50"), examples_job[1]["resnet50"]
     found = _result(r"ranks: (\d+)\s+global batch: (\d+)\s+peak lr: ([\d.e-]+)\s+"
-                    r"train accuracy: ([\d.]+).*checkpoint: (\w+)", proc.stdout)
+                    r"train accuracy: ([\d.]+).*checkpoint: (\w+)", stdout)
     assert (int(found.group(1)), int(found.group(2))) == (2, 16)  # micro-batch x ranks
     assert float(found.group(3)) == 0.001  # learning rate scaled with the ranks
     # Chance is 0.25; working runs reach 0.5-0.8 in the last epoch (1 or 2 ranks).
-    assert float(found.group(4)) >= 0.45, proc.stdout[-3000:]
+    assert float(found.group(4)) >= 0.45, stdout[-3000:]
     assert found.group(5) == "yes"
     assert (tmp_path / "resnet50.keras").is_file()
     # BackupAndRestore deletes its backup when training completes.
     assert not (tmp_path / "backup" / "latest.weights.h5").exists()
 
 
-def test_transformer_reverses_sequences(tmp_path):
-    proc = tarantella(2, EXAMPLES / "transformer.py", "--samples", "2048", "--epochs", "4",
-                      "--length", "6", "--width", "32", cwd=tmp_path)
-    assert proc.returncode == 0, explain(proc)
+def test_transformer_reverses_sequences(examples_job):
+    stdout = _output(examples_job, "transformer")
     found = _result(r"ranks: (\d+)\s+train loss: [\d.]+\s+greedy token accuracy: ([\d.]+)\s+"
-                    r"exact sequences: ([\d.]+)", proc.stdout)
+                    r"exact sequences: ([\d.]+)", stdout)
     assert int(found.group(1)) == 2
     # Greedy decoding by the serial inference model: reversing is learnt almost perfectly
     # (a model that copied instead of reversing would score ~1/11 per token).
-    assert float(found.group(2)) >= 0.95, proc.stdout[-3000:]
-    assert float(found.group(3)) >= 0.8, proc.stdout[-3000:]
+    assert float(found.group(2)) >= 0.95, stdout[-3000:]
+    assert float(found.group(3)) >= 0.8, stdout[-3000:]
