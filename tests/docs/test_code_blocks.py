@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import builtins
 import re
+import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +112,7 @@ def _shared_job(ranks: int, tmp_path_factory: pytest.TempPathFactory) -> subproc
         for n, block in enumerate(b for b in SCRIPTS if b.ranks == ranks):
             script = tmp_path_factory.mktemp(f"script{n}-") / "script.py"
             script.write_text(block.code, encoding="utf-8")
-            specs.append(f"{block.id}={script.parent} {script}")
+            specs.append(f"{block.id}=" + shlex.join([str(script.parent), str(script)]))
         _shared_jobs[ranks] = tarantella(ranks, RUNNER, *specs, cwd=tmp_path_factory.getbasetemp())
     return _shared_jobs[ranks]
 
