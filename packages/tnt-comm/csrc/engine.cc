@@ -174,7 +174,7 @@ bool Engine::drive(std::shared_ptr<Task>& task, const std::function<bool()>& rea
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (abort_code_ >= 0) control_->hard_abort()(abort_code_);
-      take_startable(starting, /*with_blocking=*/false, &skipped);
+      take_startable(starting, /*with_thread_only=*/false, &skipped);
     }
     // Only a task that ends can make `ready()` true now (no one else drives), and
     // future::wait_for costs a clock read and a system call: ask only after progress.
@@ -290,7 +290,7 @@ void Engine::fail(Task& task, const std::string& why) noexcept {
 // all their MPI calls when they start, in queue order, so messages between two ranks
 // keep their order; they never wait behind collectives. Different communicators never
 // wait for each other: that is what lets a pipeline's sends overlap a fused reduction.
-void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_blocking,
+void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_thread_only,
                             bool* skipped) {
   std::vector<const Comm*> blocked;
   for (const Active& a : active_) {
@@ -307,7 +307,7 @@ void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_b
       }
       blocked.push_back(&t.comm());  // later collectives of this comm start after it
     }
-    if (!with_blocking && t.thread_only()) {
+    if (!with_thread_only && t.thread_only()) {
       if (skipped != nullptr) *skipped = true;
       ++it;
       continue;

@@ -117,8 +117,8 @@ class Engine {
  private:
   void loop();
   // Moves the tasks that may start now from queue_ to `out` (Note [Lanes]). Without
-  // `with_blocking`, a thread_only() task stays queued and sets *skipped.
-  void take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_blocking = true,
+  // `with_thread_only`, a thread_only() task stays queued and sets *skipped.
+  void take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_thread_only = true,
                       bool* skipped = nullptr);
   // Starts `starting` and advances every active task: true if any made progress.
   bool step_active(std::vector<std::shared_ptr<Task>>& starting);
