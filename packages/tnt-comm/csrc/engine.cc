@@ -99,7 +99,9 @@ bool is_ready(std::future<void>& done) {
 }
 }  // namespace
 
-void Engine::run(std::shared_ptr<Task> task, std::future<void>& done, const std::string& what) {
+void Engine::run(std::shared_ptr<Task> task, std::future<void>& done) {
+  const std::shared_ptr<Task> mine = task;  // for its description, built only if needed
+  const auto what = [&mine] { return mine->describe(); };
   if (drive(task, [&done] { return is_ready(done); })) {
     done.get();  // rethrows the task's error
     return;
@@ -120,7 +122,7 @@ void Engine::await(std::future<void>& done, const std::string& what) {
     return;
   }
   Waiting waiting(*this);
-  wait_for(done, what);
+  wait_for(done, [&what] { return what; });
 }
 
 // Note [Waiter drives]
@@ -188,7 +190,7 @@ bool Engine::drive(std::shared_ptr<Task>& task, const std::function<bool()>& rea
   }
 }
 
-void Engine::wait_for(std::future<void>& done, const std::string& what) {
+void Engine::wait_for(std::future<void>& done, const std::function<std::string()>& what) {
   // Note [Hand-off]: the result of a short collective arrives within the spin; a
   // futex wake-up would cost more than the collective.
   const auto ready = [&done] { return done.wait_for(std::chrono::seconds(0)) == std::future_status::ready; };
@@ -201,7 +203,7 @@ void Engine::wait_for(std::future<void>& done, const std::string& what) {
   while (done.wait_for(std::chrono::milliseconds(500)) == std::future_status::timeout) {
     if (thread_stuck()) {
       std::ostringstream m;
-      m << "tnt_comm: " << what << " did not complete within " << config_.timeout_s
+      m << "tnt_comm: " << what() << " did not complete within " << config_.timeout_s
         << " s on rank " << world_.rank
         << ": the communication thread is blocked inside MPI (a collective that some rank "
            "never joined). Likely causes: a rank skipped this call or crashed. If the job is "

@@ -59,7 +59,8 @@ class Engine {
   void await(std::future<void>& done, const std::string& what);
   // enqueue() + await(); the caller drives the task itself where it can (Note [Waiter
   // drives]), else one lock and one wake-up of the thread.
-  void run(std::shared_ptr<Task> task, std::future<void>& done, const std::string& what);
+  // The task's describe() is called only if a message needs it (a stall).
+  void run(std::shared_ptr<Task> task, std::future<void>& done);
   // Note [Waiter drives]: a caller about to block until `ready()` runs the thread's work
   // itself (queueing `task` first, if given and not null) for up to TNT_COMM_DRIVE_SPIN_US
   // after the last progress. True once `ready()`; false if it did not drive (disabled,
@@ -135,7 +136,7 @@ class Engine {
   void break_all(const std::string& why);
   void fail(Task& task, const std::string& why) noexcept;
   bool admit(std::shared_ptr<Task>& task, std::string& why);  // with mu_ held
-  void wait_for(std::future<void>& done, const std::string& what);
+  void wait_for(std::future<void>& done, const std::function<std::string()>& what);
   // Spins (bounded) for work after a task a caller waited for completed; false if none came.
   bool spin_for_work(std::unique_lock<std::mutex>& lock, Clock::time_point until);
  public:

@@ -175,7 +175,7 @@ void verify_same_everywhere(Engine& engine, const std::shared_ptr<Comm>& comm,
   auto task = std::make_shared<StepTask>(comm, "FusedAllreduce construction (spec check)",
                                          std::move(steps));
   auto done = task->future();
-  engine.run(std::move(task), done, "FusedAllreduce construction (spec check)");
+  engine.run(std::move(task), done);
 }
 
 }  // namespace

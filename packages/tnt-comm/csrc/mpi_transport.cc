@@ -232,8 +232,8 @@ class MpiDataPlane final : public DataPlane {
   int size() const override { return size_; }
   std::vector<int> world_ranks() const override { return world_ranks_; }
 
-  std::unique_ptr<Request> iallreduce(const void* send, void* recv, std::int64_t count,
-                                      DType dtype, ReduceOp op) override {
+  std::unique_ptr<Request> iallreduce_collective(const void* send, void* recv, std::int64_t count,
+                                                 DType dtype, ReduceOp op) override {
     auto r = std::make_unique<MultiRequest>();
     const std::size_t es = dtype_size(dtype);
     for_chunks(count, [&](std::int64_t off, int n) {

@@ -78,11 +78,17 @@ class StepTask final : public Task {
  public:
   using Step = std::function<std::unique_ptr<Request>(DataPlane&)>;
 
+  using Describe = std::function<std::string()>;
+
   StepTask(std::shared_ptr<Comm> comm, std::string what, std::vector<Step> steps)
       : Task(std::move(comm)), what_(std::move(what)), steps_(std::move(steps)) {}
+  // The description built only when a message needs it (formatting shapes costs more
+  // than a small collective).
+  StepTask(std::shared_ptr<Comm> comm, Describe describe, std::vector<Step> steps)
+      : Task(std::move(comm)), describe_(std::move(describe)), steps_(std::move(steps)) {}
 
   std::future<void> future() { return done_.get_future(); }
-  std::string describe() const override { return what_; }
+  std::string describe() const override { return describe_ ? describe_() : what_; }
   Lane lane() const override { return peer_ < 0 ? Lane::kCollective : Lane::kPointToPoint; }
   int peer() const override { return peer_; }
   // Makes it a point-to-point task with `peer` (its first step issues all its requests).
@@ -112,6 +118,7 @@ class StepTask final : public Task {
 
  private:
   std::string what_;
+  Describe describe_;
   std::vector<Step> steps_;
   std::size_t next_step_ = 0;
   int peer_ = -1;

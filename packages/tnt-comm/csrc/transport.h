@@ -45,8 +45,17 @@ class DataPlane {
   // All element counts are elements of `dtype` (raw-byte collectives count bytes).
   // Counts above 2^31-1 are split into chunks (Note [Large counts] in mpi_transport.cc).
   // `send == recv` means in place.
-  virtual std::unique_ptr<Request> iallreduce(const void* send, void* recv, std::int64_t count,
-                                              DType dtype, ReduceOp op) = 0;
+  //
+  // The data of an allreduce: small messages point-to-point (Note [Small allreduce] in
+  // p2p_allreduce.cc), larger ones through iallreduce_collective. Call it in one order
+  // on every rank, as every collective.
+  std::unique_ptr<Request> iallreduce(const void* send, void* recv, std::int64_t count,
+                                      DType dtype, ReduceOp op);
+  // Always the transport's own collective, which the transport matches against whatever
+  // collective another rank runs at this point (the description check relies on it).
+  virtual std::unique_ptr<Request> iallreduce_collective(const void* send, void* recv,
+                                                         std::int64_t count, DType dtype,
+                                                         ReduceOp op) = 0;
   virtual std::unique_ptr<Request> ibcast(void* buf, std::int64_t nbytes, int root) = 0;
   // Every rank contributes `nbytes`; recv holds size() * nbytes in rank order.
   virtual std::unique_ptr<Request> iallgather(const void* send, std::int64_t nbytes,
@@ -69,6 +78,9 @@ class DataPlane {
   virtual std::unique_ptr<Request> idup(std::unique_ptr<DataPlane>* out) = 0;
   // MPI_Comm_split. Blocking: call it only once every member is known to have arrived.
   virtual std::unique_ptr<DataPlane> split(int color, int key) = 0;
+
+ private:
+  std::uint32_t small_allreduces_ = 0;  // picks each point-to-point allreduce's tag
 };
 
 // A rank's answer to a progress query about one communicator.

@@ -115,7 +115,7 @@ class Communicator:
     def allreduce(self, array: np.ndarray, op: Op = Op.SUM) -> np.ndarray:
         """A new array, same shape and dtype, holding the element-wise reduction over ranks."""
         a = check_array(array, "allreduce", reducible=True)
-        op = Op(op)  # AVG of integers: refused by the core (one home for that check)
+        op = op if type(op) is Op else Op(op)  # AVG of integers: refused by the core (one home)
         return self._core.allreduce(a, int(op))
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:

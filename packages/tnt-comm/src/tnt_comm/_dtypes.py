@@ -44,8 +44,16 @@ def check_reducible(dtype: np.dtype, where: str) -> None:
         )
 
 
+# (dtype, reducible) -> True once an array of that dtype passed every dtype check below:
+# the common case then costs a type test, a flag read and a dict lookup (~0.2 us, where
+# the full checks cost ~0.6 us: a sixth of a small allreduce).
+_passed: dict[tuple[np.dtype, bool], bool] = {}
+
+
 def check_array(array: Any, where: str, *, reducible: bool) -> np.ndarray:
     """The array itself if it can be sent as is; else TypeError/ValueError naming the fix."""
+    if type(array) is np.ndarray and array.flags.c_contiguous and (array.dtype, reducible) in _passed:
+        return array
     if not isinstance(array, np.ndarray):
         raise TypeError(
             f"{where}: expected a numpy.ndarray, got {type(array).__name__}; "
@@ -68,4 +76,5 @@ def check_array(array: Any, where: str, *, reducible: bool) -> np.ndarray:
             f"{where}: the array is not C-contiguous (a slice, transpose or strided view); "
             "pass np.ascontiguousarray(array)"
         )
+    _passed[(array.dtype, reducible)] = True
     return array

@@ -4,6 +4,12 @@
 #include <limits>
 #include <stdexcept>
 
+#include <deque>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "allreduce_schedule.h"
 #include "arith.h"
 #include "check.h"
 #include "config.h"
@@ -74,3 +80,73 @@ TNT_TEST(env_parser) {
 }
 
 int main() { return tnt_test::run_all(); }
+
+// Note [Small allreduce]: every rank's rounds, run against each other in one process
+// (a mailbox per (from, to) pair in send order), for 1..9 ranks: each rank must end
+// with the reduction over all ranks, bitwise equal on all, for SUM and for MIN with a
+// NaN and signed zeros (where the operand order decides the bits).
+namespace {
+std::vector<std::vector<float>> run_schedules(std::vector<std::vector<float>> data, ReduceOp op) {
+  const int n = static_cast<int>(data.size());
+  std::vector<std::vector<AllreduceRound>> rounds;
+  for (int r = 0; r < n; ++r) rounds.push_back(recursive_doubling(r, n));
+  std::map<std::pair<int, int>, std::deque<std::vector<float>>> box;
+  std::vector<std::size_t> next(static_cast<std::size_t>(n), 0);
+  std::vector<bool> sent(static_cast<std::size_t>(n), false);
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (int r = 0; r < n; ++r) {
+      auto& i = next[static_cast<std::size_t>(r)];
+      if (i == rounds[static_cast<std::size_t>(r)].size()) continue;
+      const AllreduceRound& round = rounds[static_cast<std::size_t>(r)][i];
+      auto& mine = data[static_cast<std::size_t>(r)];
+      if (round.send_to >= 0 && !sent[static_cast<std::size_t>(r)]) {
+        box[{r, round.send_to}].push_back(mine);
+        sent[static_cast<std::size_t>(r)] = true;
+        moved = true;
+      }
+      if (round.recv_from >= 0) {
+        auto& q = box[{round.recv_from, r}];
+        if (q.empty()) continue;
+        const std::vector<float> got = q.front();
+        q.pop_front();
+        if (round.result) {
+          mine = got;
+        } else if (round.received_first) {
+          reduce_ordered(got.data(), mine.data(), mine.data(), 1, DType::kFloat32, op);
+        } else {
+          reduce_ordered(mine.data(), got.data(), mine.data(), 1, DType::kFloat32, op);
+        }
+      }
+      sent[static_cast<std::size_t>(r)] = false;
+      ++i;
+      moved = true;
+    }
+  }
+  for (int r = 0; r < n; ++r) CHECK(next[static_cast<std::size_t>(r)] == rounds[static_cast<std::size_t>(r)].size());
+  return data;
+}
+}  // namespace
+
+TNT_TEST(recursive_doubling_reduces_everything_bitwise_equal_on_every_rank) {
+  for (int n = 1; n <= 9; ++n) {
+    std::vector<std::vector<float>> ones, mins;
+    for (int r = 0; r < n; ++r) {
+      ones.push_back({static_cast<float>(1 << r) + 0.1f * static_cast<float>(r)});
+      // rank 1 contributes a NaN, the others signed zeros: the result's bits depend on order
+      mins.push_back({r == 1 ? std::nanf("") : (r % 2 ? -0.0f : 0.0f)});
+    }
+    const auto sums = run_schedules(ones, ReduceOp::kSum);
+    const auto minimum = run_schedules(mins, ReduceOp::kMin);
+    float want = 0;  // every term is exact in float, so any order gives this sum
+    for (int r = 0; r < n; ++r) want += ones[static_cast<std::size_t>(r)][0];
+    for (int r = 0; r < n; ++r) {
+      CHECK(std::fabs(sums[static_cast<std::size_t>(r)][0] - want) <= 1e-3f * want);
+      CHECK(float_bits(sums[static_cast<std::size_t>(r)][0]) == float_bits(sums[0][0]));
+      CHECK(float_bits(minimum[static_cast<std::size_t>(r)][0]) == float_bits(minimum[0][0]));
+    }
+  }
+  CHECK(recursive_doubling(0, 1).empty());
+  CHECK(recursive_doubling(2, 3).size() == 1);  // 3 ranks: rank 2 only exchanges with rank 1
+  CHECK(recursive_doubling(0, 3).size() == 2);  // rank 0 folds into rank 1 and gets the result back
+}

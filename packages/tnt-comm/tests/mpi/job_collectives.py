@@ -115,6 +115,29 @@ def nan_and_inf_from_one_rank_propagate() -> None:
 
 
 @check
+def every_rank_holds_the_same_bits_small_and_large() -> None:
+    """Small messages are reduced point-to-point (Note [Small allreduce]), larger ones by
+    MPI: on both sides of the 64 KiB switch every rank must hold the same bits, also
+    where the operand order decides them (rounding of random sums, MIN over NaN/±0)."""
+    rng = np.random.default_rng(100 + R)
+    for n in (1, 1000, 16384, 16385):  # 16384 float32 = 64 KiB: the last point-to-point size
+        x = rng.standard_normal(n).astype(np.float32)
+        got = t.allreduce(x)
+        want = t.allgather(x.astype(np.float64).reshape(1, n)).sum(axis=0)
+        assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (n, got[:3], want[:3])
+        bits = t.allgather(got.view(np.uint32).reshape(1, n))
+        assert (bits == bits[0]).all(), f"sum of float32[{n}]: ranks hold different bits"
+        y = np.where(np.arange(n) % 2 == R % 2, -0.0, 0.0).astype(np.float32)
+        if R == N - 1:
+            y[::3] = np.nan
+        low = t.allreduce(y, t.Op.MIN)
+        bits = t.allgather(low.view(np.uint32).reshape(1, n))
+        assert (bits == bits[0]).all(), f"MIN of float32[{n}] with NaN/±0: ranks hold different bits"
+        # (MPI leaves MIN over NaN unspecified: a zero or a NaN, but the same everywhere)
+        assert (low == 0).sum() + np.isnan(low).sum() == n, (n, low[:6])
+
+
+@check
 def broadcast_from_first_and_last_rank() -> None:
     for root in sorted({0, N - 1}):
         for dtype in (*DTYPES, np.uint8, np.bool_, np.complex64):
