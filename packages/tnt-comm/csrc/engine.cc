@@ -72,20 +72,21 @@ void Engine::wait_started() {
   started_.get();
 }
 
-void Engine::enqueue(std::shared_ptr<Task> task) {
+void Engine::enqueue(std::shared_ptr<Task> task, bool wake) {
   std::string why;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (admit(task, why)) return;
+    // Only a task some caller can drive may skip the wake-up.
+    if (admit(task, why, wake || !waiters_drive() || task->thread_only())) return;
   }
   fail(*task, why);
 }
 
-bool Engine::admit(std::shared_ptr<Task>& task, std::string& why) {
+bool Engine::admit(std::shared_ptr<Task>& task, std::string& why, bool wake) {
   if (!stopping_ && broken_.empty()) {
     queue_.push_back(std::move(task));
     pokes_.fetch_add(1, std::memory_order_release);
-    cv_.notify_one();
+    if (wake) cv_.notify_one();
     return true;
   }
   why = stopping_ ? "tnt_comm was finalized; no communication can run after finalize()"

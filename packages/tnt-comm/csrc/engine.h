@@ -51,8 +51,13 @@ class Engine {
   void wait_started();
 
   // Queues a task. After shutdown, or once a stall broke the engine, the task fails at
-  // once with CommError: no waiter is ever left hanging.
-  void enqueue(std::shared_ptr<Task> task);
+  // once with CommError: no waiter is ever left hanging. `wake` = false leaves a task a
+  // caller is about to wait for (and drive) to that caller, without waking the thread
+  // (Note [Last bucket] in fused.cc); the thread still takes it within
+  // kIdleServiceInterval if nobody does. Only tasks a driver may start qualify.
+  void enqueue(std::shared_ptr<Task> task, bool wake = true);
+  // True if a waiting caller drives (TNT_COMM_DRIVE_SPIN_US > 0).
+  bool waiters_drive() const { return config_.drive_spin_us > 0.0; }
   // Waits for a task's future (GIL released by the caller). While a caller waits, the
   // thread completes requests without sleeping (Note [Polling]). Throws StallError if
   // the thread itself stops answering (stuck in a blocking MPI call) for the timeout.
@@ -135,7 +140,7 @@ class Engine {
   Progress progress_of(std::uint64_t comm_id) const;
   void break_all(const std::string& why);
   void fail(Task& task, const std::string& why) noexcept;
-  bool admit(std::shared_ptr<Task>& task, std::string& why);  // with mu_ held
+  bool admit(std::shared_ptr<Task>& task, std::string& why, bool wake = true);  // with mu_ held
   void wait_for(std::future<void>& done, const std::function<std::string()>& what);
   // Spins (bounded) for work after a task a caller waited for completed; false if none came.
   bool spin_for_work(std::unique_lock<std::mutex>& lock, Clock::time_point until);

@@ -273,6 +273,7 @@ void FusedAllreduce::submit_many(const std::vector<Item>& items) {
   // Launch every bucket that is complete and next in plan order.
   std::lock_guard<std::mutex> launch(s.launch_mu);
   std::vector<std::shared_ptr<Task>> ready;
+  bool round_complete = false;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     for (const Item& it : items) {
@@ -284,8 +285,19 @@ void FusedAllreduce::submit_many(const std::vector<Item>& items) {
       ready.push_back(std::make_shared<BucketTask>(state_, s.next_bucket, nb.buffer));
       ++s.next_bucket;
     }
+    round_complete = s.next_bucket == s.buckets.size();
   }
-  for (auto& t : ready) s.engine->enqueue(std::move(t));
+  // Note [Last bucket]
+  // The bucket that completes a round is almost always followed at once by wait() (the
+  // end of backprop, or a round of small tensors): that caller drives it (Note [Waiter
+  // drives] in engine.cc). Waking the thread for it as well cost two context switches
+  // and a futex wake per round, and on a core shared with the caller the thread's turn
+  // delayed the wait. So it is queued without a wake-up (if a caller may drive it; the
+  // thread takes it within kIdleServiceInterval if nobody waits). Earlier buckets wake
+  // the thread: they overlap with the rest of backprop.
+  for (std::size_t k = 0; k < ready.size(); ++k) {
+    s.engine->enqueue(std::move(ready[k]), !(round_complete && k + 1 == ready.size()));
+  }
 }
 
 std::vector<FusedResult> FusedAllreduce::wait() { return wait_round(false); }

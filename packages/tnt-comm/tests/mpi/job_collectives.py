@@ -356,6 +356,26 @@ def back_to_back_small_collectives_and_late_ranks() -> None:
 
 
 @check
+def last_bucket_starts_without_a_waiter() -> None:
+    # Note [Last bucket]: a round's last bucket is queued without waking the thread, for
+    # the caller's wait() to drive. A caller that does not wait must not hold its peers:
+    # the thread still starts it (within kIdleServiceInterval = 50 ms). The last rank
+    # submits and then sleeps 0.5 s before waiting; the others must finish long before.
+    with t.FusedAllreduce([t.TensorSpec("g", 64, "float32")], 1 << 20) as f:
+        for it in range(2):
+            t.barrier()
+            f.submit(0, np.full(64, R + it, np.float32))
+            t0 = time.perf_counter()
+            if R == N - 1:
+                time.sleep(0.5)
+            (b,) = f.wait_buckets()
+            waited = time.perf_counter() - t0
+            expect_equal(b, np.full(64, N * (N - 1) // 2 + N * it, np.float32), f"round {it}")
+            if R != N - 1:
+                assert waited < 0.35, f"round {it}: waited {waited:.3f} s for a peer that had submitted"
+
+
+@check
 def waiters_drive_while_other_threads_wait() -> None:
     # Note [Waiter drives]: three threads block at once, each on its own communicator (a
     # small allreduce loop; a fused round loop; a ring of point-to-point messages, small
