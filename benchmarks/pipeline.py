@@ -10,7 +10,8 @@ Rows (results/pipeline.json -> summary.json through summary.py):
   after another in one process (the plan is a pure function, as on 4 ranks). Also the
   stage balance max/min.
 - pipeline_bubble_error_p2: measured idle fraction of a stage minus (p - 1)/(m + p - 1),
-  m in {2, 4, 8}, GPipe on a balanced dense stack; the row is the largest |error|. The
+  m in {2, 4, 8}, GPipe on a dense stack balanced in time (BUBBLE_INPUT below); the row
+  is the largest |error|; `--only-bubble` runs just these and prints them. The
   idle fraction is 1 - compute time / the pipeline's span of each step (first stage in to
   last stage out, tarantella.pipelining.pipeline_idle_fractions), as the theory counts
   it; each stage's idle on its own clock is in the JSON beside it.
@@ -49,16 +50,26 @@ STEPS = 3 if QUICK else 5
 ROUNDS = 1 if QUICK else 3
 
 
-def stack(seed: int = 0) -> keras.Model:
+# The bubble's model must be balanced in time, not only in bytes: the first stage never
+# computes the gradient of its input (the data), so with equal layers its backward has one
+# matmul fewer than the last stage's (7 against 8 of the 512 x 512 ones per micro-batch)
+# and the last stage is ~9 % slower: the first stage then idles more than the theory says
+# and the last less, by the imbalance (measured before: m = 2 idle 0.416 / 0.316 against
+# 0.333). An input 1.5 x WIDTH wide makes d0's forward and weight gradient 1.5 matmuls
+# each: 1.5 + 1.5 + 3 x 3 = 12 on each stage, the same stages (the split by bytes does not move).
+BUBBLE_INPUT = WIDTH * 3 // 2
+
+
+def stack(seed: int = 0, input_width: int = WIDTH) -> keras.Model:
     """A balanced dense stack: DEPTH layers of WIDTH x WIDTH, a small classifier."""
     keras.utils.set_random_seed(seed)
-    x = inp = keras.Input((WIDTH,), name="x")
+    x = inp = keras.Input((input_width,), name="x")
     for k in range(DEPTH):
         x = keras.layers.Dense(WIDTH, activation="relu", name=f"d{k}")(x)
     return keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax", name="out")(x), name="stack")
 
 
-def dataset(steps: int) -> tf.data.Dataset:
+def dataset(steps: int, input_width: int = WIDTH) -> tf.data.Dataset:
     """``steps`` global batches, tf.data autotuning off.
 
     With autotuning on, deleting the iterator at the end of every ``fit`` waits for
@@ -68,7 +79,7 @@ def dataset(steps: int) -> tf.data.Dataset:
     cost per fit call is no part of a training step and would swamp a 5-step timing.
     """
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(B * 2, WIDTH)).astype("float32")
+    x = rng.normal(size=(B * 2, input_width)).astype("float32")
     y = rng.integers(0, CLASSES, B * 2).astype("int32")
     options = tf.data.Options()
     options.autotune.enabled = False
@@ -167,12 +178,12 @@ def distributed(steps: int, **options) -> float:
 
 
 def bubble(m: int) -> list[dict]:
-    model = tnt.Model(stack(), parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2,
-                      num_micro_batches=m, pipeline_schedule="gpipe")
+    model = tnt.Model(stack(input_width=BUBBLE_INPUT), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                      num_pipeline_stages=2, num_micro_batches=m, pipeline_schedule="gpipe")
     model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
-    model.fit(dataset(2), epochs=1, verbose=0)
+    model.fit(dataset(2, BUBBLE_INPUT), epochs=1, verbose=0)
     model.pipeline_stats(reset=True)
-    model.fit(dataset(STEPS), epochs=1, verbose=0)
+    model.fit(dataset(STEPS, BUBBLE_INPUT), epochs=1, verbose=0)
     stats = tnt_comm.allgather_object(model.pipeline_stats())
     span_idle = pipeline_idle_fractions(stats)
     for row, idle in zip(stats, span_idle):
@@ -188,6 +199,13 @@ def main() -> int:
     if tnt.get_size() != 2:
         raise SystemExit("run on 2 ranks: mpirun -n 2 python benchmarks/pipeline.py")
     before = benchlib.machine()
+    if "--only-bubble" in sys.argv:  # for working on the schedule: prints, writes nothing
+        for m in (2, 4, 8):
+            for b in bubble(m):
+                if tnt.is_master_rank():
+                    print(f"m={m} stage {b['stage']}: idle {b['idle_fraction']:.3f} vs {b['theory']:.3f}, "
+                          f"busy {b['busy_seconds']:.3f} s", flush=True)
+        return 0
     serial = serial_bytes()
     mem4 = memory_in_process(4) if tnt.get_rank() == 0 else None
     mem4 = tnt_comm.broadcast_object(mem4, 0)
@@ -236,8 +254,8 @@ def main() -> int:
         {"name": "pipeline_bubble_error_p2", "value": max(abs(e) for e in bubble_errors), "target": 0.05,
          "higher_is_better": False, "unit": "|idle fraction - (p-1)/(m+p-1)|",
          "detail": "; ".join(f"m={b['m']} stage {b['stage']}: idle {b['idle_fraction']:.3f} vs {b['theory']:.3f}"
-                             f" (own clock {b['own_clock_idle_fraction']:.3f})"
-                             for b in bubbles) + " (pipeline.py)"},
+                             f" (own clock {b['own_clock_idle_fraction']:.3f}, busy {b['busy_seconds']:.2f} s)"
+                             for b in bubbles) + f"; input width {BUBBLE_INPUT} (pipeline.py)"},
         {"name": "pipeline_speedup_p2_m8", "value": speedup, "target": 0.85 * 2 * M / (M + 1),
          "higher_is_better": True, "unit": "x plain Keras samples/s (1 rank)",
          "detail": f"per-round ratios {[round(r['pipeline_p2_m8'] / r['keras_alone'], 3) for r in rounds]}; "

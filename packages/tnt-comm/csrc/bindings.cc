@@ -251,7 +251,24 @@ class PyFused {
   // never waits on communication either way.
   static constexpr std::int64_t kReleaseGilBytes = 64 * 1024;
 
+  // The messages are built only on failure: formatting them cost more than the copy of a
+  // 1 KiB tensor (1000 tensors of 256 float32 took ~0.27 ms per round outside MPI).
   FusedAllreduce::Item checked_item(std::int64_t index, py::handle obj, const char* method) const {
+    const auto& specs = impl_->specs();
+    if (index >= 0 && index < static_cast<std::int64_t>(specs.size()) && py::isinstance<py::array>(obj)) {
+      const TensorSpec& spec = specs[static_cast<std::size_t>(index)];
+      auto a = py::reinterpret_borrow<py::array>(obj);
+      const py::dtype& want = dtypes_[static_cast<std::size_t>(index)];
+      PyObject* have = reinterpret_cast<PyObject*>(py::detail::array_proxy(a.ptr())->descr);
+      if ((have == want.ptr() || a.dtype().equal(want)) && a.size() == spec.count &&
+          (a.flags() & py::array::c_style)) {
+        return {index, a.data(), spec.count, spec.dtype};
+      }
+    }
+    throw_bad_item(index, obj, method);
+  }
+
+  [[noreturn]] void throw_bad_item(std::int64_t index, py::handle obj, const char* method) const {
     const auto& specs = impl_->specs();
     const std::string where = std::string("FusedAllreduce.") + method + ": ";
     if (index < 0 || index >= static_cast<std::int64_t>(specs.size())) {
@@ -279,7 +296,7 @@ class PyFused {
     if (!(a.flags() & py::array::c_style)) {
       throw std::invalid_argument(where + tensor + " is not C-contiguous; pass np.ascontiguousarray(array)");
     }
-    return {index, a.data(), a.size(), spec.dtype};
+    throw std::logic_error(where + tensor + " failed a check that passes here");
   }
 
   void submit_items(const std::vector<FusedAllreduce::Item>& items) {

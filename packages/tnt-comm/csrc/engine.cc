@@ -257,6 +257,7 @@ std::string Engine::broken() const {
 void Engine::mark_broken(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (broken_.empty()) broken_ = why;
+  is_broken_.store(true, std::memory_order_release);
 }
 
 Engine::Waiting::Waiting(Engine& e) : e_(e) {
@@ -295,7 +296,8 @@ void Engine::fail(Task& task, const std::string& why) noexcept {
 // wait for each other: that is what lets a pipeline's sends overlap a fused reduction.
 void Engine::take_startable(std::vector<std::shared_ptr<Task>>& out, bool with_thread_only,
                             bool* skipped) {
-  std::vector<const Comm*> blocked;
+  std::vector<const Comm*>& blocked = blocked_;  // kept: no allocation per round
+  blocked.clear();
   for (const Active& a : active_) {
     if (a.task->lane() == Lane::kCollective && a.task->more_collective_steps()) {
       blocked.push_back(&a.task->comm());
@@ -507,9 +509,8 @@ void Engine::finish_shutdown() {
 }
 
 void Engine::start(std::shared_ptr<Task> task) {
-  const std::string why = broken();
-  if (!why.empty()) {
-    fail(*task, "tnt_comm is unusable after an earlier error: " + why);
+  if (is_broken_.load(std::memory_order_acquire)) {  // no lock nor string copy per task
+    fail(*task, "tnt_comm is unusable after an earlier error: " + broken());
     return;
   }
   Active a;

@@ -175,6 +175,8 @@ class Engine {
   std::deque<std::shared_ptr<Task>> queue_;
   bool stopping_ = false;
   std::string broken_;
+  std::atomic<bool> is_broken_{false};  // broken_ is set (read without mu_)
+  std::vector<const Comm*> blocked_;    // take_startable's scratch (mu_)
   int abort_code_ = -1;
   std::atomic<int> waiting_{0};  // callers blocked in await(); raised under mu_
   // Raised (under mu_) by everything that gives the thread work or a reason to look: a
