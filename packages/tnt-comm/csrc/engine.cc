@@ -103,7 +103,7 @@ bool is_ready(std::future<void>& done) {
 void Engine::run(std::shared_ptr<Task> task, std::future<void>& done) {
   const std::shared_ptr<Task> mine = task;  // for its description, built only if needed
   const auto what = [&mine] { return mine->describe(); };
-  if (drive(task, [&done] { return is_ready(done); })) {
+  if (drive(task, [&mine] { return mine->completed(); })) {
     done.get();  // rethrows the task's error
     return;
   }
@@ -283,7 +283,7 @@ void Engine::begin_local_work() { local_work_.fetch_add(1); }
 void Engine::end_local_work() { local_work_.fetch_sub(1); }
 
 void Engine::fail(Task& task, const std::string& why) noexcept {
-  task.finish(std::make_exception_ptr(CommError(why)));
+  task.complete(std::make_exception_ptr(CommError(why)));
 }
 
 // Note [Lanes]
@@ -529,7 +529,7 @@ bool Engine::advance(Active& a) {
       if (a.request && !a.request->test()) return false;
       a.request = a.task->next(*a.task->comm().data);
       if (!a.request) {
-        a.task->finish(nullptr);
+        a.task->complete(nullptr);
         return true;
       }
     }
@@ -574,7 +574,7 @@ void Engine::fail_task(Active& a, std::exception_ptr error) {
     // A bad argument found on the thread (checked between requests: nothing posted).
     graveyard_.pop_back();
   }
-  task->finish(error);
+  task->complete(error);
   if (!why.empty()) break_all(why);
 }
 
@@ -626,7 +626,7 @@ void Engine::on_deadline(Active& a) {
   } else {
     msg = stall_message(a.task->describe(), comm, config_.timeout_s, a.seq, progress);
   }
-  a.task->finish(std::make_exception_ptr(StallError(msg)));
+  a.task->complete(std::make_exception_ptr(StallError(msg)));
   graveyard_.push_back(std::move(a));
   a.task = nullptr;
   break_all(msg);

@@ -4,6 +4,7 @@
 // flight at once (Note [Lanes] in engine.cc).
 #pragma once
 
+#include <atomic>
 #include <exception>
 #include <functional>
 #include <future>
@@ -41,8 +42,15 @@ class Task {
   // True while next() may still start a collective on the communicator: later
   // collectives of that communicator wait until it is false.
   virtual bool more_collective_steps() const = 0;
-  // Called exactly once on the communication thread: nullptr on success.
+  // Called exactly once, by the engine's complete(): nullptr on success.
   virtual void finish(std::exception_ptr error) noexcept = 0;
+  // finish(), then a flag a driver polls instead of the future: future::wait_for(0) and
+  // friends cost clock reads and, in some libstdc++ versions, a futex call per poll.
+  void complete(std::exception_ptr error) noexcept {
+    finish(std::move(error));
+    completed_.store(true, std::memory_order_release);
+  }
+  bool completed() const { return completed_.load(std::memory_order_acquire); }
   // For stall messages about point-to-point tasks: the peer's rank, or -1.
   virtual int peer() const { return -1; }
   // True if only the communication thread may start it (Note [Waiter drives] in
@@ -55,6 +63,7 @@ class Task {
 
  private:
   std::shared_ptr<Comm> comm_;
+  std::atomic<bool> completed_{false};
 };
 
 // Two requests completed together (e.g. a message's envelope and its payload).
