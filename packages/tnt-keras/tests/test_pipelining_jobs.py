@@ -14,7 +14,14 @@ import re
 import pytest
 from conftest import launch, print_diff_table
 
-TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3), "lso": (1e-5, 2e-5)}  # (losses, weights)
+TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3), "lso": (1e-5, 2e-5),  # (losses, weights)
+       # mixed_float16: float16 rounds to 2^-11 relative, so an activation can round the other
+       # way after a float32 difference of 1e-7; about 1 float16 ulp of values ~1
+       "f16": (1e-3, 1e-3)}
+
+#: The layers whose gradients overflow at a loss-scaled case's first step (checked on the
+#: serial model): stage 0's alone ("lso", float32) or the last stage's alone ("f16").
+OVERFLOW_AT_START = {"lso": ["l0"], "f16": ["l1"]}
 
 
 #: Metric and loss-tracker variables a stage holds besides its weights and optimizer.
@@ -149,20 +156,36 @@ def test_backup_and_restore_resume_equals_uninterrupted_serial(report):
 def test_loss_scale_optimizer_skips_and_scales_as_serial_on_every_stage(report):
     """LossScaleOptimizer: one stage's overflow skips the step everywhere (History and
     weights are checked with the other cases); every rank ends with serial Keras' loss
-    scale and number of applied steps."""
+    scale and number of applied steps. Stage 0 alone overflows first in the float32 case,
+    the last stage alone in the mixed_float16 one: neither stage alone may decide."""
     cases = {n: c for n, c in report["cases"].items() if c["loss_scale"]}
     if report["ranks"] == 3:  # checked on 2 stages and ALL 2 x 2
         assert not cases
         return
-    assert cases
+    assert sorted(n.split("_")[0] for n in cases) == ["f16", "lso"], list(cases)
     for name, c in cases.items():
         ls = c["loss_scale"]
-        # The case really overflows, at first on stage 0 only (stage 1 alone must not
+        # The case really overflows, at first on one stage only (the other alone must not
         # decide), and skips steps serially.
-        assert ls["overflow_at_start"] == ["l0"], (name, ls)
+        assert ls["overflow_at_start"] == OVERFLOW_AT_START[name.split("_")[0]], (name, ls)
         scale, applied = ls["serial"]
         assert ls["steps"] - applied >= 3, (name, ls)
         assert all(r == [scale, applied] for r in ls["per_rank"]), (name, ls)
+
+
+def test_mixed_float16_case_computes_in_float16_and_leaves_the_policy(report):
+    """The mixed_float16 case is what it claims: a mixed_float16 model whose stages send
+    float16 activations, an optimizer compile wrapped in a LossScaleOptimizer (the job
+    passes plain Adam), and the global dtype policy float32 again after it (other cases
+    are unaffected)."""
+    cases = {n: c for n, c in report["cases"].items() if n.startswith("f16_")}
+    assert len(cases) == (0 if report["ranks"] == 3 else 1), list(cases)
+    for name, c in cases.items():
+        assert c["policy"] == {"model": "mixed_float16", "boundaries": ["float16"],
+                               "optimizer": "LossScaleOptimizer", "global_after": "float32"}, (name, c["policy"])
+    for name, c in report["cases"].items():
+        if not name.startswith("f16_"):
+            assert c["policy"]["model"] == "float32" and c["policy"]["global_after"] == "float32", (name, c["policy"])
 
 
 def test_callbacks_see_serial_batch_ends_also_with_steps_per_execution(report):

@@ -277,3 +277,21 @@ def test_idle_fractions_count_each_step_from_the_first_stage_in_to_the_last_out(
     assert pipeline_idle_fractions([stage0, stage1]) == pytest.approx([1 - 12 / 18, 1 - 9 / 18])
     with pytest.raises(ValueError, match="different numbers of steps"):
         pipeline_idle_fractions([stage0, {"windows": stage1["windows"][:1]}])
+
+
+def test_float16_read_variables_are_those_mixed_float16_layers_autocast():
+    """The loss-scale skip checks these gradients in float16 (serial Keras computes them in
+    float16; the pipeline sums micro-batches in float32): a float32 layer's are not."""
+    from tarantella.pipelining._stage_runtime import float16_read_variables
+
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        inp = keras.Input((4,))
+        x = keras.layers.Dense(3, name="half")(inp)
+        x = keras.layers.Dense(2, dtype="float32", name="full")(x)
+        model = keras.Model(inp, x)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    assert [v.path for v in model.trainable_variables] == ["half/kernel", "half/bias", "full/kernel", "full/bias"]
+    assert float16_read_variables(model) == [True, True, False, False]

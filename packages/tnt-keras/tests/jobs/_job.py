@@ -52,8 +52,9 @@ def max_abs_diff(a, b) -> float:
     for x, y in zip(a_leaves, b_leaves):
         x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
         assert x.shape == y.shape, (x.shape, y.shape)
-        if x.size:
-            worst = max(worst, float(np.max(np.abs(x - y))))
+        if x.size:  # NaN against a number is an infinite difference (NaN against NaN none)
+            diff = np.where(np.isnan(x) & np.isnan(y), 0.0, np.abs(x - y))
+            worst = max(worst, float("inf") if np.isnan(diff).any() else float(np.max(diff)))
     return worst
 
 

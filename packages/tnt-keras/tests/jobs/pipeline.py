@@ -47,7 +47,8 @@ OPTIMIZERS = {
                                                        dynamic_growth_steps=2),
 }
 #: Initial loss scale of the "lso" case: at the initial weights stage 0's gradients
-#: overflow float32 and the last stage's do not (the job checks it on the serial model).
+#: overflow float32 and the last stage's do not (the job checks it on the serial model;
+#: the "f16" case is the converse, at the scale compile gives a mixed_float16 model).
 LSO_SCALE = 2.0**122
 
 
@@ -99,6 +100,33 @@ def lso_mlp() -> keras.Model:
                            kernel_initializer=keras.initializers.RandomNormal(stddev=1e-4))(x)
     x = keras.layers.Dense(16, activation="tanh", name="l1")(SplitLayer(name="cut")(x))
     return keras.Model(inp, keras.layers.Dense(3, activation="softmax", name="out")(x), name="lso")
+
+
+def f16_mlp() -> keras.Model:
+    """Built under the ``mixed_float16`` policy (so compile wraps the optimizer in a
+    LossScaleOptimizer at Keras' default scale 2^15), which is restored afterwards: other
+    cases stay float32. Stage 0 ends in biases of size ~F16_BIAS and the last stage's first
+    kernel is ~1e-3, so at the scale 2^15 the last stage's kernel gradient x^T g (x the
+    boundary activation) overflows float16 while the boundary gradient W^T g, and so
+    stage 0's gradients, stay finite: only the last stage can decide to skip."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(7)
+        x = inp = keras.Input((10,), name="x")
+        x = keras.layers.Dense(16, name="l0",
+                               bias_initializer=keras.initializers.RandomUniform(-F16_BIAS, F16_BIAS))(x)
+        x = keras.layers.Dense(16, activation="tanh", name="l1",
+                               kernel_initializer=keras.initializers.RandomNormal(stddev=1e-3))(SplitLayer(name="cut")(x))
+        x = keras.layers.Dense(3, name="out")(x)
+        out = keras.layers.Activation("softmax", dtype="float32", name="prob")(x)  # Keras' advice
+        return keras.Model(inp, out, name="f16")
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+#: Stage 0's output scale in ``f16_mlp``.
+F16_BIAS = 300.0
 
 
 def data(kind: str, n: int, seed: int):
@@ -196,6 +224,7 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
     def serial_run():
         serial = make()
         serial.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"], steps_per_execution=spe)
+        initial_scale = getattr(serial.optimizer, "initial_scale", None)  # a LossScaleOptimizer's
         t0 = time.perf_counter()
         seen = BatchLogs()
         history = serial.fit(ds(x, y, batch), epochs=epochs, validation_data=ds(vx, vy, 7), verbose=0,
@@ -206,7 +235,8 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
                 "variables": len(serial.weights), "seconds": seconds,
                 "training_bytes": training_bytes(serial, serial.optimizer),
                 "optimizer": [v.numpy() for v in serial.optimizer.variables if "iteration" not in v.path],
-                "loss_scale": loss_scale_state(serial.optimizer), "model": serial}
+                "loss_scale": loss_scale_state(serial.optimizer), "initial_scale": initial_scale,
+                "model": serial}
 
     serial_model = []  # the master keeps its serial model for the save/load checks
 
@@ -217,8 +247,8 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
 
     ref = on_master(reference)
     ref["model"] = serial_model[0] if serial_model else None
-    overflow_at_start = on_master(lambda: overflowing_layers(make(), x[:batch], y[:batch], LSO_SCALE)) \
-        if opt == "lso" else None
+    overflow_at_start = on_master(lambda: overflowing_layers(make(), x[:batch], y[:batch], ref["initial_scale"])) \
+        if ref["initial_scale"] is not None else None
     gc.collect()
     before = live_variables()
     user_model = deferred(make)
@@ -266,6 +296,9 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
             "serial": ref["loss_scale"], "per_rank": [e[11] for e in everyone],
             "steps": epochs * -(-n // batch), "overflow_at_start": overflow_at_start},
         "weights_digest": digest(model.get_weights()),
+        "policy": {"model": user_model.dtype_policy.name, "boundaries": [b.dtype for b in model.plan.boundaries],
+                   "optimizer": type(model._tnt_stage.optimizer).__name__,
+                   "global_after": keras.config.dtype_policy().name},
         "seconds": [ref["seconds"], t_pipe],
         "model": model,
         "ref": ref,
@@ -488,6 +521,7 @@ def main() -> None:
         }
         if p == 2:
             cases[f"lso_all{p}x2_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
+            cases[f"f16_all{p}x2_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)
     else:
         strategy, p = tnt.ParallelStrategy.PIPELINING, size
         cases = {
@@ -499,6 +533,8 @@ def main() -> None:
             cases[f"mlp_p{p}_adam_m1_1f1b"] = ("mlp", mlp, "adam", 1, "1f1b", 10, 10 * 2 + 3, 2)
             cases[f"cnn_p{p}_momentum_m3_1f1b"] = ("cnn", cnn, "sgd_momentum", 3, "1f1b", 10, 10 * 3 + 2, 2)
             cases[f"lso_p{p}_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
+            # mixed_float16: compile wraps Adam in a LossScaleOptimizer; the last stage alone overflows
+            cases[f"f16_p{p}_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)
         else:  # Adam both schedules on 3 stages
             cases[f"mlp_p{p}_adam_m4_gpipe"] = ("mlp", mlp, "adam", 4, "gpipe", 10, 10 * 3 + 3, 2)
             cases[f"mlp_p{p}_adam_m4_1f1b"] = ("mlp", mlp, "adam", 4, "1f1b", 10, 10 * 3 + 3, 2)

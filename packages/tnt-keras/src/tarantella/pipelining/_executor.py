@@ -12,7 +12,8 @@ over the micro-batches of all replicas each counts exactly once. Both are scaled
 optimizer's ``scale_loss`` (a ``LossScaleOptimizer``'s dynamic scale, a static
 ``loss_scale_factor``), as Keras' own train step scales its loss: weighting the loss, not
 the gradients, keeps every backprop term at its serial magnitude, so float16 overflows
-where serial Keras' step overflows. Weight gradients are
+where serial Keras' step overflows (the micro-batches' float32 sum of a float16 gradient is
+checked in float16: ``StageRuntime._finite_over_pipeline``). Weight gradients are
 accumulated in micro-batch order, whatever order the schedule ran the backward passes in.
 """
 

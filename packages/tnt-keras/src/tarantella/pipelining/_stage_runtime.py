@@ -11,7 +11,8 @@ End of a training step on stage s (DESIGN.md, "Pipeline parallelism"):
 4. with a ``LossScaleOptimizer``, whether every stage's ``g_s`` is finite is decided over
    the pipeline (one allreduce; after 3 every replica of a stage holds the same ``g_s``):
    one non-finite gradient anywhere skips the step on every stage and replica, as it
-   skips serial Keras' step, and every stage's loss scale moves alike;
+   skips serial Keras' step, and every stage's loss scale moves alike (a gradient serial
+   Keras computes in float16 is checked as float16: ``_finite_over_pipeline``);
 5. ``global_clipnorm`` scales by the norm over all stages of the unscaled gradients (one
    pipeline allreduce);
 6. the stage's optimizer applies ``g_s`` (Keras' own ``LossScaleOptimizer`` unscales,
@@ -72,6 +73,7 @@ class StageRuntime:
         self.log_names: list[str] = []
         self.loss_scaled = False  # a LossScaleOptimizer: its decision is the pipeline's
         self._all_stages_finite = tf.Variable(True, trainable=False, name="tnt_all_stages_finite")
+        self._float16_read: list[bool] = []  # per trainable variable: read as float16
 
     # -- set-up ----------------------------------------------------------------------------------
     def compile(self, optimizer, loss=None, metrics=None, loss_weights=None, weighted_metrics=None) -> None:
@@ -91,6 +93,7 @@ class StageRuntime:
             self.model.compile(optimizer=opt, loss=None, jit_compile=False, auto_scale_loss=False)
         opt.build(self.model.trainable_variables)
         self.optimizer = opt
+        self._float16_read = float16_read_variables(self.model)
         self._apply = tf.function(self._apply_gradients, autograph=False)
 
     def _apply_gradients(self, grads):
@@ -187,8 +190,16 @@ class StageRuntime:
         return [tf.convert_to_tensor(np.asarray(s).reshape(a.shape)) for s, a in zip(summed, arrays)]
 
     def _finite_over_pipeline(self, grads: list) -> bool:
-        """True iff the gradients of every stage are finite (the same answer on all ranks)."""
-        mine = all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+        """True iff the gradients of every stage are finite (the same answer on all ranks).
+
+        A variable its layer reads as float16 (``mixed_float16``) gets a float16 gradient
+        in serial Keras, which overflows when the sum over the whole batch does; here its
+        micro-batches' (and replicas') parts were summed in float32, so the sum is checked
+        in float16: it overflows where serial Keras' does (up to the rounding of the parts).
+        """
+        half = self._float16_read or [False] * len(grads)
+        mine = all(bool(tf.reduce_all(tf.math.is_finite(tf.cast(g, tf.float16) if h else g)))
+                   for g, h in zip(grads, half))
         non_finite = self.transport.pipeline_allreduce(np.array([0.0 if mine else 1.0], np.float64))[0]
         return bool(non_finite == 0)
 
@@ -238,6 +249,20 @@ class StageRuntime:
         if self.is_last:
             for metric in self.model.metrics:
                 metric.reset_state()
+
+
+def float16_read_variables(model: keras.Model) -> list[bool]:
+    """Per trainable variable of ``model``: whether its (innermost) layer reads it as float16."""
+    owner = {}
+    for layer in model._flatten_layers(include_self=False):  # parents first: the innermost wins
+        for v in layer.trainable_weights:
+            owner[id(v)] = layer
+    out = []
+    for v in model.trainable_variables:
+        layer = owner.get(id(v))
+        out.append(layer is not None and layer.autocast and layer.compute_dtype == "float16"
+                   and getattr(v, "_autocast", True))
+    return out
 
 
 def _pythonify(logs: dict) -> dict:
