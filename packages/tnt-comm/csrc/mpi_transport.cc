@@ -234,8 +234,16 @@ class MpiDataPlane final : public DataPlane {
 
   std::unique_ptr<Request> iallreduce_collective(const void* send, void* recv, std::int64_t count,
                                                  DType dtype, ReduceOp op) override {
-    auto r = std::make_unique<MultiRequest>();
     const std::size_t es = dtype_size(dtype);
+    if (count <= kChunk) {  // one call: one handle (the common case, e.g. the description check)
+      auto r = std::make_unique<MpiRequest>();
+      ops_->algorithm.choose(count * static_cast<std::int64_t>(es), count, size_);
+      check(MPI_Iallreduce(send == recv ? MPI_IN_PLACE : send, recv, static_cast<int>(count),
+                           mpi_type(dtype), ops_->get(dtype, op), comm_, r->handle()),
+            "MPI_Iallreduce");
+      return r;
+    }
+    auto r = std::make_unique<MultiRequest>();
     for_chunks(count, [&](std::int64_t off, int n) {
       void* out = static_cast<char*>(recv) + off * static_cast<std::int64_t>(es);
       const void* in = (send == recv) ? MPI_IN_PLACE
@@ -296,13 +304,13 @@ class MpiDataPlane final : public DataPlane {
   }
 
   std::unique_ptr<Request> isend(const void* buf, std::int64_t nbytes, int dest, int tag) override {
-    auto r = std::make_unique<MultiRequest>();
     if (nbytes > INT_MAX) {
       throw std::invalid_argument("send: " + std::to_string(nbytes) +
                                   " bytes exceed the point-to-point limit of 2^31-1 bytes per "
                                   "message; send the array in parts");
     }
-    check(MPI_Isend(buf, static_cast<int>(nbytes), MPI_BYTE, dest, tag, comm_, r->add()), "MPI_Isend");
+    auto r = std::make_unique<MpiRequest>();  // one handle: no MultiRequest (its deque allocates)
+    check(MPI_Isend(buf, static_cast<int>(nbytes), MPI_BYTE, dest, tag, comm_, r->handle()), "MPI_Isend");
     return r;
   }
 
