@@ -180,6 +180,7 @@ void allreduce(Engine& engine, const CommPtr& comm, const void* in, void* out,
   const int size = comm->size;
   const bool scale_first = op == ReduceOp::kAvg && avg_scales_first(dtype);
   std::vector<StepTask::Step> steps;
+  steps.reserve(5);
   add_description_check(steps, x, "allreduce", [](const std::vector<Meta>& all) {
     throw std::invalid_argument(
         "allreduce: the arrays or ops differ across ranks (" + table(all, true, "op") +
@@ -200,8 +201,9 @@ void allreduce(Engine& engine, const CommPtr& comm, const void* in, void* out,
       return nullptr;
     });
   }
-  auto task = std::make_shared<StepTask>(
-      comm, StepTask::Describe([desc, op] { return "allreduce(" + desc.str() + ", " + op_name(op) + ")"; }),
+  auto task = std::make_shared<StepTask>(  // described from the Meta: no copy of desc per call
+      comm, StepTask::Describe([x] { return "allreduce(" + from_meta(x->mine).str() + ", " +
+                                            op_name(static_cast<ReduceOp>(x->mine.op)) + ")"; }),
       std::move(steps));
   task->set_payload_bytes(desc.nbytes());
   run_blocking(engine, std::move(task));

@@ -32,8 +32,8 @@ constexpr int kTags = 16384;
 
 class PointToPointAllreduce final : public Request {
  public:
-  PointToPointAllreduce(DataPlane& plane, void* data, std::int64_t count, DType dtype, ReduceOp op,
-                        int tag)
+  PointToPointAllreduce(DataPlane& plane, const std::vector<AllreduceRound>& rounds, void* data,
+                        std::int64_t count, DType dtype, ReduceOp op, int tag)
       : plane_(plane),
         data_(data),
         count_(count),
@@ -41,7 +41,7 @@ class PointToPointAllreduce final : public Request {
         dtype_(dtype),
         op_(op),
         tag_(tag),
-        rounds_(recursive_doubling(plane.rank(), plane.size())),
+        rounds_(rounds),
         scratch_(static_cast<std::size_t>(nbytes_)) {}
 
   bool test() override {
@@ -91,7 +91,7 @@ class PointToPointAllreduce final : public Request {
   DType dtype_;
   ReduceOp op_;
   int tag_;
-  std::vector<AllreduceRound> rounds_;
+  const std::vector<AllreduceRound>& rounds_;  // the plane's (it outlives its requests' tasks)
   std::vector<char> scratch_;  // the partner's partial
   std::size_t next_ = 0;
   bool posted_ = false;
@@ -101,9 +101,10 @@ class PointToPointAllreduce final : public Request {
 
 }  // namespace
 
-std::unique_ptr<Request> point_to_point_allreduce(DataPlane& plane, void* data, std::int64_t count,
-                                                  DType dtype, ReduceOp op, int tag) {
-  return std::make_unique<PointToPointAllreduce>(plane, data, count, dtype, op, tag);
+std::unique_ptr<Request> point_to_point_allreduce(DataPlane& plane,
+                                                  const std::vector<AllreduceRound>& rounds, void* data,
+                                                  std::int64_t count, DType dtype, ReduceOp op, int tag) {
+  return std::make_unique<PointToPointAllreduce>(plane, rounds, data, count, dtype, op, tag);
 }
 
 std::unique_ptr<Request> DataPlane::iallreduce(const void* send, void* recv, std::int64_t count,
@@ -114,7 +115,8 @@ std::unique_ptr<Request> DataPlane::iallreduce(const void* send, void* recv, std
   }
   if (send != recv) std::memcpy(recv, send, static_cast<std::size_t>(nbytes));
   const int tag = kFirstTag + static_cast<int>(small_allreduces_++ % kTags);
-  return point_to_point_allreduce(*this, recv, count, dtype, op, tag);
+  if (rounds_.empty()) rounds_ = recursive_doubling(rank(), size());  // size > 1: never empty
+  return point_to_point_allreduce(*this, rounds_, recv, count, dtype, op, tag);
 }
 
 }  // namespace tnt

@@ -4,6 +4,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
+
+#include "allreduce_schedule.h"
 
 #include "dtype.h"
 #include "transport.h"
@@ -17,7 +20,9 @@ inline constexpr std::int64_t kPointToPointAllreduceMaxBytes = 64 * 1024;
 // In place on `data` (count elements): the reduction over every rank of `plane`, equal
 // bit for bit on every rank. `tag` must be the same on every rank for this call and
 // differ from every other point-to-point allreduce still in flight on the plane.
-std::unique_ptr<Request> point_to_point_allreduce(DataPlane& plane, void* data, std::int64_t count,
-                                                  DType dtype, ReduceOp op, int tag);
+// `rounds` (recursive_doubling(plane.rank(), plane.size())) must outlive the request.
+std::unique_ptr<Request> point_to_point_allreduce(DataPlane& plane,
+                                                  const std::vector<AllreduceRound>& rounds, void* data,
+                                                  std::int64_t count, DType dtype, ReduceOp op, int tag);
 
 }  // namespace tnt

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "allreduce_schedule.h"
 #include "dtype.h"
 
 namespace tnt {
@@ -81,6 +82,7 @@ class DataPlane {
 
  private:
   std::uint32_t small_allreduces_ = 0;  // picks each point-to-point allreduce's tag
+  std::vector<AllreduceRound> rounds_;  // this rank's recursive doubling, made once
 };
 
 // A rank's answer to a progress query about one communicator.
