@@ -181,14 +181,28 @@ class AllreduceAlgorithm {
   MPI_T_cvar_handle handle_{};
 };
 
+// The description check's reduction (check_block.h) as an MPI operator over one block.
+void reduce_check_blocks(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
+  const auto* a = static_cast<const CheckBlock*>(in);
+  auto* b = static_cast<CheckBlock*>(inout);
+  for (int i = 0; i < *len; ++i) combine_check_blocks(a[i], b[i]);
+}
+
 // The reduction operators, created once per process (after MPI_Init).
 struct Ops {
   AllreduceAlgorithm algorithm;
+  // One CheckBlock as a single element (never split), and its non-commutative operator:
+  // MPI then combines lower ranks' parts first, as combine_check_blocks expects.
+  MPI_Datatype check_type = MPI_DATATYPE_NULL;
+  MPI_Op check_op = MPI_OP_NULL;
   MPI_Op h_sum = MPI_OP_NULL, h_min = MPI_OP_NULL, h_max = MPI_OP_NULL;
   MPI_Op b_sum = MPI_OP_NULL, b_min = MPI_OP_NULL, b_max = MPI_OP_NULL;
 
   void create() {
     algorithm.init();
+    check(MPI_Type_contiguous(static_cast<int>(sizeof(CheckBlock)), MPI_BYTE, &check_type), "MPI_Type_contiguous");
+    check(MPI_Type_commit(&check_type), "MPI_Type_commit");
+    check(MPI_Op_create(&reduce_check_blocks, 0, &check_op), "MPI_Op_create");
     check(MPI_Op_create(&reduce16<Half, AddF>, 1, &h_sum), "MPI_Op_create");
     check(MPI_Op_create(&reduce16<Half, MinF>, 1, &h_min), "MPI_Op_create");
     check(MPI_Op_create(&reduce16<Half, MaxF>, 1, &h_max), "MPI_Op_create");
@@ -198,7 +212,8 @@ struct Ops {
   }
   void free() {
     algorithm.free();
-    for (MPI_Op* op : {&h_sum, &h_min, &h_max, &b_sum, &b_min, &b_max}) {
+    if (check_type != MPI_DATATYPE_NULL) MPI_Type_free(&check_type);
+    for (MPI_Op* op : {&check_op, &h_sum, &h_min, &h_max, &b_sum, &b_min, &b_max}) {
       if (*op != MPI_OP_NULL) MPI_Op_free(op);
     }
   }
@@ -252,6 +267,13 @@ class MpiDataPlane final : public DataPlane {
       check(MPI_Iallreduce(in, out, n, mpi_type(dtype), ops_->get(dtype, op), comm_, r->add()),
             "MPI_Iallreduce");
     });
+    return r;
+  }
+
+  std::unique_ptr<Request> icheck(const CheckBlock* in, CheckBlock* out) override {
+    auto r = std::make_unique<MpiRequest>();
+    ops_->algorithm.choose(sizeof(CheckBlock), 1, size_);  // never the ring (one element)
+    check(MPI_Iallreduce(in, out, 1, ops_->check_type, ops_->check_op, comm_, r->handle()), "MPI_Iallreduce");
     return r;
   }
 

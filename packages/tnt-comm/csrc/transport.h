@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "allreduce_schedule.h"
+#include "check_block.h"
 #include "dtype.h"
 
 namespace tnt {
@@ -52,8 +53,12 @@ class DataPlane {
   // on every rank, as every collective.
   std::unique_ptr<Request> iallreduce(const void* send, void* recv, std::int64_t count,
                                       DType dtype, ReduceOp op);
-  // Always the transport's own collective, which the transport matches against whatever
-  // collective another rank runs at this point (the description check relies on it).
+  // The description check (Note [Description check] in collectives.cc): out = the
+  // combine_check_blocks reduction of every rank's block, lower ranks first. One
+  // collective of the transport's own, which it matches against whatever collective
+  // another rank runs at this point: a rank out of step is named from what comes back.
+  virtual std::unique_ptr<Request> icheck(const CheckBlock* in, CheckBlock* out) = 0;
+  // Always the transport's own collective.
   virtual std::unique_ptr<Request> iallreduce_collective(const void* send, void* recv,
                                                          std::int64_t count, DType dtype,
                                                          ReduceOp op) = 0;

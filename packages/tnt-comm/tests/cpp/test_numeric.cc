@@ -1,6 +1,7 @@
 // 16-bit float conversions, AVG division and the TNT_* parser.
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "allreduce_schedule.h"
+#include "check_block.h"
 #include "arith.h"
 #include "check.h"
 #include "config.h"
@@ -149,4 +151,33 @@ TNT_TEST(recursive_doubling_reduces_everything_bitwise_equal_on_every_rank) {
   CHECK(recursive_doubling(0, 1).empty());
   CHECK(recursive_doubling(2, 3).size() == 1);  // 3 ranks: rank 2 only exchanges with rank 1
   CHECK(recursive_doubling(0, 3).size() == 2);  // rank 0 folds into rank 1 and gets the result back
+}
+
+// Note [Inline data]: the check's operator reduces the marks by MAX and the inline data by
+// its op, lower ranks' part first; blocks that describe different data leave it alone.
+TNT_TEST(check_blocks_combine_marks_and_inline_data) {
+  CheckBlock lo, hi;
+  lo.marks[0] = 5; hi.marks[0] = 7; lo.marks[2] = -3; hi.marks[2] = -9;
+  lo.dtype = hi.dtype = static_cast<std::int32_t>(DType::kFloat32);
+  lo.op = hi.op = static_cast<std::int32_t>(ReduceOp::kMin);
+  lo.count = hi.count = 2;
+  const float a[2] = {std::nanf(""), -0.0f}, b[2] = {1.0f, 0.0f};
+  std::memcpy(lo.data, a, sizeof a);
+  std::memcpy(hi.data, b, sizeof b);
+  combine_check_blocks(lo, hi);
+  CHECK(hi.marks[0] == 7 && hi.marks[2] == -3);
+  float got[2];
+  std::memcpy(got, hi.data, sizeof got);
+  float first[2];  // the same as reduce_ordered(lower, higher)
+  reduce_ordered(a, b, first, 2, DType::kFloat32, ReduceOp::kMin);
+  CHECK(float_bits(got[0]) == float_bits(first[0]) && float_bits(got[1]) == float_bits(first[1]));
+  CheckBlock other = lo;
+  other.dtype = static_cast<std::int32_t>(DType::kInt32);  // different data: left alone
+  CheckBlock keep = other;
+  combine_check_blocks(hi, other);
+  CHECK(std::memcmp(other.data, keep.data, sizeof keep.data) == 0);
+  CheckBlock big = lo;
+  big.count = 1000;  // more than fits: never read past the block
+  combine_check_blocks(big, big);
+  CHECK(big.count == 1000);
 }
