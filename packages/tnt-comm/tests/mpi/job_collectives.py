@@ -5,7 +5,9 @@ Expected values are built independently with numpy from the known per-rank input
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -360,19 +362,29 @@ def last_bucket_starts_without_a_waiter() -> None:
     # Note [Last bucket]: a round's last bucket is queued without waking the thread, for
     # the caller's wait() to drive. A caller that does not wait must not hold its peers:
     # the thread still starts it (within kIdleServiceInterval = 50 ms). The last rank
-    # submits and then sleeps 0.5 s before waiting; the others must finish long before.
+    # submits and does not wait until every other rank has reported (a file each) that its
+    # own wait returned; the others must get there well within the bound.
+    signals = Path(t.broadcast_object(tempfile.mkdtemp() if R == 0 else None))
     with t.FusedAllreduce([t.TensorSpec("g", 64, "float32")], 1 << 20) as f:
         for it in range(2):
             t.barrier()
             f.submit(0, np.full(64, R + it, np.float32))
             t0 = time.perf_counter()
             if R == N - 1:
-                time.sleep(0.5)
+                others = [signals / f"round{it}_rank{r}" for r in range(N - 1)]
+                deadline = t0 + 5.0
+                while not all(p.exists() for p in others):
+                    assert time.perf_counter() < deadline, f"round {it}: peers still waiting after 5 s"
+                    time.sleep(0.001)
             (b,) = f.wait_buckets()
             waited = time.perf_counter() - t0
             expect_equal(b, np.full(64, N * (N - 1) // 2 + N * it, np.float32), f"round {it}")
             if R != N - 1:
                 assert waited < 0.35, f"round {it}: waited {waited:.3f} s for a peer that had submitted"
+                (signals / f"round{it}_rank{R}").touch()
+    t.barrier()
+    if R == 0:
+        shutil.rmtree(signals)
 
 
 @check
