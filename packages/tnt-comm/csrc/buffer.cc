@@ -45,12 +45,12 @@ FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan,
 
 void FusionBuffer::Free::operator()(std::byte* p) const { std::free(p); }
 
-FusionBuffer::FusionBuffer(std::size_t nbytes) : size_(nbytes) {
+FusionBuffer::FusionBuffer(std::size_t nbytes, Fill fill) : size_(nbytes) {
   constexpr std::size_t kAlign = 64;
   const std::size_t rounded = ((nbytes + kAlign - 1) / kAlign) * kAlign;
   void* p = std::aligned_alloc(kAlign, rounded == 0 ? kAlign : rounded);
   if (p == nullptr) throw std::bad_alloc();
-  std::memset(p, 0, rounded == 0 ? kAlign : rounded);  // padding between slots stays zero
+  if (fill == Fill::kZero) std::memset(p, 0, rounded == 0 ? kAlign : rounded);
   data_.reset(static_cast<std::byte*>(p));
 }
 

@@ -42,7 +42,10 @@ FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan,
 // to Python can keep it alive after the engine moved on to a fresh buffer.
 class FusionBuffer {
  public:
-  explicit FusionBuffer(std::size_t nbytes);
+  enum class Fill { kZero, kNone };
+  // kZero: a bucket's padding between slots must reduce as zeros. kNone: every byte is
+  // written before it is read (a message's payload); zeroing 4 MiB cost 0.4 ms per message.
+  explicit FusionBuffer(std::size_t nbytes, Fill fill = Fill::kZero);
   std::byte* data() { return data_.get(); }
   std::size_t size() const { return size_; }
 

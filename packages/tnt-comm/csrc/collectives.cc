@@ -304,7 +304,7 @@ Gathered allgather(Engine& engine, const CommPtr& comm, const void* in, const Ar
     out->bytes_per_rank = *counts;
     std::int64_t total = 0;
     for (const auto c : *counts) total += c;
-    out->data = std::make_shared<FusionBuffer>(static_cast<std::size_t>(total));
+    out->data = std::make_shared<FusionBuffer>(static_cast<std::size_t>(total), FusionBuffer::Fill::kNone);
     (void)t;
     return nullptr;
   });

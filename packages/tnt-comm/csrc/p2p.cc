@@ -77,7 +77,7 @@ std::shared_ptr<Message> isend(Engine& engine, const CommPtr& comm, const void* 
   check_peer(*comm, dest, "send: dest");
   auto envelope = std::make_shared<Envelope>(make_envelope(desc, header));
   const std::int64_t nbytes = desc.nbytes();
-  auto payload = std::make_shared<FusionBuffer>(static_cast<std::size_t>(nbytes));
+  auto payload = std::make_shared<FusionBuffer>(static_cast<std::size_t>(nbytes), FusionBuffer::Fill::kNone);
   if (nbytes > 0) std::memcpy(payload->data(), data, static_cast<std::size_t>(nbytes));
   std::vector<StepTask::Step> steps;
   steps.push_back([envelope, payload, nbytes, dest](DataPlane& t) -> std::unique_ptr<Request> {
@@ -104,7 +104,7 @@ std::shared_ptr<Message> irecv(Engine& engine, const CommPtr& comm, int source,
   };
   auto in = std::make_shared<Inbox>();
   const std::int64_t nbytes = expected.nbytes();
-  auto payload = std::make_shared<FusionBuffer>(static_cast<std::size_t>(nbytes));
+  auto payload = std::make_shared<FusionBuffer>(static_cast<std::size_t>(nbytes), FusionBuffer::Fill::kNone);
   const std::string what = "recv(from rank " + std::to_string(source) + ", header " +
                            header_str(header) + ", " + expected.str() + ") on " + comm->name;
   std::vector<StepTask::Step> steps;

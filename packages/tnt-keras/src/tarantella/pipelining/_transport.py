@@ -40,6 +40,7 @@ class Transport(Protocol):
 
     def isend(self, array: np.ndarray, stage: int, header: tuple[int, int, int]) -> Request: ...
     def recv(self, stage: int, header: tuple[int, int, int], dtype, shape) -> np.ndarray: ...
+    def irecv(self, stage: int, header: tuple[int, int, int], dtype, shape) -> Request: ...
     def pipeline_allreduce(self, array: np.ndarray) -> np.ndarray: ...
     def pipeline_broadcast_object(self, obj: Any, root_stage: int) -> Any: ...
     def replica_allreduce(self, array: np.ndarray) -> np.ndarray: ...
@@ -50,6 +51,16 @@ class Transport(Protocol):
 class _Done:
     def wait(self) -> None:
         return None
+
+
+class _Deferred:
+    """A local receive: taken from its channel when waited for (waits come in post order)."""
+
+    def __init__(self, transport: LocalTransport, args: tuple) -> None:
+        self._transport, self._args = transport, args
+
+    def wait(self) -> np.ndarray:
+        return self._transport.recv(*self._args)
 
 
 class _LocalHub:
@@ -94,6 +105,9 @@ class LocalTransport:
                 f"stage {self.stage} expected message {tuple(header)} {np.dtype(dtype)} {tuple(shape)} "
                 f"from stage {stage} but got {got} {array.dtype} {array.shape}")
         return array
+
+    def irecv(self, stage, header, dtype, shape):
+        return _Deferred(self, (stage, header, dtype, shape))
 
     def _exchange(self, value):
         hub = self._hub
@@ -153,6 +167,10 @@ class CommTransport:
     def recv(self, stage, header, dtype, shape):
         return self._world.recv(self.rank_of(stage), header=tuple(header), dtype=np.dtype(dtype),
                                 shape=tuple(shape))
+
+    def irecv(self, stage, header, dtype, shape):
+        return self._world.irecv(self.rank_of(stage), header=tuple(header), dtype=np.dtype(dtype),
+                                 shape=tuple(shape))
 
     def pipeline_allreduce(self, array):
         return self._pipe.allreduce(np.ascontiguousarray(array), self._tnt_comm.Op.SUM)
