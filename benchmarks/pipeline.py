@@ -51,6 +51,17 @@ ROUNDS = 1 if QUICK else 3
 BUBBLE_ROUNDS = 1 if QUICK else 3
 
 
+@keras.saving.register_keras_serializable(package="tnt_bench")
+class Bias(keras.layers.Layer):
+    """x + b, b trainable: the cheapest layer whose gradient needs its input's gradient."""
+
+    def build(self, input_shape):
+        self.b = self.add_weight(shape=(input_shape[-1],), initializer="zeros", name="b")
+
+    def call(self, x):
+        return x + self.b
+
+
 def stack(seed: int = 0, stem: bool = False) -> keras.Model:
     """A dense stack: DEPTH layers of WIDTH x WIDTH, a small classifier.
 
@@ -58,18 +69,18 @@ def stack(seed: int = 0, stem: bool = False) -> keras.Model:
     stage never computes the gradient of its input (the data), so with equal layers its
     backward has one matmul fewer than the last stage's (7 against 8 of the 512 x 512
     ones per micro-batch), and the first stage idles more than the theory says (measured
-    before: m = 2 idle 0.416 / 0.316 against 0.333). A PReLU in front of d0 (a trainable
-    slope per feature) needs d0's input gradient: each stage then runs the same four
-    layers (4 forward, 8 backward matmuls), plus an elementwise PReLU on the first and the
-    classifier and loss on the last, both small (measured alone, one thread: 94-110 ms
-    against 94-106 ms per micro-batch's forward and backward). An input 1.5 x WIDTH wide
-    balanced the matmul count but not the time (its matmuls ran slower per flop), and a
-    LayerNormalization stem cost ~15 ms.
+    before: m = 2 idle 0.416 / 0.316 against 0.333). A trainable bias in front of d0
+    needs d0's input gradient: each stage then runs the same four layers (4 forward,
+    8 backward matmuls), plus one elementwise add and a column sum on the first, and the
+    classifier and loss on the last, both small. Tried before: an input 1.5 x WIDTH wide
+    balanced the matmul count but not the time (its matmuls ran slower per flop); PReLU
+    (a dozen elementwise passes forward and backward) made stage 0 20 % slower at m = 2,
+    where a micro-batch's 16 MiB activations no longer fit the 4 MiB L2 cache.
     """
     keras.utils.set_random_seed(seed)
     x = inp = keras.Input((WIDTH,), name="x")
     if stem:
-        x = keras.layers.PReLU(name="stem")(x)
+        x = Bias(name="stem")(x)
     for k in range(DEPTH):
         x = keras.layers.Dense(WIDTH, activation="relu", name=f"d{k}")(x)
     return keras.Model(inp, keras.layers.Dense(CLASSES, activation="softmax", name="out")(x), name="stack")
@@ -199,7 +210,9 @@ def bubble_once(model: tnt.Model, m: int) -> list[dict]:
     stats = tnt_comm.allgather_object(model.pipeline_stats())
     span_idle = pipeline_idle_fractions(stats)
     overhead = schedule_overhead(stats, m)
-    for row, idle in zip(stats, span_idle):
+    windows = [row["windows"] for row in stats]
+    for s, (row, idle) in enumerate(zip(stats, span_idle)):
+        row["step_idle_fractions"] = [step_idle(windows, s, k) for k in range(len(windows[s]))]
         row["own_clock_idle_fraction"] = row.pop("idle_fraction")
         row["idle_fraction"] = idle  # over the step's span, as the theory counts (pipelining._stats)
         row["theory"] = 1 / (m + 1)
@@ -209,23 +222,34 @@ def bubble_once(model: tnt.Model, m: int) -> list[dict]:
     return stats
 
 
-def bubbles(ms: tuple[int, ...] = (2, 4, 8)) -> tuple[list[dict], list[list[dict]]]:
-    """Per (m, stage) the median over BUBBLE_ROUNDS rounds, and every round's rows.
+def step_idle(windows: list[list], stage: int, k: int) -> float:
+    """Stage ``stage``'s idle fraction in step ``k``: 1 - its compute / the step's span."""
+    span = max(w[k][1] for w in windows) - min(w[k][0] for w in windows)
+    return 1.0 - windows[stage][k][2] / span
 
-    A stage's compute on this VM drifts by up to ~25 % between runs of a few seconds
-    (the same stage, the same work: busy 4.5 s in one m's run, 5.8 s in the next), and
-    in any stretch where one stage runs slower the other idles for it, by more than the
-    row's 0.05. The rounds measure every m in turn, so a slow stretch of the host hits
-    one round of each m rather than all rounds of one m; the median keeps it out.
+
+def bubbles(ms: tuple[int, ...] = (2, 4, 8)) -> tuple[list[dict], list[list[dict]]]:
+    """Per (m, stage): the median step's idle fraction over BUBBLE_ROUNDS rounds.
+
+    A stage's compute on this VM (a guest sharing its host) drifts by up to ~25 % between
+    stretches of a few seconds: the same stage and work took 4.5 s of compute in one m's
+    run and 5.8 s in the next, with the machine otherwise idle. In a stretch where one
+    stage runs slower the other idles for it, by more than the row's 0.05, and the idle
+    summed over a run carries every such stretch. So the row takes the median over the
+    steps (each step's idle over its own span), and the rounds measure every m in turn,
+    so that a slow stretch of the host falls on a few steps of each m, not on all of one.
+    The summed idle (``summed_idle_fraction``, median over rounds) stays in the JSON.
     """
     models = {m: bubble_model(m) for m in ms}
     rounds = [[row for m in ms for row in bubble_once(models[m], m)] for _ in range(BUBBLE_ROUNDS)]
     medians = []
     for k, first in enumerate(rounds[0]):
         row = dict(first)
-        for key in ("idle_fraction", "own_clock_idle_fraction", "busy_seconds", "schedule_seconds",
-                    "schedule_overhead"):
+        for key in ("own_clock_idle_fraction", "busy_seconds", "schedule_seconds", "schedule_overhead"):
             row[key] = statistics.median(r[k][key] for r in rounds)
+        row["summed_idle_fraction"] = statistics.median(r[k]["idle_fraction"] for r in rounds)
+        row["step_idle_fractions"] = [x for r in rounds for x in r[k]["step_idle_fractions"]]
+        row["idle_fraction"] = statistics.median(row["step_idle_fractions"])
         row["rounds"] = len(rounds)
         medians.append(row)
     return medians, rounds
@@ -258,7 +282,8 @@ def main() -> int:
     if "--only-bubble" in sys.argv:  # for working on the schedule: prints, writes nothing
         for b in bubbles()[0]:
             if tnt.is_master_rank():
-                print(f"m={b['m']} stage {b['stage']}: idle {b['idle_fraction']:.3f} vs {b['theory']:.3f}, "
+                print(f"m={b['m']} stage {b['stage']}: idle {b['idle_fraction']:.3f} vs {b['theory']:.3f} "
+                      f"(summed {b['summed_idle_fraction']:.3f}), "
                           f"busy {b['busy_seconds']:.3f} s, schedule overhead {b['schedule_overhead']:.3f}",
                           flush=True)
         return 0
@@ -311,8 +336,8 @@ def main() -> int:
         {"name": "pipeline_bubble_error_p2", "value": max(abs(e) for e in bubble_errors), "target": 0.05,
          "higher_is_better": False, "unit": "|idle fraction - (p-1)/(m+p-1)|",
          "detail": "; ".join(f"m={b['m']} stage {b['stage']}: idle {b['idle_fraction']:.3f} vs {b['theory']:.3f}"
-                             f" (own clock {b['own_clock_idle_fraction']:.3f}, busy {b['busy_seconds']:.2f} s)"
-                             for b in bubble_rows) + f"; medians of {BUBBLE_ROUNDS} rounds; PReLU stem; schedule overhead over the "
+                             f" (summed {b['summed_idle_fraction']:.3f}, own clock {b['own_clock_idle_fraction']:.3f}, busy {b['busy_seconds']:.2f} s)"
+                             for b in bubble_rows) + f"; median step of {BUBBLE_ROUNDS} rounds x {STEPS} steps; bias stem; schedule overhead over the "
                              "ideal span of the measured compute: " + ", ".join(
                                  f"m={b['m']} {b['schedule_overhead']:.3f}" for b in bubble_rows if b["stage"] == 0)
                    + " (pipeline.py)"},
