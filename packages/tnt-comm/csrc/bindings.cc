@@ -92,29 +92,63 @@ py::array as_array(const py::dtype& dt, const std::vector<std::int64_t>& shape,
 }
 
 // A send or receive in flight (tnt_comm.Request wraps it).
+//
+// Note [Borrowed sends]: a send with copy=False holds a reference to the caller's array
+// (`borrowed_`) until the message completed, so MPI never reads freed memory: wait() or
+// a test() that finds it complete drops the reference; dropping the request before that
+// waits for completion first. If the message failed (a stall may leave it posted inside
+// MPI), the reference is leaked instead (Note [Buffers outlive requests]).
 class PyMessage {
  public:
-  PyMessage(std::shared_ptr<Message> m, py::object dtype, std::vector<std::int64_t> shape)
-      : m_(std::move(m)), dtype_(std::move(dtype)), shape_(std::move(shape)) {}
+  PyMessage(std::shared_ptr<Message> m, py::object dtype, std::vector<std::int64_t> shape,
+            py::object borrowed = py::object())
+      : m_(std::move(m)), dtype_(std::move(dtype)), shape_(std::move(shape)), borrowed_(std::move(borrowed)) {}
+  PyMessage(PyMessage&&) = default;
+  PyMessage(const PyMessage&) = delete;
+  PyMessage& operator=(const PyMessage&) = delete;
+  PyMessage& operator=(PyMessage&&) = delete;
+  ~PyMessage() {
+    if (!borrowed_ || !m_) return;
+    bool completed = false;
+    {
+      py::gil_scoped_release release;
+      try {
+        m_->wait();
+        completed = true;
+      } catch (...) {  // reported by wait() to whoever calls it; nobody can now
+      }
+    }
+    if (!completed) (void)borrowed_.release();
+  }
 
   // None for a send; the received array for a receive.
   py::object wait() {
-    {
+    try {
       py::gil_scoped_release release;
       m_->wait();
+    } catch (...) {
+      if (borrowed_) (void)borrowed_.release();
+      throw;
     }
+    borrowed_ = py::object();
     if (dtype_.is_none()) return py::none();
     return as_array(py::dtype::from_args(dtype_), shape_, m_->buffer());
   }
   bool test() {
-    py::gil_scoped_release release;
-    return m_->test();
+    bool done = false;
+    {
+      py::gil_scoped_release release;
+      done = m_->test();
+    }
+    if (done && borrowed_) wait();  // complete: returns at once, drops the array
+    return done;
   }
 
  private:
   std::shared_ptr<Message> m_;
   py::object dtype_;  // None for a send
   std::vector<std::int64_t> shape_;
+  py::object borrowed_;  // a copy=False send's array, until the message completed
 };
 
 // A communicator (tnt_comm.Communicator wraps it).
@@ -166,16 +200,16 @@ class PyComm {
     py::gil_scoped_release release;
     return PyComm(tnt::dup(e, c_));
   }
-  PyMessage isend(const py::array& a, int dest, const std::vector<std::int64_t>& header) {
+  PyMessage isend(const py::array& a, int dest, const std::vector<std::int64_t>& header, bool copy) {
     Engine& e = runtime_engine();
     const ArrayDesc d = describe(a);
     const void* src = a.data();
     std::shared_ptr<Message> m;
     {
-      py::gil_scoped_release release;  // copies the array
-      m = tnt::isend(e, c_, src, d, dest, header);
+      py::gil_scoped_release release;  // copies the array (copy=True)
+      m = tnt::isend(e, c_, src, d, dest, header, copy ? SendBuffer::kCopy : SendBuffer::kBorrow);
     }
-    return PyMessage(std::move(m), py::none(), {});
+    return PyMessage(std::move(m), py::none(), {}, copy ? py::object() : py::object(a));
   }
   PyMessage irecv(int source, const std::vector<std::int64_t>& header, py::object dtype,
                   const std::vector<std::int64_t>& shape) {

@@ -73,17 +73,21 @@ bool Message::test() {
 
 std::shared_ptr<Message> isend(Engine& engine, const CommPtr& comm, const void* data,
                                const ArrayDesc& desc, int dest,
-                               const std::vector<std::int64_t>& header) {
+                               const std::vector<std::int64_t>& header, SendBuffer buffer) {
   check_peer(*comm, dest, "send: dest");
   auto envelope = std::make_shared<Envelope>(make_envelope(desc, header));
   const std::int64_t nbytes = desc.nbytes();
-  auto payload = std::make_shared<FusionBuffer>(static_cast<std::size_t>(nbytes), FusionBuffer::Fill::kNone);
-  if (nbytes > 0) std::memcpy(payload->data(), data, static_cast<std::size_t>(nbytes));
+  std::shared_ptr<FusionBuffer> copy;  // kBorrow: none, the caller keeps `data` alive
+  if (buffer == SendBuffer::kCopy) {
+    copy = std::make_shared<FusionBuffer>(static_cast<std::size_t>(nbytes), FusionBuffer::Fill::kNone);
+    if (nbytes > 0) std::memcpy(copy->data(), data, static_cast<std::size_t>(nbytes));
+    data = copy->data();
+  }
   std::vector<StepTask::Step> steps;
-  steps.push_back([envelope, payload, nbytes, dest](DataPlane& t) -> std::unique_ptr<Request> {
+  steps.push_back([envelope, copy, data, nbytes, dest](DataPlane& t) -> std::unique_ptr<Request> {
     return std::make_unique<BothRequest>(
         t.isend(envelope.get(), sizeof(Envelope), dest, kEnvelopeTag),
-        t.isend(payload->data(), nbytes, dest, kPayloadTag));
+        t.isend(data, nbytes, dest, kPayloadTag));
   });
   const std::string what = "send(to rank " + std::to_string(dest) + ", header " + header_str(header) +
                            ", " + desc.str() + ") on " + comm->name;

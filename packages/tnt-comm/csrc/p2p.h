@@ -45,10 +45,17 @@ class Message {
   std::shared_ptr<FusionBuffer> buffer_;
 };
 
-// Copies `data` (desc.nbytes() bytes) at once: the caller may reuse its array on return.
+// How a send treats the caller's bytes.
+enum class SendBuffer {
+  kCopy,    // copied at once: the caller may reuse its array on return
+  kBorrow,  // sent from the caller's memory: it must stay valid and unchanged until the
+            // message completed (wait() returned) - saves a copy (4 MiB: ~1.5 ms) per send
+};
+
 std::shared_ptr<Message> isend(Engine& engine, const CommPtr& comm, const void* data,
                                const ArrayDesc& desc, int dest,
-                               const std::vector<std::int64_t>& header);
+                               const std::vector<std::int64_t>& header,
+                               SendBuffer buffer = SendBuffer::kCopy);
 // Receives the next message from `source` into a new buffer of `expected`'s size;
 // completes with MismatchError if its header, dtype or shape differ.
 std::shared_ptr<Message> irecv(Engine& engine, const CommPtr& comm, int source,

@@ -46,6 +46,15 @@ def test_other_buffers_are_copied(make):
         assert float(t[0, 0]) == 0.0  # a copy: unaffected
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int16", "int32", "int64",
+                                   "uint8", "uint16", "uint32", "uint64", "bool", "complex64"])
+def test_every_dtype_arrives_with_its_values(dtype):
+    values = (np.arange(16) % 3).astype(dtype)
+    t = as_tensor(aligned(values))
+    assert t.dtype.name == np.dtype(dtype).name
+    np.testing.assert_array_equal(t.numpy(), values)
+
+
 def test_a_bool_buffer_is_copied():
     a = aligned(np.array([True, False, True, True]))
     np.testing.assert_array_equal(as_tensor(a).numpy(), [True, False, True, True])

@@ -159,12 +159,18 @@ class Communicator:
         return out
 
     # --- point-to-point ------------------------------------------------------------
-    def isend(self, array: np.ndarray, dest: int, header: Sequence[int]) -> Request:
+    def isend(self, array: np.ndarray, dest: int, header: Sequence[int], *, copy: bool = True) -> Request:
         """Start sending ``array`` to rank ``dest`` with ``header`` (a short tuple of
-        ints the receiver checks, with dtype and shape). The array is copied at once: the
-        caller may change it on return. ``wait()`` returns when the message left."""
+        ints the receiver checks, with dtype and shape). ``wait()`` returns when the
+        message left.
+
+        ``copy=True``: the array is copied at once; the caller may change it on return.
+        ``copy=False``: it is sent from its own memory (no copy: ~1.5 ms saved per 4 MiB);
+        the request keeps a reference until the message completed, and the caller must
+        not change the array before ``wait()`` returns (a read-only view of a framework
+        tensor is the typical case). Dropping the request first waits for completion."""
         a = check_array(array, "send", reducible=False)
-        return Request(self._core.isend(a, _rank_arg(dest, "send", "dest"), _header(header, "send")))
+        return Request(self._core.isend(a, _rank_arg(dest, "send", "dest"), _header(header, "send"), bool(copy)))
 
     def send(self, array: np.ndarray, dest: int, header: Sequence[int]) -> None:
         """``isend(...).wait()``: blocks until the message left this rank's buffer."""

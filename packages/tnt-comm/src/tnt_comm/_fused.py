@@ -104,6 +104,12 @@ class FusedAllreduce:
         self._plan = [list(b) for b in self._core.plan]
         self._offsets = list(self._core.slot_offsets)
         self._op = op
+        # The calls of every round go straight to the core: a Python frame per call was
+        # ~0.1 us of a ~10 us small round (the methods below keep the documentation; the
+        # core checks every argument and raises the same errors).
+        self.submit = self._core.submit  # type: ignore[method-assign]
+        self.wait = self._core.wait  # type: ignore[method-assign]
+        self.wait_buckets = self._core.wait_buckets  # type: ignore[method-assign]
 
     @property
     def plan(self) -> list[list[int]]:

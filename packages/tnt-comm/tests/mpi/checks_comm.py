@@ -164,6 +164,43 @@ def send_recv_ring_all_forms() -> None:
 
 
 @check
+def borrowed_sends_hold_their_array_until_complete() -> None:
+    """isend(copy=False): no copy, the request holds the array until the message is done."""
+    import gc
+    import sys
+
+    if N == 1:
+        return
+    right, left = (R + 1) % N, (R - 1) % N
+    n = 1 << 20  # 4 MiB: above every eager limit, the message waits for its receiver
+    for finish in ("wait", "test", "drop"):
+        req = W.irecv(left, (41,), np.float32, (n,))
+        x = np.full(n, R + 0.5, np.float32)
+        base = sys.getrefcount(x)
+        s = W.isend(x, right, (41,), copy=False)
+        assert sys.getrefcount(x) == base + 1, "a borrowed send must hold its array"
+        if finish == "wait":
+            s.wait()
+            assert sys.getrefcount(x) == base, "wait() must let go of the array"
+        elif finish == "test":
+            while not s.test():
+                pass
+            assert sys.getrefcount(x) == base, "a test() that finds it complete must let go"
+        else:  # dropped first: the request waits for completion, then lets go
+            del x, s
+            gc.collect()
+        got = req.wait()
+        assert (got == left + 0.5).all(), (finish, got[:4])
+        t.barrier()
+    y = np.ones(8, np.float32)
+    base = sys.getrefcount(y)
+    s = W.isend(y, right, (42,))  # copy=True (default): nothing held
+    assert sys.getrefcount(y) == base
+    W.recv(left, (42,), np.float32, (8,))
+    s.wait()
+
+
+@check
 def pipeline_1f1b_steady_state() -> None:
     """Each stage alternately sends activations forward and receives gradients back
     (the one-forward-one-backward schedule), with non-blocking sends: no deadlock, and

@@ -177,6 +177,7 @@ class StageExecutor:
                 got[a.boundary] = arr if a.boundary not in got else got[a.boundary] + arr
             elif a.kind == "B":
                 outputs_np.pop(i, None)
+                sends = [r for r in sends if not r.test()]  # completed sends let go of their arrays
                 t0 = time.perf_counter()
                 d_inputs, grads = self._run_backward(live.pop(i), out_grads.pop(i, {}), variables)
                 d_inputs = [np.asarray(d) for d in d_inputs]

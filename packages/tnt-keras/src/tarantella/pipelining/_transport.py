@@ -30,6 +30,7 @@ def message_tag(boundary: int, kind: int) -> int:
 
 class Request(Protocol):
     def wait(self) -> Any: ...
+    def test(self) -> bool: ...
 
 
 class Transport(Protocol):
@@ -38,6 +39,7 @@ class Transport(Protocol):
     replica: int
     num_replicas: int
 
+    # The array must not change until the request completed (it may be sent without a copy).
     def isend(self, array: np.ndarray, stage: int, header: tuple[int, int, int]) -> Request: ...
     def recv(self, stage: int, header: tuple[int, int, int], dtype, shape) -> np.ndarray: ...
     def irecv(self, stage: int, header: tuple[int, int, int], dtype, shape) -> Request: ...
@@ -51,6 +53,9 @@ class Transport(Protocol):
 class _Done:
     def wait(self) -> None:
         return None
+
+    def test(self) -> bool:
+        return True
 
 
 class _Deferred:
@@ -162,7 +167,10 @@ class CommTransport:
         return self.replica * self.num_stages + stage
 
     def isend(self, array, stage, header):
-        return self._world.isend(np.ascontiguousarray(array), self.rank_of(stage), header=tuple(header))
+        # Sent from the array's own memory (no copy): every caller sends arrays it never
+        # changes (views of TensorFlow tensors, fresh buffers); the request holds them.
+        return self._world.isend(np.ascontiguousarray(array), self.rank_of(stage), header=tuple(header),
+                                 copy=False)
 
     def recv(self, stage, header, dtype, shape):
         return self._world.recv(self.rank_of(stage), header=tuple(header), dtype=np.dtype(dtype),
