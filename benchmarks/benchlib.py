@@ -9,6 +9,7 @@ ranks sharing a machine do not fight over its cores.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -119,23 +120,54 @@ def dataset(tf, name: str, global_batch: int, steps: int, seed: int = 0):
 
 
 class EpochTimer:
-    """A Keras callback (built lazily for either Keras) recording each epoch's seconds."""
+    """A Keras callback (built lazily for either Keras) recording each epoch's seconds.
+
+    ``steps=True`` also records each step's wall time (from one batch's start to the
+    next's, the last to the epoch's end) in ``step_seconds``, one list per epoch.
+    """
 
     @staticmethod
-    def make(keras):
+    def make(keras, steps: bool = False):
         class _Timer(keras.callbacks.Callback):
             def __init__(self) -> None:
                 super().__init__()
                 self.seconds: list[float] = []
+                self.step_seconds: list[list[float]] = []
                 self._t0 = 0.0
+                self._starts: list[float] = []
 
             def on_epoch_begin(self, epoch, logs=None):
+                self._starts = []
                 self._t0 = time.perf_counter()
 
             def on_epoch_end(self, epoch, logs=None):
-                self.seconds.append(time.perf_counter() - self._t0)
+                end = time.perf_counter()
+                self.seconds.append(end - self._t0)
+                marks = [*self._starts, end]
+                self.step_seconds.append([b - a for a, b in itertools.pairwise(marks)])
 
+        if steps:
+            def on_train_batch_begin(self, batch, logs=None):
+                self._starts.append(time.perf_counter())
+
+            _Timer.on_train_batch_begin = on_train_batch_begin
         return _Timer()
+
+
+def lockstep_ceiling(step_seconds: list[list[float]]) -> float:
+    """mean(t) / mean over steps of max over ranks: the efficiency ranks in lockstep reach.
+
+    ``step_seconds[r][k]``: rank r's k-th step, the ranks running independently (no
+    communication). A synchronous step lasts as long as the slowest rank's, so with
+    per-step jitter no synchronous data-parallel job can exceed this share of the
+    independent ranks' throughput, whatever its communication costs.
+    """
+    steps = min(len(s) for s in step_seconds)
+    if steps == 0:
+        raise ValueError("no steps recorded")
+    mean_t = sum(sum(s[:steps]) for s in step_seconds) / (steps * len(step_seconds))
+    mean_max = sum(max(s[k] for s in step_seconds) for k in range(steps)) / steps
+    return mean_t / mean_max
 
 
 def variable_bytes(variables) -> int:

@@ -93,6 +93,16 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
         eff, detail = None, "training_scaling_2.json missing"
     rows.append(row("weak_scaling_eff_2ranks_resnet", eff, 0.90, True,
                     "throughput(2) / (2 x throughput(1))", detail))
+    ceiling = c.get("keras_independent", {}).get("lockstep_ceiling") if tnt2 else None
+    rows.append(row(
+        "lockstep_ceiling_2ranks_resnet", ceiling, None, True, "mean(t) / mean(max over ranks per step)",
+        "per-step times of plain Keras on each of the 2 ranks, running independently in the same job "
+        "(keras_independent, all rounds): the efficiency a synchronous job can reach with this jitter"
+        if ceiling else "training_scaling_2.json has no per-step times"))
+    rows.append(row(
+        "weak_scaling_vs_lockstep_ceiling", eff / ceiling if eff and ceiling else None, 0.95, True,
+        "weak_scaling_eff_2ranks_resnet / lockstep_ceiling_2ranks_resnet",
+        f"tnt's efficiency {eff:.3f} / ceiling {ceiling:.3f}" if eff and ceiling else "missing inputs"))
     if tnt2:
         f = scal["floor"]
         rows.append(row(

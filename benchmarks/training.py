@@ -171,8 +171,9 @@ class KerasFit(Contender):
     """Plain ``model.fit`` on this rank; ``kmod`` is Keras 3 or the legacy tf_keras."""
 
     def __init__(self, name: str, model_name: str, ds: tf.data.Dataset, samples: int, weights,
-                 active: bool = True, kmod=keras) -> None:
+                 active: bool = True, kmod=keras, step_times: bool = False) -> None:
         self.name, self.ds, self.samples_per_epoch = name, ds, samples
+        self.step_times = step_times
         if kmod is keras:
             self.model = fresh_keras(model_name, weights)
         else:
@@ -184,9 +185,9 @@ class KerasFit(Contender):
         tnt_comm.barrier()
         rows = []
         if self.active:
-            timer = bl.EpochTimer.make(self.kmod)
+            timer = bl.EpochTimer.make(self.kmod, steps=self.step_times)
             self.model.fit(self.ds, epochs=epochs, verbose=0, callbacks=[timer])
-            rows = [{"seconds": s} for s in timer.seconds]
+            rows = [{"seconds": s, "step_seconds": st} for s, st in zip(timer.seconds, timer.step_seconds)]
         tnt_comm.barrier()  # sleeps (no busy-wait) on ranks that are not active
         return rows
 
@@ -434,7 +435,7 @@ def scaling(args) -> dict:
         TntFit("tnt_nocomm", name, global_ds, micro * n * steps, weights, no_comm=True),
         TntFit("tnt_syncbn", name, global_ds, micro * n * steps, weights, sync_bn=True),
         Mpi4pyNaive(name, local_ds, micro * n * steps, weights, comm),
-        KerasFit("keras_independent", name, local_ds, micro * steps, weights),
+        KerasFit("keras_independent", name, local_ds, micro * steps, weights, step_times=True),
         KerasFit("keras_alone", name, local_ds, micro * steps, weights, active=rank == 0),
     ]
     if strategy is not None:
@@ -467,6 +468,11 @@ def scaling(args) -> dict:
         if c.name.endswith("_independent"):  # total throughput: sum over the ranks
             totals = comm.allreduce(np.array(per_round), op=MPI.SUM)
             entry["sps_per_round"] = [float(x) for x in totals]
+        if getattr(c, "step_times", False):  # issue 12: the lockstep ceiling of these ranks
+            mine = [t for r in flat for t in r["step_seconds"]]
+            everyone = comm.allgather(mine)
+            entry["step_seconds_per_rank"] = everyone
+            entry["lockstep_ceiling"] = bl.lockstep_ceiling(everyone)
         entry["sps"] = bl.median(entry["sps_per_round"])
         if flat and "wait_s" in flat[0]:
             entry["wait_fraction"] = bl.median([r["wait_s"] / r["seconds"] for r in flat])
