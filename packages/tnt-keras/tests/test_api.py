@@ -7,7 +7,7 @@ asserted here by name so a failure says which behaviour broke and shows its numb
 from __future__ import annotations
 
 import pytest
-from conftest import assert_check, launched_checks, register
+from conftest import assert_check, launched_checks
 
 CHECKS = [
     "rank_api",
@@ -39,12 +39,8 @@ CHECKS = [
     "unbatched_with_micro_batch_size_trains",
 ]
 
-RANKS = [2, 1]
-for _ranks in RANKS:  # one launch per rank count with the other modules' jobs (conftest.bundled)
-    register(_ranks, "api.py")
 
-
-@pytest.fixture(scope="module", params=RANKS, ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[2, 1], ids=lambda n: f"{n}ranks")
 def checks(request, tmp_path_factory):
     return launched_checks(request.param, "api.py", tmp_path_factory)
 

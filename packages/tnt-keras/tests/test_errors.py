@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_check, launched_checks, register
+from conftest import assert_check, launched_checks
 
 CHECKS = [
     "global_batch_smaller_than_ranks_works",
@@ -33,8 +33,6 @@ CHECKS = [
     "error_models_differ_layers",
     "usable_after_errors",
 ]
-
-register(2, "errors.py")  # one launch with the other modules' 2-rank jobs (conftest.bundled)
 
 
 @pytest.fixture(scope="module")

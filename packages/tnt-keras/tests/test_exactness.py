@@ -11,7 +11,7 @@ and the global batches whose last batch is smaller than 3 or that divide by 3.
 from __future__ import annotations
 
 import pytest
-from conftest import bundled, print_diff_table, register
+from conftest import launch, print_diff_table
 
 EXPECTED_CASES = 13
 #: The 1-rank launch: each model kind and input form once, and jit_compile.
@@ -21,14 +21,13 @@ ONE_RANK_CASES = ["dense_adam_B12_last1", "cnn_momentum_B10_last3", "tuple_input
 THREE_RANK_CASES = [*ONE_RANK_CASES, "dense_momentum_B11_last1", "dense_adagrad_B13_last2",
                     "dense_adadelta_B12_exact"]
 SUBSET = {1: ONE_RANK_CASES, 3: THREE_RANK_CASES}
-RANKS = [1, 2, 3]
-for _ranks in RANKS:  # one launch per rank count with the other modules' jobs (conftest.bundled)
-    register(_ranks, "exactness.py", *(("--only", ",".join(SUBSET[_ranks])) if _ranks in SUBSET else ()))
 
 
-@pytest.fixture(scope="module", params=RANKS, ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")
 def report(request, tmp_path_factory):
-    result = bundled(request.param, "exactness.py", tmp_path_factory)
+    out = tmp_path_factory.mktemp("exact") / "exactness.json"
+    only = ("--only", ",".join(SUBSET[request.param])) if request.param in SUBSET else ()
+    result = launch(request.param, "exactness.py", out, *only)
     assert result["ranks"] == request.param
     print_diff_table(f"exactness on {request.param} ranks", result["cases"])
     return result

@@ -9,7 +9,7 @@ smaller than it.
 from __future__ import annotations
 
 import pytest
-from conftest import assert_check, launched_checks, register
+from conftest import assert_check, launched_checks
 
 CHECKS = [
     # issue: custom train_step / test_step / predict_step
@@ -52,12 +52,8 @@ CHECKS = [
     "sync_batch_norm_layer_loads_as_plain_bn",
 ]
 
-RANKS = [1, 2, 3]
-for _ranks in RANKS:  # one launch per rank count with the other modules' jobs (conftest.bundled)
-    register(_ranks, "keras_api.py")
 
-
-@pytest.fixture(scope="module", params=RANKS, ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")
 def checks(request, tmp_path_factory):
     found = launched_checks(request.param, "keras_api.py", tmp_path_factory)
     rows = [f"{name:48} {c['diff'] if c['diff'] is not None else '':>10}" for name, c in found.items()]

@@ -1,6 +1,6 @@
 """Pipelining on real ranks (jobs/pipeline.py through the launcher) against serial Keras.
 
-Three jobs: PIPELINING on 2 and 3 ranks (one pipeline, one stage per rank) and ALL
+Three launches: PIPELINING on 2 and 3 ranks (one pipeline, one stage per rank) and ALL
 on 4 ranks (two replicas of a 2-stage pipeline); fewer cannot cover p = 2 and 3 with N
 ranks (PIPELINING needs N == p, ALL N % p == 0). The 2-rank job leaves its p = 2 file in
 a directory the 3-rank job loads from (p = 2 -> q = 3). Tolerances are those of the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import bundled, bundled_if_ran, print_diff_table, register
+from conftest import launch, print_diff_table
 
 TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3), "lso": (1e-5, 2e-5),  # (losses, weights)
        # mixed_float16: float16 rounds to 2^-11 relative, so an activation can round the other
@@ -28,24 +28,19 @@ OVERFLOW_AT_START = {"lso": ["l0"], "f16": ["l1"]}
 METRIC_BYTES = 64
 
 
-def _load_p2() -> tuple[str, ...]:
-    """The 3-rank job loads the 2-rank job's p = 2 save if that job ran (before it)."""
-    p2 = bundled_if_ran(2, "pipeline.py")
-    return ("--layout", "pipelining", *(("--shared", p2["shared"]) if p2 is not None else ()))
-
-
-# Each job runs in one launch with the other modules' jobs on as many ranks (conftest.bundled);
-# the 2-rank one leaves its p = 2 save in its own directory.
-register(2, "pipeline.py", "--layout", "pipelining", "--shared", "{dir}")
-register(3, "pipeline.py", later=_load_p2)
-register(4, "pipeline.py", "--layout", "all")
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Where the 2-rank job leaves its p = 2 save for the 3-rank job."""
+    return tmp_path_factory.mktemp("pipe_shared")
 
 
 @pytest.fixture(scope="module", params=[(2, "pipelining"), (3, "pipelining"), (4, "all")],
                 ids=lambda p: f"{p[1]}_{p[0]}ranks")
-def report(request, tmp_path_factory):
+def report(request, tmp_path_factory, shared):
     ranks, layout = request.param
-    result = bundled(ranks, "pipeline.py", tmp_path_factory)
+    out = tmp_path_factory.mktemp("pipe") / "pipeline.json"
+    share = ["--shared", str(shared)] if ranks == 2 or (ranks == 3 and (shared / "p2.keras").exists()) else []
+    result = launch(ranks, "pipeline.py", out, "--layout", layout, *share)
     assert result["ranks"] == ranks and result["layout"] == layout
     print_diff_table(f"pipelining, {layout} on {ranks} ranks", result["cases"], extra=lambda c: (
         f"  loss scale: serial {c['loss_scale']['serial']}, per rank {c['loss_scale']['per_rank']}"

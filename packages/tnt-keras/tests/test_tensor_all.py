@@ -20,7 +20,7 @@ The 8-rank launch (2 replicas x 2 stages x t = 2) is ``tests/large/`` (``nox -s 
 from __future__ import annotations
 
 import pytest
-from conftest import bundled, print_diff_table, register
+from conftest import launch, print_diff_table
 
 RANKS, T = 4, 2
 PLANS = {
@@ -29,12 +29,11 @@ PLANS = {
                              "head": "column+allgather"},
 }
 
-register(RANKS, "tensor_all.py", "--only", ",".join(PLANS))  # one launch with test_pipelining_jobs' ALL job
-
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    result = bundled(RANKS, "tensor_all.py", tmp_path_factory)
+    out = tmp_path_factory.mktemp("tensor_all") / "tensor_all.json"
+    result = launch(RANKS, "tensor_all.py", out, "--only", ",".join(PLANS))
     assert result["ranks"] == RANKS
     print_diff_table(f"ALL: 2 replicas x t={T}; 2 stages x t={T}", result["cases"],
                      extra=lambda c: f"  wall {c['seconds'][0]:.1f} s, CPU of all ranks {c['seconds'][1]:.1f} s")

@@ -10,10 +10,8 @@ same job. Tolerances are those of float32 summation order, as in test_exactness.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from conftest import assert_check, bundled, launch, print_diff_table, register
+from conftest import assert_check, launch, print_diff_table
 
 RANKS = 2
 CASES = ("mlp_sgd_momentum", "mlp_adam", "block_adam")
@@ -26,12 +24,12 @@ CHECKS = (
     "unseeded_shuffle_same_batches_on_all_ranks",
     "deferred_build_split_layers_never_whole", "deferred_build_starts_and_trains_as_eager",
 )
-register(RANKS, "tensor_parallel.py")  # one launch with the other modules' 2-rank jobs (conftest.bundled)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    result = bundled(RANKS, "tensor_parallel.py", tmp_path_factory)
+    out = tmp_path_factory.mktemp("tensor") / "tensor_parallel.json"
+    result = launch(RANKS, "tensor_parallel.py", out)
     assert result["ranks"] == RANKS
     print_diff_table(f"tensor parallel t={RANKS}", result["cases"])
     s = result["saving"]
@@ -40,7 +38,7 @@ def report(tmp_path_factory):
           f"{s['continue_weight_diff']:.2e}; resumed backup: weights {s['resume_weight_diff']:.2e}\n"
           "seconds (wall, most CPU of a rank): " +
           ", ".join(f"{k} {w:.1f} / {c:.1f}" for k, (w, c) in s["seconds"].items()))
-    result["work"] = Path(result["work"])
+    result["work"] = out.parent
     return result
 
 

@@ -1,6 +1,6 @@
 """Serial-equivalence job: every case trains a model with plain Keras (serial reference,
-computed in this job, the cases shared among the ranks) and with tnt.Model on all ranks,
-from the same initial weights on the same global batches, and records the largest differences.
+computed here on each rank) and with tnt.Model on all ranks, from the same initial weights
+on the same global batches, and records the largest differences.
 
 Cases cover the optimizers, a dense net and a LeNet-like CNN, B divisible and not divisible
 by the number of ranks, a last batch larger and smaller than the number of ranks (ranks
@@ -120,7 +120,7 @@ def batched(x, y, w, batch: int, shuffle_seed):
 
 
 def run_serial(kind, opt, train, vx, vy, epochs, initial, jit) -> dict:
-    """Plain Keras on one process: the reference (see ``serial_references``)."""
+    """Plain Keras on one process: the reference (computed on the master rank only)."""
     serial = build(kind, seed=3)
     serial.set_weights(initial)
     serial.compile(optimizer=OPTIMIZERS[opt](), jit_compile=jit, **COMPILE_ARGS)
@@ -133,36 +133,21 @@ def run_serial(kind, opt, train, vx, vy, epochs, initial, jit) -> dict:
     }
 
 
-def case_data(name: str):
-    """The case's training and validation arrays, and its datasets for serial and tnt."""
-    kind, _, batch, n, _, weighted, shuffle_seed, *_ = CASES[name]
+def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
     x, y, w = data(kind, n, seed=11)
     vx, vy, _ = data(kind, 29, seed=12)
-    # Under one global seed: a seeded shuffle's order depends on the global seed in force
-    # when the dataset is created.
+    w = w if weighted else None
+    # Datasets first, under one global seed: a seeded shuffle's order depends on the
+    # global seed in force when the dataset is created.
     keras.utils.set_random_seed(0)
-    return batched(x, y, w if weighted else None, batch, shuffle_seed), vx, vy
-
-
-def reference(name: str) -> dict:
-    """The serial reference of one case (plain Keras, on whichever rank computes it)."""
-    kind, opt, _, _, epochs, *_ = CASES[name]
-    train, vx, vy = case_data(name)
-    return run_serial(kind, opt, train, vx, vy, epochs, build(kind, seed=3).get_weights(), jit(name))
-
-
-def jit(name: str):
-    return name.endswith("_xla") or "auto"
-
-
-def run_case(name: str, ref: dict | None) -> dict:
-    """tnt.Model on all ranks against ``ref`` (the master's copy of the serial reference)."""
-    kind, opt, batch, n, epochs, *_ = CASES[name]
-    train_tnt, vx, vy = case_data(name)
+    train_serial = batched(x, y, w, batch, shuffle_seed)
+    train_tnt = batched(x, y, w, batch, shuffle_seed)
     initial = build(kind, seed=3).get_weights()
+    ref = run_serial(kind, opt, train_serial, vx, vy, epochs, initial, jit) if tnt.is_master_rank() else None
+
     model = tnt.Model(build(kind, seed=100 + tnt.get_rank()))  # rank-dependent init: rank 0's must win
     model.set_weights(initial)
-    model.compile(optimizer=OPTIMIZERS[opt](), jit_compile=jit(name), **COMPILE_ARGS)
+    model.compile(optimizer=OPTIMIZERS[opt](), jit_compile=jit, **COMPILE_ARGS)
     history = model.fit(train_tnt, epochs=epochs, validation_data=batched(vx, vy, None, 7, None), verbose=0).history
     evaluated = model.evaluate(batched(vx, vy, None, 7, None), verbose=0)
     predicted = model.predict(batched(vx, vy, None, 7, None).map(lambda a, b: (a,)), verbose=0)
@@ -183,24 +168,13 @@ def run_case(name: str, ref: dict | None) -> dict:
     }
 
 
-def serial_references(names: list[str]) -> dict[str, dict] | None:
-    """Every case's serial reference, on the master (None elsewhere). The ranks share the
-    serial runs (case i on rank i mod N) so that they run side by side, not one by one on
-    the master while the others wait; the master gathers them."""
-    size, rank = tnt.get_size(), tnt.get_rank()
-    mine = {name: reference(name) for i, name in enumerate(names) if i % size == rank}
-    gathered = tnt_comm.allgather_object(mine)
-    return {k: v for part in gathered for k, v in part.items()} if tnt.is_master_rank() else None
-
-
 def main() -> None:
     out = _job.out_path()
-    names = _job.only(CASES)
-    refs = serial_references(names)
     results = {}
-    for name in names:
-        *_, tol_l, tol_w = CASES[name]
-        results[name] = run_case(name, refs[name] if refs is not None else None)
+    for name in _job.only(CASES):
+        kind, opt, batch, n, epochs, weighted, shuffle_seed, tol_l, tol_w = CASES[name]
+        jit = name.endswith("_xla") or "auto"
+        results[name] = run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit)
         results[name].update(tol_loss=tol_l, tol_weights=tol_w)
     _job.write(out, {"ranks": tnt.get_size(), "cases": results})
 

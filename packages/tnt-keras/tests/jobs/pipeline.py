@@ -216,11 +216,6 @@ def on_master(fn):
 
 
 # -- one training case ------------------------------------------------------------------------
-#: (kind, optimizer, batch, n, epochs, steps_per_execution) -> (the serial reference every
-#: rank got, the master's serial model): the serial run depends on nothing else.
-SERIAL_REFS: dict[tuple, tuple[dict, keras.Model | None]] = {}
-
-
 def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe=1) -> dict:
     """One case; ``spe``: compile's steps_per_execution (then also the batch-end logs)."""
     x, y = data(kind, n, seed=11)
@@ -243,17 +238,15 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
                 "loss_scale": loss_scale_state(serial.optimizer), "initial_scale": initial_scale,
                 "model": serial}
 
-    key = (kind, opt, batch, n, epochs, spe)
-    if key not in SERIAL_REFS:  # a GPipe case and its 1F1B twin train the same serial model: once
-        serial_model = []  # the master keeps its serial model for the save/load checks
+    serial_model = []  # the master keeps its serial model for the save/load checks
 
-        def reference():
-            out = serial_run()
-            serial_model.append(out.pop("model"))
-            return out
+    def reference():
+        out = serial_run()
+        serial_model.append(out.pop("model"))
+        return out
 
-        SERIAL_REFS[key] = (on_master(reference), serial_model[0] if serial_model else None)
-    ref = {**SERIAL_REFS[key][0], "model": SERIAL_REFS[key][1]}
+    ref = on_master(reference)
+    ref["model"] = serial_model[0] if serial_model else None
     overflow_at_start = on_master(lambda: overflowing_layers(make(), x[:batch], y[:batch], ref["initial_scale"])) \
         if ref["initial_scale"] is not None else None
     gc.collect()
@@ -574,7 +567,7 @@ def main() -> None:
         r.pop("model")
         r.pop("ref")
     _job.write(out, {"ranks": size, "layout": layout, "cases": results, **extra,
-                     "pid": os.getpid(), "shared": str(shared) if shared is not None else None})
+                     "pid": os.getpid()})
 
 
 if __name__ == "__main__":

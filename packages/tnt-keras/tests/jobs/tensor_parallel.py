@@ -513,7 +513,7 @@ def main() -> None:
     with Clock(seconds, "checkpoint"):
         saving.update(checkpoint_checks(t, work))
     saving["seconds"] = {k: (wall, max(tnt_comm.allgather_object(cpu))) for k, (wall, cpu) in seconds.items()}
-    _job.write(out, {"ranks": t, "checks": CHECKS, "cases": cases, "saving": saving, "work": str(work)})
+    _job.write(out, {"ranks": t, "checks": CHECKS, "cases": cases, "saving": saving})
 
 
 if __name__ == "__main__":
