@@ -164,6 +164,29 @@ def send_recv_ring_all_forms() -> None:
 
 
 @check
+def subclass_overrides_of_the_round_calls_are_kept() -> None:
+    """The engine binds the core's round calls on the instance, but not over a subclass's."""
+    calls = []
+
+    class Timed(t.FusedAllreduce):
+        def submit(self, index, array):
+            calls.append("submit")
+            super().submit(index, array)
+
+        def wait_buckets(self):
+            calls.append("wait_buckets")
+            return super().wait_buckets()
+
+    with Timed([t.TensorSpec("g", 4, "float32")], 1 << 20) as f:
+        f.submit(0, np.ones(4, np.float32))
+        out = f.wait_buckets()
+        assert calls == ["submit", "wait_buckets"], calls
+        assert (out[0] == N).all(), out
+        f.submit(0, np.full(4, 2.0, np.float32))
+        assert (f.wait()[0] == 2 * N).all()
+
+
+@check
 def borrowed_sends_hold_their_array_until_complete() -> None:
     """isend(copy=False): no copy, the request holds the array until the message is done."""
     import gc
