@@ -431,8 +431,9 @@ def scaling(args) -> dict:
     contenders: list[Contender] = [
         TntFit(f"tnt@{kb}", name, global_ds, micro * n * steps, weights, kb) for kb in sweep
     ]
+    if not args.no_nocomm:
+        contenders.append(TntFit("tnt_nocomm", name, global_ds, micro * n * steps, weights, no_comm=True))
     contenders += [
-        TntFit("tnt_nocomm", name, global_ds, micro * n * steps, weights, no_comm=True),
         TntFit("tnt_syncbn", name, global_ds, micro * n * steps, weights, sync_bn=True),
         Mpi4pyNaive(name, local_ds, micro * n * steps, weights, comm),
         KerasFit("keras_independent", name, local_ds, micro * steps, weights, step_times=True),
@@ -496,6 +497,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=None, help="timed epochs per round")
     p.add_argument("--no-sweep", action="store_true", help="scaling: only the default threshold")
     p.add_argument("--no-mwms", action="store_true", help="scaling: without MultiWorkerMirroredStrategy")
+    p.add_argument("--no-nocomm", action="store_true",
+                   help="scaling: without tnt_nocomm (its stand-in engine has no native handle, so it "
+                        "fails while tarantella's native ops are in use; TNT_NATIVE_OPS=0 runs it)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     args.rounds = args.rounds or (2 if args.quick else (6 if args.mode == "overhead" else 4))
