@@ -222,10 +222,14 @@ def bubble_once(model: tnt.Model, m: int) -> list[dict]:
     return stats
 
 
+def step_span(windows: list[list], k: int) -> float:
+    """Step ``k``'s span over the stages: first stage in to last stage out."""
+    return max(w[k][1] for w in windows) - min(w[k][0] for w in windows)
+
+
 def step_idle(windows: list[list], stage: int, k: int) -> float:
     """Stage ``stage``'s idle fraction in step ``k``: 1 - its compute / the step's span."""
-    span = max(w[k][1] for w in windows) - min(w[k][0] for w in windows)
-    return 1.0 - windows[stage][k][2] / span
+    return 1.0 - windows[stage][k][2] / step_span(windows, k)
 
 
 def bubbles(ms: tuple[int, ...] = (2, 4, 8)) -> tuple[list[dict], list[list[dict]]]:
@@ -271,7 +275,7 @@ def schedule_overhead(stage_stats: list[dict], m: int) -> float:
     for k in range(len(windows[0])):
         per_mb = [w[k][2] / m for w in windows]
         ideal += sum(per_mb) + (m - 1) * max(per_mb)
-        measured += max(w[k][1] for w in windows) - min(w[k][0] for w in windows)
+        measured += step_span(windows, k)
     return 1.0 - ideal / measured
 
 

@@ -173,8 +173,7 @@ class CommTransport:
                                  copy=False)
 
     def recv(self, stage, header, dtype, shape):
-        return self._world.recv(self.rank_of(stage), header=tuple(header), dtype=np.dtype(dtype),
-                                shape=tuple(shape))
+        return self.irecv(stage, header, dtype, shape).wait()
 
     def irecv(self, stage, header, dtype, shape):
         return self._world.irecv(self.rank_of(stage), header=tuple(header), dtype=np.dtype(dtype),
