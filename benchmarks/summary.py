@@ -99,12 +99,21 @@ def rows_from(res: dict[str, Any]) -> list[dict[str, Any]]:
         "per-step times of plain Keras on each of the 2 ranks, running independently in the same job "
         "(keras_independent, all rounds): the efficiency a synchronous job can reach with this jitter"
         if ceiling else "training_scaling_2.json has no per-step times"))
+    # The ceiling is a share of the independent ranks' throughput, so tnt is measured
+    # against the same ranks (paired per round). weak_scaling_eff_2ranks_resnet is taken
+    # against Keras alone on 1 rank, which also carries what 2 busy ranks cost each other
+    # on this host (independent / (2 x alone): 0.75 to 1.49 per round in seven runs on
+    # 2026-11-26, above 1 when one busy rank runs slower than two): that share is the
+    # machine's, like the jitter, and stays in the detail.
+    vs_indep = paired("keras_independent") if tnt2 and "keras_independent" in c else None
     rows.append(row(
-        "weak_scaling_vs_lockstep_ceiling", eff / ceiling if eff and ceiling else None, 0.95, True,
-        "weak_scaling_eff_2ranks_resnet / lockstep_ceiling_2ranks_resnet",
-        f"tnt's efficiency {eff:.3f} (vs plain Keras alone) / ceiling {ceiling:.3f}; tnt / the independent "
-        f"ranks' throughput = {paired('keras_independent'):.3f} (the same ceiling applies to it)"
-        if eff and ceiling else "missing inputs"))
+        "weak_scaling_vs_lockstep_ceiling", vs_indep / ceiling if vs_indep and ceiling else None, 0.95, True,
+        "(tnt / independent ranks) / lockstep_ceiling_2ranks_resnet",
+        f"tnt / the independent ranks' throughput = {vs_indep:.3f} (median of per-round ratios) / ceiling "
+        f"{ceiling:.3f}; against plain Keras alone: efficiency {eff:.3f} / ceiling = {eff / ceiling:.3f}, "
+        f"which includes the 2 busy ranks' slow-down of each other, independent / (2 x alone) = "
+        f"{per_round('keras_independent', 'keras_alone') / 2:.3f}"
+        if vs_indep and ceiling and eff else "missing inputs"))
     if tnt2:
         f = scal["floor"]
         rows.append(row(

@@ -127,7 +127,9 @@ class GraphReducer:
         if start is None:
             start = start_token()
         keep = tf.constant(True) if keep is None else tf.convert_to_tensor(keep, tf.bool)
-        native = _native.ops()
+        # An engine without a native handle (a stand-in such as the benchmarks' engine that
+        # exchanges nothing) is driven through numpy_function: it has no C++ core to hand over.
+        native = _native.ops() if hasattr(self._engine, "native_handle") else None
         if native is not None:
             handle = self._engine.native_handle()
             tokens = [
