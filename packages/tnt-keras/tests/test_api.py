@@ -26,6 +26,7 @@ CHECKS = [
     "callback_master_only",
     "tensorboard_master_only",
     "mixed_precision_loss_scaled",
+    "mixed_precision_overflow_as_serial",
     "batch_norm_small_batch_warning",
     "save_load_model_roundtrip",
     "save_load_weights_roundtrip",

@@ -125,8 +125,11 @@ def _install() -> None:
 def _distributed_apply(original):
     def apply(self, grads, trainable_variables=None):
         mode = _mode()
-        if getattr(_state, "inside", False) or (mode is not None and mode.weight is None):
+        if getattr(_state, "inside", False):
             return original(self, grads, trainable_variables)
+        if mode is not None and mode.weight is None:  # tnt's default step: global already
+            return original(self, _overflow_as_serial(self, list(grads), trainable_variables),
+                            trainable_variables)
         variables = list(trainable_variables) if trainable_variables is not None else (
             _internals.optimizer_variables_built_on(self))
         from . import _runtime
@@ -144,6 +147,37 @@ def _distributed_apply(original):
 
     apply.__doc__ = original.__doc__
     return apply
+
+
+# Note [Float16 overflow as serial]
+# Under mixed_float16, serial Keras differentiates an autocast variable through a float16
+# cast: the gradient over the whole batch is a float16 value, inf beyond 65504, and the
+# LossScaleOptimizer then skips the step and halves the scale. A rank's part covers fewer
+# samples and tnt sums the parts in float32, so the global gradient can exceed float16's
+# range and stay finite: tnt would apply a step serial Keras skips (reproduced on 2 ranks,
+# docs/keras.md). So, in tnt's default step and for the LossScaleOptimizer only, a global
+# gradient of such a variable that does not fit float16 is made inf: the optimizer takes
+# serial Keras' decision. (The converse, a rank's part overflowing where the whole sum
+# cancels to a finite value, is a decision no sum can undo; docs/keras.md says so.) A
+# custom train_step or loop differentiates each rank's own mean loss, whose gradient has
+# the serial magnitude; their weighted mean over ranks always fits float16 when every part
+# does. One pass over those gradients per step, only with loss scaling on several ranks.
+def _overflow_as_serial(optimizer, grads: list, variables) -> list:
+    """``grads`` with those serial Keras would hold in float16 made inf where they overflow it."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or variables is None:
+        return grads
+    variables = list(variables)
+    owner = _owner(variables)
+    if owner is None:
+        return grads
+    in_float16 = _internals.float16_differentiated(owner)
+    out = []
+    for g, v in zip(grads, variables):
+        if g is not None and id(v) in in_float16 and isinstance(g, tf.Tensor):
+            fits = tf.reduce_all(tf.math.is_finite(tf.cast(g, tf.float16)))
+            g = g + tf.where(fits, tf.zeros((), g.dtype), tf.constant(float("inf"), g.dtype))
+        out.append(g)
+    return out
 
 
 def _check_synced(model: keras.Model) -> None:

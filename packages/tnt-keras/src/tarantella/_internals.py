@@ -56,6 +56,23 @@ def optimizer_variables_built_on(optimizer: keras.optimizers.Optimizer) -> list:
         raise _missing("Optimizer._trainable_variables", err) from err
 
 
+def float16_differentiated(model: keras.Model) -> set[int]:
+    """ids of the trainable variables whose layer reads them cast to float16 (Keras'
+    autocast under a float16 compute dtype): serial Keras' gradient of each is a float16
+    value. Uses Layer._flatten_layers, Layer._trainable_variables and Variable._autocast."""
+    try:
+        out = set()
+        for layer in model._flatten_layers(include_self=True, recursive=True):
+            if not layer.autocast or keras.backend.standardize_dtype(layer.compute_dtype) != "float16":
+                continue
+            for v in layer._trainable_variables:
+                if v._autocast and keras.backend.standardize_dtype(v.dtype) == "float32":
+                    out.add(id(v))
+        return out
+    except AttributeError as err:
+        raise _missing("which variables a layer autocasts to float16", err) from err
+
+
 def has_compiled_loss(model: keras.Model) -> bool:
     """True when ``compile`` gave the model a loss (``compute_loss`` then needs targets)."""
     return getattr(model, "_compile_loss", None) is not None

@@ -295,6 +295,36 @@ def check_mixed_precision() -> None:
         keras.mixed_precision.set_global_policy("float32")
 
 
+def check_mixed_precision_overflow() -> None:
+    """The loss-scale decision serial Keras takes when the whole batch's float16 kernel
+    gradient overflows and no rank's part does (Note [Float16 overflow as serial]).
+
+    Dense(1) without bias from 0, 8 samples of x = 1, y = -c, MSE, scale 2^15: the scaled
+    kernel gradient is 65536 c over the batch and at most half that on a rank. c = 1
+    overflows float16 (serial Keras skips the step, halves the scale); c = 0.5 does not.
+    """
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        runs = {}
+        for c in (1.0, 0.5):
+            x, y = np.ones((8, 1), np.float32), np.full((8, 1), -c, np.float32)
+            for wrap in (False, True):
+                m = keras.Sequential([keras.Input((1,)),
+                                      keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+                m = tnt.Model(m) if wrap else m
+                m.compile(keras.optimizers.SGD(1e-6), "mse")
+                m.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+                runs[(c, "tnt" if wrap else "serial")] = (
+                    float(np.asarray(m.get_weights()[0]).ravel()[0]),
+                    float(m.optimizer.dynamic_scale.numpy()), int(m.optimizer.iterations.numpy()))
+        same = all(runs[(c, "serial")] == runs[(c, "tnt")] for c in (1.0, 0.5))
+        serial_as_expected = runs[(1.0, "serial")][2] == 0 and runs[(0.5, "serial")][2] == 1
+        check("mixed_precision_overflow_as_serial", same and serial_as_expected,
+              {f"c={c} {who}": v for (c, who), v in runs.items()})
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def check_batch_norm_warning() -> None:
     import logging
 
@@ -394,6 +424,7 @@ def main() -> None:
         check_callbacks(shared / "cb")
         check_tensorboard_master_only(shared / "cb")
         check_mixed_precision()
+        check_mixed_precision_overflow()
         check_batch_norm_warning()
         check_save_load(shared / "io")
         check_errors()
