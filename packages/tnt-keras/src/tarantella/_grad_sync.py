@@ -125,11 +125,8 @@ def _install() -> None:
 def _distributed_apply(original):
     def apply(self, grads, trainable_variables=None):
         mode = _mode()
-        if getattr(_state, "inside", False):
+        if getattr(_state, "inside", False) or (mode is not None and mode.weight is None):
             return original(self, grads, trainable_variables)
-        if mode is not None and mode.weight is None:  # tnt's default step: global already
-            return original(self, _overflow_as_serial(self, list(grads), trainable_variables),
-                            trainable_variables)
         variables = list(trainable_variables) if trainable_variables is not None else (
             _internals.optimizer_variables_built_on(self))
         from . import _runtime
@@ -162,17 +159,14 @@ def _distributed_apply(original):
 # custom train_step or loop differentiates each rank's own mean loss, whose gradient has
 # the serial magnitude; their weighted mean over ranks always fits float16 when every part
 # does. One pass over those gradients per step, only with loss scaling on several ranks.
-def _overflow_as_serial(optimizer, grads: list, variables) -> list:
-    """``grads`` with those serial Keras would hold in float16 made inf where they overflow it."""
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or variables is None:
+def overflow_as_serial(model: keras.Model, grads: list) -> list:
+    """``model``'s global gradients (one per trainable variable), with those serial Keras
+    would hold in float16 made inf where they overflow it (with a LossScaleOptimizer)."""
+    if not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         return grads
-    variables = list(variables)
-    owner = _owner(variables)
-    if owner is None:
-        return grads
-    in_float16 = _internals.float16_differentiated(owner)
+    in_float16 = _internals.float16_differentiated(model)
     out = []
-    for g, v in zip(grads, variables):
+    for g, v in zip(grads, model.trainable_variables):
         if g is not None and id(v) in in_float16 and isinstance(g, tf.Tensor):
             fits = tf.reduce_all(tf.math.is_finite(tf.cast(g, tf.float16)))
             g = g + tf.where(fits, tf.zeros((), g.dtype), tf.constant(float("inf"), g.dtype))

@@ -213,6 +213,7 @@ class DistributedSteps:
         grads = list(reversed(reduced[offset:]))
         if divide_by_total:  # B was not known before backprop: it is the reduced count
             grads = [g / tf.cast(global_n, g.dtype) for g in grads]
+        grads = _grad_sync.overflow_as_serial(self._model, grads)  # Note [Float16 overflow as serial]
         with _grad_sync.already_reduced():
             self._model.optimizer.apply_gradients(zip(grads, self._model.trainable_variables))
         return tf.constant(True)
