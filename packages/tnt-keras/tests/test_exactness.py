@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 from conftest import launch, print_diff_table
 
-EXPECTED_CASES = 13
+EXPECTED_CASES = 15
 #: The 1-rank launch: each model kind and input form once, and jit_compile.
 ONE_RANK_CASES = ["dense_adam_B12_last1", "cnn_momentum_B10_last3", "tuple_inputs_weights_l2_adam",
-                  "dict_inputs_weights_l2_rmsprop", "dense_adam_B11_last2_xla"]
+                  "dict_inputs_weights_l2_rmsprop", "dense_adam_B11_last2_xla", "embedding_adam_B8_exact",
+                  "embedding_adam_B10_last1"]
 #: The 3-rank launch adds last batches of 1 and 2 samples (< 3 ranks) and B % 3 == 0.
 THREE_RANK_CASES = [*ONE_RANK_CASES, "dense_momentum_B11_last1", "dense_adagrad_B13_last2",
                     "dense_adadelta_B12_exact"]

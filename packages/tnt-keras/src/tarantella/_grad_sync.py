@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from . import _internals
+from . import _internals, _settings, _sparse
 from ._reducer import GraphReducer, Slot
 
 _state = threading.local()
@@ -197,7 +197,12 @@ def _chain_token(mode: _Weighting | None) -> tf.Tensor | None:
 def _global_gradients(grads: list, variables: list, mode: _Weighting | None) -> list:
     from . import _runtime
 
-    present = [i for i, g in enumerate(grads) if g is not None]
+    if _settings.sparse_as_dense():
+        grads = [None if g is None else _sparse.to_dense(g) for g in grads]
+    # Sparse gradients (IndexedSlices) are gathered after the reduction, in rank order
+    # (Note [Sparse gradients as serial]); the others are SUM-reduced.
+    present = [i for i, g in enumerate(grads) if g is not None and not _sparse.is_sparse(g)]
+    sparse_at = [i for i, g in enumerate(grads) if _sparse.is_sparse(g)]
     weight = tf.constant(1.0) if mode is None else mode.weight
     has_data = weight > 0
     values = [tf.reshape(weight, [1])]
@@ -223,4 +228,7 @@ def _global_gradients(grads: list, variables: list, mode: _Weighting | None) -> 
     for k, i in enumerate(present):
         g = reduced[1 + k]
         out[i] = g / tf.cast(tf.maximum(total, 1e-30), g.dtype)
+    for i in sparse_at:
+        mine = _sparse.keep_rows_if(_sparse.scale(grads[i], weight), has_data)
+        out[i] = _sparse.divide(_sparse.allgather(mine, after=[total]), tf.maximum(total, 1e-30))
     return out

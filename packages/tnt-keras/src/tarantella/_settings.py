@@ -64,6 +64,13 @@ def native_ops_enabled() -> bool:
     return _flag("TNT_NATIVE_OPS", True)
 
 
+def sparse_as_dense() -> bool:
+    """``TNT_SPARSE_AS_DENSE`` (default off): densify sparse gradients (Embedding lookups)
+    before the exchange — one allreduce instead of an allgather, but for Adam-like
+    optimizers no longer serial Keras' update (docs/keras.md, "Sparse gradients")."""
+    return _flag("TNT_SPARSE_AS_DENSE", False)
+
+
 def _log_level() -> str:
     name = "TNT_LOG_LEVEL"
     raw = os.environ.get(name, "WARNING")
@@ -79,7 +86,7 @@ KNOWN = frozenset({
     "TNT_OUTPUT_ON_ALL_DEVICES", "TNT_TENSORBOARD_ON_ALL_DEVICES",
     "TNT_COMM_TIMEOUT", "TNT_COMM_POLL_SPIN_US", "TNT_COMM_POLL_MAX_SLEEP_US", "TNT_COMM_MPI",
     "TNT_MPIRUN", "TNT_NATIVE_OPS", "TNT_NATIVE_OPS_CACHE", "TNT_COMM_HANDOFF_SPIN_US",
-    "TNT_COMM_WAIT_SPIN_US", "TNT_COMM_DRIVE_SPIN_US",
+    "TNT_COMM_WAIT_SPIN_US", "TNT_COMM_DRIVE_SPIN_US", "TNT_SPARSE_AS_DENSE",
 })
 
 
@@ -104,6 +111,7 @@ class Settings:
     output_on_all_devices: bool
     tensorboard_on_all_devices: bool
     native_ops: bool
+    sparse_as_dense: bool = False
 
 
 def load() -> Settings:
@@ -115,4 +123,5 @@ def load() -> Settings:
         output_on_all_devices=_flag("TNT_OUTPUT_ON_ALL_DEVICES", False),
         tensorboard_on_all_devices=_flag("TNT_TENSORBOARD_ON_ALL_DEVICES", False),
         native_ops=native_ops_enabled(),
+        sparse_as_dense=sparse_as_dense(),
     )

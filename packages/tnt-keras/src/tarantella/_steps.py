@@ -17,6 +17,10 @@ Scaling by ``b_r / B`` rather than ``1 / N`` keeps the serial result when ``B % 
 and for a last batch smaller than ``N`` (a rank with an empty micro-batch contributes
 zeros but still takes part). With one rank the steps are Keras' own.
 
+Sparse gradients (an Embedding's ``tf.IndexedSlices``) stay sparse: they are not in
+the fused allreduce; after it, every rank's slices are gathered in rank order (``_sparse``,
+Note [Sparse gradients as serial]), so the optimizer sees serial Keras' slices.
+
 A wrapped model that defines its own ``train_step``/``test_step``/``predict_step`` runs
 it instead (``_custom_steps``). Metric states are merged by ``_metric_states``.
 """
@@ -28,7 +32,7 @@ import tensorflow as tf
 
 import tnt_data
 
-from . import _grad_sync, _internals
+from . import _grad_sync, _internals, _settings, _sparse
 from ._batch_norm import has_sync_batch_norm, valid_rows
 from ._metric_states import MetricExchange, metric_variables
 from ._reducer import GraphReducer, Slot, start_token
@@ -101,7 +105,12 @@ class DistributedSteps:
         self._comm = comm
         self._own_steps = own_steps
         self._in_graph_collectives = in_graph_collectives
+        self._sparse_as_dense = _settings.sparse_as_dense()
+        # Positions (in trainable_variables) whose gradients are IndexedSlices: known once
+        # the local part was traced; they are gathered, not in the reducer's slots.
+        self._sparse_positions: tuple[int, ...] | None = None
         self._train_reducer: GraphReducer | None = None
+        self._train_reducer_sparse: tuple[int, ...] | None = None  # the positions it was made for
         self._test_reducer: GraphReducer | None = None
         self._train_metrics = MetricExchange(model)
         self._test_metrics = MetricExchange(model)
@@ -117,10 +126,17 @@ class DistributedSteps:
     def _trainable_in_backprop_order(self) -> list:
         # Backprop produces the last layer's gradients first; submitting (and bucketing)
         # in that order lets the first buckets start while earlier layers still compute.
-        return list(reversed(self._model.trainable_variables))
+        # Variables with sparse gradients are gathered instead (not reducer slots).
+        sparse = set(self._sparse_positions or ())
+        dense = [v for i, v in enumerate(self._model.trainable_variables) if i not in sparse]
+        return list(reversed(dense))
 
     def train_reducer(self) -> GraphReducer:
+        if self._train_reducer is not None and self._train_reducer_sparse != self._sparse_positions:
+            self._train_reducer.close()  # a retrace found other sparse gradients: new slots
+            self._train_reducer = None
         if self._train_reducer is None:
+            self._train_reducer_sparse = self._sparse_positions
             slots = [Slot("batch_size", (1,), tf.float32), *self._metric_slots()]
             slots += [_slot(f"grad:{v.path}", v) for v in self._trainable_in_backprop_order()]
             self._train_reducer = GraphReducer(slots, self._threshold, self._comm)
@@ -185,7 +201,10 @@ class DistributedSteps:
         if not variables:
             raise ValueError("The model has no trainable weights: nothing to train.")
         grads = tape.gradient(scaled_loss, variables)
-        return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, variables)]
+        # Sparse gradients stay sparse, as Keras' own step hands them to the optimizer
+        # (Note [Sparse gradients as serial]), unless the user asked for sparse_as_dense.
+        densify = _sparse.to_dense if self._sparse_as_dense else (lambda g: g)
+        return [tf.zeros_like(v) if g is None else densify(g) for g, v in zip(grads, variables)]
 
     def _local_part(self, x, y, sample_weight, sizes):
         """Everything before the exchange: returns the metric states before the step and
@@ -199,20 +218,27 @@ class DistributedSteps:
         has_data = local_n > 0
         b = tf.cast(local_n, tf.float32)
         before, contribution = self._train_metrics.contributions(begun, local_n, has_data)
-        weighted = [g if sizes is not None else g * tf.cast(b, g.dtype) for g in reversed(grads)]
+        weighted = [g if sizes is not None else _sparse.scale(g, b) for g in grads]
+        self._sparse_positions = tuple(i for i, g in enumerate(weighted) if _sparse.is_sparse(g))
+        sparse = [_sparse.keep_rows_if(g, has_data) for g in weighted if _sparse.is_sparse(g)]
+        dense = [g for g in weighted if not _sparse.is_sparse(g)]
         # No tf.where pass here: the reducer submits zeros for the gradients of a rank
         # without data (GraphReducer.reduce, keep=has_data).
-        to_reduce = [tf.reshape(b, [1]), *contribution, *weighted]
-        return before, to_reduce, has_data
+        to_reduce = [tf.reshape(b, [1]), *contribution, *reversed(dense)]
+        return before, to_reduce, sparse, has_data
 
-    def _global_part(self, before, reduced, divide_by_total: bool):
+    def _global_part(self, before, reduced, sparse, divide_by_total: bool):
         """Everything after the exchange: global metric states, then the optimizer step."""
         offset = 1 + len(before)
         global_n = reduced[0][0]
         self._train_metrics.finish(before, reduced[1:offset], global_n)
-        grads = list(reversed(reduced[offset:]))
+        dense = iter(reversed(reduced[offset:]))
+        gathered = iter(sparse)
+        positions = set(self._sparse_positions or ())
+        grads = [next(gathered) if i in positions else next(dense)
+                 for i in range(len(self._model.trainable_variables))]
         if divide_by_total:  # B was not known before backprop: it is the reduced count
-            grads = [g / tf.cast(global_n, g.dtype) for g in grads]
+            grads = [_sparse.divide(g, global_n) for g in grads]
         grads = _grad_sync.overflow_as_serial(self._model, grads)  # Note [Float16 overflow as serial]
         with _grad_sync.already_reduced():
             self._model.optimizer.apply_gradients(zip(grads, self._model.trainable_variables))
@@ -229,7 +255,8 @@ class DistributedSteps:
             model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
-        before, to_reduce, has_data = self._compiled("local", self._local_part)(x, y, sample_weight, sizes)
+        before, to_reduce, sparse, has_data = self._compiled("local", self._local_part)(
+            x, y, sample_weight, sizes)
         if self._in_graph_collectives or has_sync_batch_norm(model):
             # Their collectives run inside backprop: no bucket may start before they end,
             # or ranks could interleave the two kinds differently.
@@ -238,7 +265,9 @@ class DistributedSteps:
         reduced = self.train_reducer().reduce(
             to_reduce, start=start, keep=has_data, keep_from=1 + len(before)
         )
-        done = self._compiled("global", self._global_part)(before, reduced, sizes is None)
+        # After the fused allreduce on every rank (Note [Sparse gradients as serial]).
+        sparse = [_sparse.allgather(g, self._comm, after=[reduced[0]]) for g in sparse]
+        done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None)
         with tf.control_dependencies([done]):  # read the metrics after they became global
             return model.get_metrics_result()
 

@@ -2,7 +2,7 @@
 computed here on each rank) and with tnt.Model on all ranks, from the same initial weights
 on the same global batches, and records the largest differences.
 
-Cases cover the optimizers, a dense net and a LeNet-like CNN, B divisible and not divisible
+Cases cover the optimizers, a dense net, a LeNet-like CNN, an Embedding (sparse gradients), B divisible and not divisible
 by the number of ranks, a last batch larger and smaller than the number of ranks (ranks
 with an empty micro-batch), multi-input models (tuple and dict), sample weights and a
 regularisation loss.
@@ -68,10 +68,24 @@ def two_input_model(seed: int, as_dict: bool) -> keras.Model:
     return keras.Model({"a": a, "b": b} if as_dict else [a, b], out)
 
 
+def embedding_model(seed: int) -> keras.Model:
+    """An Embedding read by a lookup (its gradient is a tf.IndexedSlices with repeated rows):
+    with Adam, serial Keras' update of the slices differs from that of their dense sum."""
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,), dtype="int32"),
+        keras.layers.Embedding(8, 4),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(3, activation="softmax"),
+    ])
+
+
 def data(kind: str, n: int, seed: int):
     rng = np.random.default_rng(seed)
     y = rng.integers(0, 3, size=n).astype("int32")
-    if kind == "dense":
+    if kind == "embedding":  # 8 tokens, 6 per row: every token repeats within a batch
+        x = (rng.integers(0, 6, size=(n, 6)) + y[:, None]).astype("int32") % 8
+    elif kind == "dense":
         x = rng.normal(size=(n, 10)).astype("float32") + y[:, None] * 0.3
     elif kind == "cnn":
         x = rng.normal(size=(n, 12, 12, 1)).astype("float32") + y[:, None, None, None] * 0.3
@@ -100,6 +114,10 @@ CASES = {
     "dict_inputs_weights_l2_rmsprop": ("dict", "rmsprop", 12, 12 * 3 + 5, 3, True, 5, 1e-5, 2e-5),
     # jit_compile=True (serial and tnt): XLA compiles the step halves around the exchange.
     "dense_adam_B11_last2_xla": ("dense", "adam", 11, 11 * 4 + 2, 3, False, None, 1e-5, 2e-5),
+    # Sparse gradients (Embedding): the slices of all ranks, in rank order, as serial Keras'
+    # optimizer sees them; last batch of 1 (a rank without data on 2 and 3 ranks).
+    "embedding_adam_B8_exact": ("embedding", "adam", 8, 32, 3, False, None, 1e-5, 2e-5),
+    "embedding_adam_B10_last1": ("embedding", "adam", 10, 10 * 3 + 1, 3, True, 4, 1e-5, 2e-5),
 }
 
 
@@ -108,6 +126,8 @@ def build(kind: str, seed: int) -> keras.Model:
         return dense_model(seed)
     if kind == "cnn":
         return cnn_model(seed)
+    if kind == "embedding":
+        return embedding_model(seed)
     return two_input_model(seed, as_dict=(kind == "dict"))
 
 

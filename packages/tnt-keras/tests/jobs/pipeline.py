@@ -125,6 +125,18 @@ def f16_mlp() -> keras.Model:
         keras.config.set_dtype_policy(previous)
 
 
+def embedding_model() -> keras.Model:
+    """Token ids into an Embedding on stage 0: its gradient is a tf.IndexedSlices per
+    micro-batch, which serial Keras' Adam sees as one list of slices over the whole batch."""
+    keras.utils.set_random_seed(8)
+    x = inp = keras.Input((6,), dtype="int32", name="ids")
+    x = keras.layers.Embedding(8, 6, name="emb")(x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    x = keras.layers.Dense(16, activation="tanh", name="d0")(x)
+    x = keras.layers.Dense(16, activation="tanh", name="d1")(SplitLayer(name="cut")(x))
+    return keras.Model(inp, keras.layers.Dense(3, activation="softmax", name="out")(x), name="emb")
+
+
 #: Stage 0's output scale in ``f16_mlp``.
 F16_BIAS = 300.0
 
@@ -134,6 +146,8 @@ def data(kind: str, n: int, seed: int):
     y = rng.integers(0, 3, size=n).astype("int32")
     if kind == "lso":
         return (rng.normal(size=(n, 10)).astype("float32") + y[:, None] * 0.3) * 1e4, y
+    if kind == "emb":  # 8 tokens, 6 per row: tokens repeat within every micro-batch
+        return (rng.integers(0, 6, size=(n, 6)) + y[:, None]).astype("int32") % 8, y
     if kind == "cnn":
         x = rng.normal(size=(n, 12, 12, 1)).astype("float32") + y[:, None, None, None] * 0.3
     elif kind == "skip":
@@ -520,6 +534,8 @@ def main() -> None:
             f"mlp_all{p}x2_adam_m4_1f1b": ("mlp", mlp, "adam", 4, "1f1b", 13, 13 * 2 + 4, 2),
         }
         if p == 2:
+            # sparse gradients: micro-batch slices concatenated, then gathered over replicas
+            cases[f"emb_all{p}x2_adam_m3_1f1b"] = ("emb", embedding_model, "adam", 3, "1f1b", 10, 10 * 3 + 3, 2)
             cases[f"lso_all{p}x2_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
             cases[f"f16_all{p}x2_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)
     else:
@@ -532,6 +548,9 @@ def main() -> None:
             cases[f"mlp_p{p}_momentum_m3_1f1b"] = ("mlp", mlp, "sgd_momentum", 3, "1f1b", 11, 11 * 3 + 2, 2)
             cases[f"mlp_p{p}_adam_m1_1f1b"] = ("mlp", mlp, "adam", 1, "1f1b", 10, 10 * 2 + 3, 2)
             cases[f"cnn_p{p}_momentum_m3_1f1b"] = ("cnn", cnn, "sgd_momentum", 3, "1f1b", 10, 10 * 3 + 2, 2)
+            # sparse gradients (Embedding) with Adam: slices in micro-batch order, both schedules
+            cases[f"emb_p{p}_adam_m4_gpipe"] = ("emb", embedding_model, "adam", 4, "gpipe", 10, 10 * 3 + 2, 2)
+            cases[f"emb_p{p}_adam_m4_1f1b"] = ("emb", embedding_model, "adam", 4, "1f1b", 10, 10 * 3 + 2, 2)
             cases[f"lso_p{p}_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
             # mixed_float16: compile wraps Adam in a LossScaleOptimizer; the last stage alone overflows
             cases[f"f16_p{p}_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)

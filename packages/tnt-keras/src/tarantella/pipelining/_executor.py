@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from .. import _settings, _sparse
 from ._errors import PipelineError
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead
@@ -64,6 +65,7 @@ class StageExecutor:
         self.schedule = schedule
         self.step = 0
         self._fns: dict = {}
+        self._sparse_as_dense = _settings.sparse_as_dense()
         for b in stage.inputs + stage.outputs:
             shape = plan.boundaries[b].shape
             if any(d is None for d in shape):
@@ -186,7 +188,10 @@ class StageExecutor:
                 pending[i] = grads
                 while next_to_add in pending:  # accumulate in micro-batch order
                     g = pending.pop(next_to_add)
-                    result.grads = g if result.grads is None else [x + y for x, y in zip(result.grads, g)]
+                    # Sparse gradients: slices concatenated in micro-batch order, as serial
+                    # Keras' one lookup over the whole batch orders them (_sparse).
+                    result.grads = g if result.grads is None else [
+                        _sparse.accumulate(x, y) for x, y in zip(result.grads, g)]
                     next_to_add += 1
             elif a.kind == "SEND_GRAD":
                 k = [b for b in st.inputs if plan.boundaries[b].differentiable].index(a.boundary)
@@ -254,4 +259,7 @@ class StageExecutor:
                 output_gradients.append(tf.ones((), targets[-1].dtype))
         grads = tape.gradient(targets, [*watched, *variables], output_gradients=output_gradients,
                               unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return grads[: len(watched)], grads[len(watched):]
+        weight_grads = grads[len(watched):]
+        if self._sparse_as_dense:
+            weight_grads = [_sparse.to_dense(g) for g in weight_grads]
+        return grads[: len(watched)], weight_grads

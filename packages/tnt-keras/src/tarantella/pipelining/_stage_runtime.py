@@ -32,6 +32,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from .. import _sparse
 from .._metric_states import metric_variables
 from ._executor import PREDICT, TEST, TRAIN, StageExecutor
 from ._plan import Plan
@@ -69,6 +70,10 @@ class StageRuntime:
         self._others_regularized = any(st.has_regularizer for st in plan.stages[:-1])
         self._apply = None
         self._engine = None  # fused allreduce over the replica group, made at the first step
+        self._engine_members: list[int] = []  # the trainable variables (dense gradients) it sums
+        # Trainable variables whose gradients came as IndexedSlices in the last step with
+        # data (a replica without data sends none of their slices, not dense zeros).
+        self._sparse_positions: dict[int, tf.DType] = {}  # -> the dtype of their indices
         self.fusion_threshold_bytes = fusion_threshold_bytes
         self.log_names: list[str] = []
         self.loss_scaled = False  # a LossScaleOptimizer: its decision is the pipeline's
@@ -94,7 +99,8 @@ class StageRuntime:
         opt.build(self.model.trainable_variables)
         self.optimizer = opt
         self._float16_read = float16_read_variables(self.model)
-        self._apply = tf.function(self._apply_gradients, autograph=False)
+        # reduce_retracing: sparse gradients hold as many slices as the step had tokens
+        self._apply = tf.function(self._apply_gradients, autograph=False, reduce_retracing=True)
 
     def _apply_gradients(self, grads):
         # apply, not apply_gradients: a stage without trainable weights still moves its
@@ -128,7 +134,13 @@ class StageRuntime:
         self.busy_seconds += result.busy_seconds
         self.windows.append((*result.window, result.busy_seconds))
         variables = self.model.trainable_variables
-        grads = result.grads if result.grads is not None else [tf.zeros_like(v) for v in variables]
+        if result.grads is not None:
+            grads = result.grads
+            self._sparse_positions = {i: g.indices.dtype for i, g in enumerate(grads) if _sparse.is_sparse(g)}
+        else:  # no micro-batch on this replica: no slices, zeros, as the other replicas expect
+            grads = [_sparse.no_slices(v, self._sparse_positions[i]) if i in self._sparse_positions
+                     else tf.zeros_like(v)
+                     for i, v in enumerate(variables)]
         self._add_other_stages_regularization(n)
         grads = self._reduce_over_replicas(grads)
         finite = True
@@ -175,19 +187,33 @@ class StageRuntime:
             tracker.total.assign_add(tf.cast(total * n, tracker.total.dtype))
 
     def _reduce_over_replicas(self, grads: list) -> list:
-        """SUM over the stage's replica group with the fused engine (buckets, in order)."""
+        """SUM over the stage's replica group with the fused engine (buckets, in order);
+        sparse gradients gathered in replica order afterwards (Note [Sparse gradients as
+        serial]: replica order is the serial order of the global batch's rows)."""
         if self.transport.num_replicas == 1:
             return grads
         import tnt_comm
 
-        if self._engine is None:
-            specs = [tnt_comm.TensorSpec(v.path, int(np.prod(v.shape)), np.dtype(v.dtype))
-                     for v in self.model.trainable_variables]
+        variables = self.model.trainable_variables
+        dense_at = [i for i, g in enumerate(grads) if not _sparse.is_sparse(g)]
+        if self._engine is None or self._engine_members != dense_at:
+            if self._engine is not None:
+                self._engine.close()
+            specs = [tnt_comm.TensorSpec(variables[i].path, int(np.prod(variables[i].shape)),
+                                         np.dtype(variables[i].dtype)) for i in dense_at]
             self._engine = self.transport.fused_allreduce(specs, self.fusion_threshold_bytes)
-        arrays = [np.asarray(g) for g in grads]
-        self._engine.submit_many(list(range(len(arrays))), [a.reshape(-1) for a in arrays])
-        summed = self._engine.wait()
-        return [tf.convert_to_tensor(np.asarray(s).reshape(a.shape)) for s, a in zip(summed, arrays)]
+            self._engine_members = dense_at
+        out = list(grads)
+        if dense_at:
+            arrays = [np.asarray(grads[i]) for i in dense_at]
+            self._engine.submit_many(list(range(len(arrays))), [a.reshape(-1) for a in arrays])
+            summed = self._engine.wait()
+            for i, a, total in zip(dense_at, arrays, summed):
+                out[i] = tf.convert_to_tensor(np.asarray(total).reshape(a.shape))
+        for i, g in enumerate(grads):
+            if _sparse.is_sparse(g):
+                out[i] = _sparse.allgather_eager(g, self.transport.replica_allgather)
+        return out
 
     def _finite_over_pipeline(self, grads: list) -> bool:
         """True iff the gradients of every stage are finite (the same answer on all ranks).
@@ -198,8 +224,7 @@ class StageRuntime:
         in float16: it overflows where serial Keras' does (up to the rounding of the parts).
         """
         half = self._float16_read or [False] * len(grads)
-        mine = all(bool(tf.reduce_all(tf.math.is_finite(tf.cast(g, tf.float16) if h else g)))
-                   for g, h in zip(grads, half))
+        mine = all(bool(_sparse.all_finite(g, as_float16=h)) for g, h in zip(grads, half))
         non_finite = self.transport.pipeline_allreduce(np.array([0.0 if mine else 1.0], np.float64))[0]
         return bool(non_finite == 0)
 
@@ -212,13 +237,12 @@ class StageRuntime:
     def _clip_over_pipeline(self, grads: list) -> list:
         """Keras' ``clip_by_global_norm`` with the norm of all stages' unscaled gradients."""
         scale = self._loss_scale()
-        unscaled = grads if scale is None else [g / tf.cast(scale, g.dtype) for g in grads]
-        local = float(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g in unscaled])) \
-            if grads else 0.0
+        unscaled = grads if scale is None else [_sparse.divide(g, scale) for g in grads]
+        local = float(tf.add_n([_sparse.squared_sum(g) for g in unscaled])) if grads else 0.0
         norm = np.float32(np.sqrt(self.transport.pipeline_allreduce(np.array([local], np.float64))[0]))
         clip = np.float32(self.global_clipnorm)
         scale = clip * np.minimum(np.float32(1.0) / norm, np.float32(1.0) / clip) + (norm - norm)
-        return [g * tf.cast(scale, g.dtype) for g in grads]
+        return [_sparse.scale(g, scale) for g in grads]
 
     def _logs(self) -> dict:
         logs = None
