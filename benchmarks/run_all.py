@@ -59,6 +59,8 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("pipeline", "pipeline.py", ranks=2, mpi_args=PINNED),
     # Graph bridge cost per bucket, and overlap with jit_compile (issue 12, items 4-5).
     Benchmark("step_bridge", "step_bridge.py", ranks=2, mpi_args=PINNED),
+    # Sparse gradients (issue 27): gathering GPT-2-sized embedding slices vs a dense allreduce.
+    Benchmark("sparse_exchange", "sparse_exchange.py", ranks=2, mpi_args=PINNED),
     # Tensor parallelism (issue 18): host time per in-graph collective on a group of 2.
     Benchmark("tensor_parallel", "tensor_parallel.py", ranks=2, mpi_args=PINNED),
     # Memory at t = 4: 4 ranks time-share the 2 cores (bytes, not time, are measured).

@@ -11,7 +11,11 @@ trackers report global values (docs/keras.md, "Custom train_step"). The latent n
 with the data, so a run on N ranks reproduces the serial one.
 
 The generator learns to produce 2-D points from a Gaussian centred at (2, -1); the script
-prints how far the mean of its samples is from that centre.
+prints how far the mean of its samples is from that centre at the end and at its closest
+approach. A GAN trained with Adam does not settle: after the generator's mean first reaches
+the centre (from 2.2 away, within 6-9 epochs here), it orbits it at 0.2-1.5 while the
+discriminator chases it, so the error at the last epoch depends on where in its orbit
+training stops; the closest approach shows that the generator learnt where the data are.
 """
 
 from __future__ import annotations
@@ -65,14 +69,28 @@ class GAN(keras.Model):
         return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
 
 
+class MeanError(keras.callbacks.Callback):
+    """After every epoch: how far the mean of the generator's samples is from CENTRE."""
+
+    def __init__(self, noise: np.ndarray) -> None:
+        super().__init__()
+        self.noise = noise
+        self.errors: list[float] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        samples = self.model.generator.predict(self.noise, verbose=0)
+        self.errors.append(float(np.linalg.norm(samples.mean(axis=0) - CENTRE)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=1, help="initial weights and Keras' other random draws")
     args = parser.parse_args()
 
-    keras.utils.set_random_seed(1)
+    keras.utils.set_random_seed(args.seed)
     rng = np.random.default_rng(0)
     real = (CENTRE + 0.5 * rng.normal(size=(args.samples, 2))).astype("float32")
     noise = rng.normal(size=(args.samples, LATENT)).astype("float32")
@@ -81,13 +99,14 @@ def main() -> None:
     gan = tnt.Model(GAN())                      # the one changed line (with the import)
     gan.compile(d_optimizer=keras.optimizers.Adam(1e-3), g_optimizer=keras.optimizers.Adam(1e-3),
                 loss_fn=keras.losses.BinaryCrossentropy())
-    history = gan.fit(dataset, epochs=args.epochs, verbose=2 if tnt.is_master_rank() else 0)
+    error = MeanError(rng.normal(size=(1000, LATENT)).astype("float32"))
+    history = gan.fit(dataset, epochs=args.epochs, callbacks=[error], verbose=2 if tnt.is_master_rank() else 0)
 
-    samples = gan.model.generator.predict(rng.normal(size=(1000, LATENT)).astype("float32"), verbose=0)
-    error = float(np.linalg.norm(samples.mean(axis=0) - CENTRE))
     if tnt.is_master_rank():
+        closest = int(np.argmin(error.errors))
         print(f"ranks: {tnt.get_size()}  d_loss: {history.history['d_loss'][-1]:.4f}  "
-              f"g_loss: {history.history['g_loss'][-1]:.4f}  generated mean error: {error:.4f}")
+              f"g_loss: {history.history['g_loss'][-1]:.4f}  generated mean error: {error.errors[-1]:.4f}  "
+              f"closest: {error.errors[closest]:.4f} (epoch {closest + 1})")
 
 
 if __name__ == "__main__":

@@ -73,9 +73,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=1234, help="initial weights and Keras' other random draws")
     args = parser.parse_args()
 
-    keras.utils.set_random_seed(1234)
+    keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_digits() if args.dataset == "digits" else load_mnist()
 
     model = tnt.Model(lenet5())

@@ -52,9 +52,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--all", action="store_true", help="pipelines as data-parallel replicas (N = 2k)")
+    parser.add_argument("--seed", type=int, default=1234, help="initial weights and Keras' other random draws")
     args = parser.parse_args()
 
-    keras.utils.set_random_seed(1234)
+    keras.utils.set_random_seed(args.seed)
     (x_train, y_train), (x_test, y_test) = load_digits()
     train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(len(x_train), seed=7)
     train = train.batch(args.batch_size)

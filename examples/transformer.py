@@ -126,9 +126,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=3, help="initial weights and Keras' other random draws")
     args = parser.parse_args()
 
-    keras.utils.set_random_seed(3)
+    keras.utils.set_random_seed(args.seed)
     rank, size = tnt.get_rank(), tnt.get_size()
     if args.batch_size % size:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the {size} ranks")

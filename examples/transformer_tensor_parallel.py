@@ -71,9 +71,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size (the same on every rank)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--save", default=None, help="write the trained model to this .keras file")
+    parser.add_argument("--seed", type=int, default=1234, help="initial weights and Keras' other random draws")
     args = parser.parse_args()
 
-    keras.utils.set_random_seed(1234)  # the same shuffles on every rank of the group
+    keras.utils.set_random_seed(args.seed)  # the same shuffles on every rank of the group
     classes = 4
     x_train, y_train = topics(args.samples, args.length, args.vocab, classes, seed=1)
     x_test, y_test = topics(512, args.length, args.vocab, classes, seed=2)

@@ -19,7 +19,10 @@ GAN = EXAMPLES / "custom_train_step_gan.py"
 
 
 def test_gan_with_own_train_step_on_two_ranks():
-    """The generator's mean moves from ~2.2 away from the target centre to within 1.0."""
+    """The generator's mean, 2.2 away from the target centre at the start, comes within
+    0.8 of it. A GAN trained with Adam orbits the centre afterwards (0.2-1.5 away), so the
+    last epoch's distance is not asserted, only the closest approach: 0.24-0.27 in serial
+    runs of three seeds, see tools/example_margins.py for the 2-rank figures."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--", str(GAN),
@@ -27,8 +30,9 @@ def test_gan_with_own_train_step_on_two_ranks():
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    found = re.search(r"ranks: (\d+)\s+d_loss: [\d.]+\s+g_loss: [\d.]+\s+generated mean error: ([\d.]+)",
-                      proc.stdout)
+    found = re.search(r"ranks: (\d+)\s+d_loss: [\d.]+\s+g_loss: [\d.]+\s+generated mean error: ([\d.]+)\s+"
+                      r"closest: ([\d.]+) \(epoch (\d+)\)", proc.stdout)
     assert found, proc.stdout[-4000:]
     assert int(found.group(1)) == 2
-    assert float(found.group(2)) < 1.0, proc.stdout[-2000:]
+    assert float(found.group(3)) <= 0.8, proc.stdout[-2000:]
+    assert 1 <= int(found.group(4)) <= 15

@@ -29,6 +29,10 @@ CHECKS = [
     "custom_loop_weighted",
     "custom_loop_weighted_replicas_identical",
     "custom_loop_own_optimizer_replicas_identical",
+    # sparse gradients (Embedding + Adam) in a custom train_step and a custom loop
+    "sparse_custom_train_step_adam",
+    "sparse_custom_loop_adam",
+    "sparse_custom_loop_adam_replicas_identical",
     # B < N, drop_remainder, early / after-batch split
     "small_global_batches_equal_serial",
     "small_global_batches_same_steps",

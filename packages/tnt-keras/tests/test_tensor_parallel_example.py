@@ -13,8 +13,8 @@ from pathlib import Path
 from conftest import _launcher
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformer_tensor_parallel.py"
-# One block, shorter sequences, 2 epochs of 16 steps: enough to learn the task (serial Keras
-# reaches ~0.97), and the launch stays short.
+# One block, shorter sequences, 2 epochs of 16 steps: enough to learn the task (~0.97),
+# and the launch stays short.
 SMALL = ("--samples", "1024", "--epochs", "2", "--blocks", "1", "--length", "12")
 
 
@@ -34,7 +34,9 @@ def test_transformer_tensor_parallel_on_two_ranks(tmp_path):
     assert found, out[-4000:]
     assert found.group(1) == found.group(2) == "2"
     accuracy = float(found.group(3))
-    assert accuracy > 0.9, out[-2000:]
+    # 4 classes (chance 0.25); measured 0.969-0.971 with oneDNN on/off and two seeds
+    # (tools/example_margins.py): the bar sits 20 % below the smallest value seen.
+    assert accuracy >= 0.75, out[-2000:]
     assert len(re.findall(r"^Epoch 1/2", out, flags=re.M)) == 1  # progress from the master only
 
     # The master joined the shards into one serial Keras file (plain Keras opening such a

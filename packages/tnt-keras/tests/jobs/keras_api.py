@@ -259,6 +259,64 @@ def check_custom_loops() -> None:
     check("custom_loop_own_optimizer_replicas_identical", same_on_all_ranks(model.get_weights()))
 
 
+# -- 3b. sparse gradients (an Embedding) in a custom train_step and a custom loop -------
+class EmbeddingStep(keras.Model):
+    """An Embedding under its own train_step: the lookup's gradient is a tf.IndexedSlices,
+    which serial Keras' Adam applies as slices (repeated rows counted per slice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = keras.layers.Embedding(8, 4)
+        self.pool = keras.layers.GlobalAveragePooling1D()
+        self.out = keras.layers.Dense(3, activation="softmax")
+
+    def call(self, ids, training=False):
+        return self.out(self.pool(self.emb(ids)))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def token_data(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, size=n).astype("int32")
+    return ((rng.integers(0, 6, size=(n, 6)) + y[:, None]) % 8).astype("int32"), y
+
+
+def embedding_step_model(seed: int) -> EmbeddingStep:
+    keras.utils.set_random_seed(seed)
+    model = EmbeddingStep()
+    model(tf.zeros((1, 6), tf.int32))
+    return model
+
+
+def check_sparse_custom_steps() -> None:
+    size, rank = tnt.get_size(), tnt.get_rank()
+    x, y = token_data(31, 17)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(7)  # last batch 3: uneven on 2 and 3 ranks
+    serial = embedding_step_model(15)
+    serial.compile(keras.optimizers.Adam(0.02), "sparse_categorical_crossentropy")
+    serial.fit(data, epochs=2, verbose=0)
+    model = tnt.Model(embedding_step_model(15))
+    model.compile(keras.optimizers.Adam(0.02), "sparse_categorical_crossentropy")
+    model.fit(data, epochs=2, verbose=0)
+    close("sparse_custom_train_step_adam", _job.max_abs_diff(serial.get_weights(), model.get_weights()),
+          TOL_WEIGHTS)
+    serial = embedding_step_model(16)
+    _loop(serial, keras.optimizers.Adam(0.02), data, weighted=False)
+    model = tnt.Model(embedding_step_model(16))
+    model.compile(keras.optimizers.Adam(0.02), "sparse_categorical_crossentropy")
+    _loop(model, model.optimizer, tnt_data.distribute(data, rank=rank, size=size), weighted=True)
+    close("sparse_custom_loop_adam", _job.max_abs_diff(serial.get_weights(), model.get_weights()),
+          TOL_WEIGHTS)
+    check("sparse_custom_loop_adam_replicas_identical", same_on_all_ranks(model.get_weights()))
+
+
 # -- 4. global batches smaller than the number of ranks ---------------------------------
 def check_small_batches() -> None:
     x, y = rng_data(5, 10, 7)
@@ -522,7 +580,8 @@ def main() -> None:
         tmp = Path(tnt_comm.broadcast_object(tmp_dir if tnt.is_master_rank() else None, 0))
         steps = {
             "gan": lambda: check_gan(11), "tracked": lambda: check_tracked(7),
-            "custom_loops": check_custom_loops, "small_batches": check_small_batches,
+            "custom_loops": check_custom_loops, "sparse_custom_steps": check_sparse_custom_steps,
+            "small_batches": check_small_batches,
             "shuffled_arrays": check_shuffled_arrays,
             "unseeded_shuffle": check_unseeded_shuffle_uses_each_sample_once,
             "uncompiled": lambda: check_uncompiled_inference(tmp),
