@@ -1,0 +1,126 @@
+"""Real models, DATA strategy: keras-hub Transformers built from constructor arguments (no
+downloads) train on N ranks as in serial Keras, in the same job.
+
+Every one of them looks tokens up in an Embedding, so its gradient holds tf.IndexedSlices:
+with Adam, serial Keras' update of the slices is not that of their dense sum (issue 27).
+Each case trains serially (plain Keras, on the master) and with tnt.Model from the same
+initial weights on the same global batches (uneven over the ranks, a smaller last batch)
+and records the largest differences to serial: History, final weights, predict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import _job
+import keras
+import keras_hub
+import numpy as np
+import tensorflow as tf
+
+import tarantella as tnt
+import tnt_comm
+
+VOCAB, LENGTH, SAMPLES, BATCH, EPOCHS = 24, 8, 27, 10, 2  # 3 steps an epoch, the last of 7 samples
+
+
+def _head(backbone: keras.Model, inputs: dict) -> keras.Model:
+    """The backbone's sequence output, mean-pooled, into a 3-class softmax."""
+    out = backbone(inputs)
+    x = out["sequence_output"] if isinstance(out, dict) else out
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(x))
+
+
+def _token_inputs(names: list[str]) -> dict:
+    return {n: keras.Input((LENGTH,), dtype="int32", name=n) for n in names}
+
+
+def gpt2() -> keras.Model:
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=LENGTH, dropout=0.0)
+    return _head(backbone, _token_inputs(["token_ids", "padding_mask"]))
+
+
+def bert() -> keras.Model:
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=LENGTH, dropout=0.0)
+    return _head(backbone, _token_inputs(["token_ids", "segment_ids", "padding_mask"]))
+
+
+def llama() -> keras.Model:
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=2,
+                                              num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+    return _head(backbone, _token_inputs(["token_ids", "padding_mask"]))
+
+
+def gpt2_causal_lm() -> keras.Model:
+    """The task model: its token embedding is tied to the output projection."""
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=LENGTH, dropout=0.0)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "gpt2_causal_lm": gpt2_causal_lm}
+
+
+def data(name: str, seed: int):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, VOCAB, size=(SAMPLES, LENGTH)).astype("int32")  # tokens repeat in a batch
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    if name == "bert":
+        x["segment_ids"] = np.zeros_like(ids)
+    if name == "gpt2_causal_lm":
+        return x, np.roll(ids, -1, axis=1)  # next token
+    return x, (ids[:, 0] % 3).astype("int32")
+
+
+def compile_(model: keras.Model, name: str) -> None:
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=name == "gpt2_causal_lm")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=["sparse_categorical_accuracy"])
+
+
+def build(name: str, seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    return MODELS[name]()
+
+
+def run_case(name: str) -> dict:
+    x, y = data(name, seed=3)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    initial = build(name, 5).get_weights()
+    ref = None
+    if tnt.is_master_rank():
+        serial = build(name, 5)
+        serial.set_weights(initial)
+        compile_(serial, name)
+        history = serial.fit(ds, epochs=EPOCHS, verbose=0).history
+        ref = {"history": history, "weights": serial.get_weights(), "predict": serial.predict(x, batch_size=BATCH, verbose=0)}
+    model = tnt.Model(build(name, 100 + tnt.get_rank()))  # rank 0's initial weights must win
+    model.set_weights(initial)
+    compile_(model, name)
+    history = model.fit(ds, epochs=EPOCHS, verbose=0).history
+    weights = model.get_weights()
+    predicted = model.predict(x, batch_size=BATCH, verbose=0)
+    digest = hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in weights)).hexdigest()
+    same = len(set(tnt_comm.allgather_object(digest)))
+    if ref is None:
+        return {}
+    return {
+        "history_diff": _job.history_diff(ref["history"], history),
+        "weight_diff": _job.max_abs_diff(ref["weights"], weights),
+        "predict_diff": _job.max_abs_diff(ref["predict"], predicted),
+        "history_keys": [sorted(ref["history"]), sorted(history)],
+        "ranks_identical": same == 1,
+        "variables": len(weights),
+    }
+
+
+def main() -> None:
+    out = _job.out_path()
+    results = {name: run_case(name) for name in _job.only(MODELS)}
+    _job.write(out, {"ranks": tnt.get_size(), "cases": results})
+
+
+if __name__ == "__main__":
+    main()
