@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from conftest import launch, print_diff_table
 
-EXPECTED_CASES = 15
+EXPECTED_CASES = 16
 #: The 1-rank launch: each model kind and input form once, and jit_compile.
 ONE_RANK_CASES = ["dense_adam_B12_last1", "cnn_momentum_B10_last3", "tuple_inputs_weights_l2_adam",
                   "dict_inputs_weights_l2_rmsprop", "dense_adam_B11_last2_xla", "embedding_adam_B8_exact",

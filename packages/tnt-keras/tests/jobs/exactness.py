@@ -118,6 +118,7 @@ CASES = {
     # optimizer sees them; last batch of 1 (a rank without data on 2 and 3 ranks).
     "embedding_adam_B8_exact": ("embedding", "adam", 8, 32, 3, False, None, 1e-5, 2e-5),
     "embedding_adam_B10_last1": ("embedding", "adam", 10, 10 * 3 + 1, 3, True, 4, 1e-5, 2e-5),
+    "embedding_adam_B10_last1_xla": ("embedding", "adam", 10, 10 * 3 + 1, 3, False, None, 1e-5, 2e-5),
 }
 
 
