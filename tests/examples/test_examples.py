@@ -79,7 +79,7 @@ def test_transformer_reverses_sequences(examples_job):
     assert int(found.group(1)) == 2
     # Greedy decoding by the serial inference model: reversing is learnt (a model that
     # copied instead of reversing would score ~1/11 per token and ~0 sequences). Measured
-    # 1.0 and 1.0 with oneDNN on and off and two seeds (tools/example_margins.py); the bars
+    # 1.0 and 1.0 with oneDNN on and off and three seeds (tools/example_margins.py); the bars
     # sit 20 % below the smallest value seen, so another CPU's numerics cannot flip them.
     assert float(found.group(2)) >= 0.8, stdout[-3000:]
     assert float(found.group(3)) >= 0.8, stdout[-3000:]

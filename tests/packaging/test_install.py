@@ -114,7 +114,7 @@ def test_lenet5_on_two_ranks_from_the_installed_wheels(keras_venv, tmp_path):
     found = re.search(r"ranks: (\d+)\s+test loss: [\d.]+\s+test accuracy: ([\d.]+)", proc.stdout)
     assert found, proc.stdout[-3000:]
     assert int(found.group(1)) == 2
-    # 10 digits (chance 0.1); measured 0.956-0.992 with oneDNN on/off and two seeds
+    # 10 digits (chance 0.1); measured 0.956-0.992 with oneDNN on/off and three seeds
     # (tools/example_margins.py): the bar sits 20 % below the smallest value seen.
     assert float(found.group(2)) >= 0.75, proc.stdout[-2000:]
     # Progress is printed by the master only: one line per epoch, not two.

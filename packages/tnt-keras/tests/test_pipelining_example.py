@@ -25,7 +25,7 @@ def test_pipeline_mlp_on_two_stages():
     found = re.search(r"ranks: (\d+)\s+test loss: [\d.]+\s+test accuracy: ([\d.]+)", proc.stdout)
     assert found, proc.stdout[-4000:]
     assert int(found.group(1)) == 2
-    # 10 digits (chance 0.1); measured 0.981 with oneDNN on/off and two seeds
+    # 10 digits (chance 0.1); measured 0.975-0.981 with oneDNN on/off and three seeds
     # (tools/example_margins.py): the bar sits 20 % below the smallest value seen.
     assert float(found.group(2)) >= 0.75, proc.stdout[-2000:]
     assert len(re.findall(r"^Epoch 1/6", proc.stdout, flags=re.M)) == 1  # progress from the master only

@@ -34,7 +34,7 @@ def test_transformer_tensor_parallel_on_two_ranks(tmp_path):
     assert found, out[-4000:]
     assert found.group(1) == found.group(2) == "2"
     accuracy = float(found.group(3))
-    # 4 classes (chance 0.25); measured 0.969-0.971 with oneDNN on/off and two seeds
+    # 4 classes (chance 0.25); measured 0.969-0.971 with oneDNN on/off and three seeds
     # (tools/example_margins.py): the bar sits 20 % below the smallest value seen.
     assert accuracy >= 0.75, out[-2000:]
     assert len(re.findall(r"^Epoch 1/2", out, flags=re.M)) == 1  # progress from the master only
