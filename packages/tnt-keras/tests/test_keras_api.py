@@ -53,6 +53,7 @@ CHECKS = [
     "unknown_cardinality_logs",
     "sync_batch_norm_option_equal_serial",
     "sync_batch_norm_layer_equal_serial",
+    "sync_batch_norm_float64_equal_serial",
     "sync_batch_norm_layer_loads_as_plain_bn",
 ]
 

@@ -75,7 +75,7 @@ def global_moments(x: tf.Tensor, axes) -> tuple[tf.Tensor, tf.Tensor]:
         in_batch = tf.range(tf.shape(x)[0]) < tf.cast(rows, tf.int32)
         keep = keep * _expand(tf.cast(in_batch, x.dtype), x, [i for i in range(1, x.shape.rank)])
     local_sum = tf.reduce_sum(x * keep, axis=axes)
-    count = tf.reduce_sum(keep) / tf.cast(tf.maximum(tf.size(local_sum), 1), tf.float32)
+    count = tf.reduce_sum(keep) / tf.cast(tf.maximum(tf.size(local_sum), 1), x.dtype)  # float32 or 64
     packed = allreduce_sum(tf.concat([tf.reshape(local_sum, [-1]), tf.reshape(count, [1])], 0))
     total = tf.maximum(packed[-1], 1.0)
     mean = tf.reshape(packed[:-1], tf.shape(local_sum)) / total

@@ -560,6 +560,24 @@ def check_sync_batch_norm() -> None:
                        _job.max_abs_diff(serial.get_weights(), model.get_weights()),
                        _job.max_abs_diff(e_serial, model.evaluate(ds, verbose=0)))
             close(f"sync_batch_norm_{name}_equal_serial", diff, TOL_WEIGHTS, h)
+    with recorded("sync_batch_norm_float64_equal_serial"):  # every float dtype (issue 27)
+        previous = keras.config.dtype_policy()
+        keras.config.set_dtype_policy("float64")
+        try:
+            ds64 = tf.data.Dataset.from_tensor_slices((x.astype("float64"), y)).batch(11)
+            serial64 = bn_branches(24)
+            serial64.compile(keras.optimizers.SGD(0.05, momentum=0.9), **compile_args)
+            h_serial64 = serial64.fit(ds64, epochs=2, verbose=0).history
+            model = tnt.Model(bn_branches(24), sync_batch_norm=True)
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.9), **compile_args)
+            h = model.fit(ds64, epochs=2, verbose=0).history
+            diff = max(_job.history_diff(h_serial64, h),
+                       _job.max_abs_diff(serial64.get_weights(), model.get_weights()))
+            dtypes = sorted({w.dtype.name for w in model.get_weights()})
+            check("sync_batch_norm_float64_equal_serial", diff <= TOL_WEIGHTS and dtypes == ["float64"],
+                  f"max abs diff {diff:.3g}, weights {dtypes}")
+        finally:
+            keras.config.set_dtype_policy(previous)
     with recorded("sync_batch_norm_layer_loads_as_plain_bn"):
         config = tnt.keras.layers.SyncBatchNormalization(momentum=0.9).get_config()
         plain = keras.layers.BatchNormalization.from_config(config)
