@@ -12,8 +12,8 @@ float32 values, int32 indices) for several tokens per rank, medians of repeated 
     row sparse_exchange_<k>_tokens: allgather time / dense allreduce time (< 1: gather cheaper)
 
 Volume per rank: the gather receives N k (4 d + 4) bytes; a ring/recursive allreduce moves
-about 2 (N - 1) / N x 4 V d. The gather is the cheaper of the two while the global batch
-holds fewer tokens than about 2 (N - 1) / N x V (50k tokens on 2 ranks for GPT-2).
+about 2 (N - 1) / N x 4 V d. Measured on 2 ranks (docs/benchmarks.md, "Sparse gradients"):
+the gather breaks even at about 16 k tokens per rank.
 """
 
 from __future__ import annotations
