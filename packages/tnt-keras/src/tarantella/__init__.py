@@ -10,10 +10,12 @@ Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run
 from __future__ import annotations
 
 from . import keras, models, native, pipelining, tensor_parallel
+from ._core.deferred import deferred_variables
+from ._core.strategy import ParallelStrategy
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._inputs import InputError
 from ._internals import UnsupportedVersionError
-from ._model import Model, ParallelStrategy
+from ._model import Model
 from ._runtime import get_master_rank, get_rank, get_size, is_master_rank, setup
 from ._settings import SettingError
 from ._sync import ReplicaMismatchError
@@ -31,6 +33,7 @@ __all__ = [
     "UnsupportedVersionError",
     "UnsyncedReplicasError",
     "__version__",
+    "deferred_variables",
     "get_master_rank",
     "get_rank",
     "get_size",

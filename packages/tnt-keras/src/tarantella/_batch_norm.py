@@ -54,7 +54,7 @@ def valid_rows(local_n: tf.Tensor) -> Iterator[None]:
     """Inside a step: only the first ``local_n`` rows of a batch are samples.
 
     A rank whose micro-batch is empty runs its step on one placeholder row (see
-    ``_steps._nonempty``); it must not count in the global statistics.
+    ``_step_parts.nonempty``); it must not count in the global statistics.
     """
     previous = getattr(_state, "rows", None)
     _state.rows = local_n
@@ -121,10 +121,9 @@ def synchronise(model: keras.Model) -> int:
     Patches the layers in place (the model's structure and files stay those of plain
     Keras); returns how many layers were changed.
     """
-    from ._sync import _all_layers
 
     changed = 0
-    for layer in _all_layers(model):
+    for layer in _internals.all_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization) and not isinstance(
             layer, SyncBatchNormalization
         ):
@@ -135,10 +134,9 @@ def synchronise(model: keras.Model) -> int:
 
 def has_sync_batch_norm(model: keras.Model) -> bool:
     """True when some layer of ``model`` computes global statistics (a collective)."""
-    from ._sync import _all_layers
 
     return any(
         isinstance(layer, SyncBatchNormalization) or "_moments" in vars(layer)
-        for layer in _all_layers(model)
+        for layer in _internals.all_layers(model)
         if isinstance(layer, keras.layers.BatchNormalization)
     )

@@ -29,6 +29,7 @@ from . import _grad_sync
 from ._batch_norm import valid_rows
 from ._metric_states import MetricExchange, metric_variables
 from ._reducer import GraphReducer, Slot, start_token
+from ._step_parts import allgather_rows, nonempty
 
 
 def _first_rows(data) -> tf.Tensor:
@@ -63,20 +64,18 @@ class CustomSteps:
     def predict_step(self, data, size: int):
         if size == 1:
             return self._model.predict_step(data)
-        from ._steps import _nonempty, allgather_rows
 
         local_n = _first_rows(data)
-        out = self._model.predict_step(_nonempty(data, local_n))
+        out = self._model.predict_step(nonempty(data, local_n))
         return tf.nest.map_structure(lambda t: allgather_rows(t[:local_n]), out)
 
     # -- the shared protocol ------------------------------------------------------------
     def _run(self, kind: str, step, data):
-        from ._steps import _nonempty
 
         exchange = self._exchanges[kind]
         local_n = _first_rows(data)
         has_data = local_n > 0
-        data = _nonempty(data, local_n)
+        data = nonempty(data, local_n)
         begun = exchange.begin(tf.nest.flatten(data)[0])
         with exchange.watch(), valid_rows(local_n), _grad_sync.step_scope(local_n, start_token()) as scope:
             logs = step(data)

@@ -288,3 +288,19 @@ def version_warning() -> str | None:
     return (f"Keras {keras.__version__} is outside the range tnt-keras is tested with "
             f"({low[0]}.{low[1]} to before {high[0]}.{high[1]}); if a step fails with "
             "UnsupportedVersionError, install a Keras in that range.")
+
+
+def ask_to_overwrite(path: str) -> bool:
+    """Keras' own terminal question before overwriting a file (``save(overwrite=False)``)."""
+    from keras.src.utils import io_utils
+
+    return bool(io_utils.ask_to_proceed_with_overwrite(path))
+
+
+def all_layers(layer) -> list:
+    """Every layer nested in ``layer`` (Keras' ``layers`` lists only the top level)."""
+    out = []
+    for sub in getattr(layer, "layers", []):
+        out.append(sub)
+        out.extend(all_layers(sub))
+    return out

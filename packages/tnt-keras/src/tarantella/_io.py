@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 
 import tnt_comm
 
+from . import _internals
 from ._runtime import MASTER_RANK, get_rank, get_size
 
 # Keras decides the format from the file name, so temporary names keep the suffix.
@@ -90,3 +92,56 @@ def master_file(path: str | os.PathLike) -> Iterator[str]:
         local = Path(tmp) / target.name
         local.write_bytes(data.tobytes())
         yield os.fspath(local)
+
+
+def may_write(path, overwrite: bool, all_devices: bool = False) -> bool:
+    """Whether a save to ``path`` goes ahead, decided alike on every rank (collective).
+
+    With ``overwrite=False`` and an existing file, Keras asks on the terminal; so does the
+    master here when its input is a terminal (the answer reaches every rank), and
+    otherwise every rank raises FileExistsError: a job has nobody to ask.
+    """
+    if overwrite:
+        return True
+    target = Path(path)
+    if all_devices and get_size() > 1:
+        suffix = _suffix(target)
+        stem = target.name[: -len(suffix)] if suffix else target.name
+        target = target.with_name(f"{stem}.rank{get_rank()}{suffix}")
+    decision = "write"
+    if target.exists():
+        decision = "exists"
+        if get_rank() == MASTER_RANK and not all_devices and sys.stdin is not None and sys.stdin.isatty():
+            decision = "write" if _internals.ask_to_overwrite(os.fspath(target)) else "skip"
+    if get_size() > 1:
+        everyone = tnt_comm.allgather_object(decision)
+        decision = "exists" if "exists" in everyone[1:] or (all_devices and "exists" in everyone) \
+            else everyone[MASTER_RANK]
+    if decision == "exists":
+        raise FileExistsError(
+            f"{os.fspath(target)} already exists and overwrite=False. Pass overwrite=True to replace it "
+            "(or save under another name); Keras would ask on the terminal, which a launched job cannot.")
+    return decision == "write"
+
+
+def copies_from_master(path, write: Callable[[str], None]) -> None:
+    """Every rank gets its own file ``<stem>.rank<r><suffix>`` of what ``write`` makes on the
+    master (for layouts where only the master holds the whole model; collective)."""
+    target = Path(path)
+    suffix = _suffix(target)
+    stem = target.name[: -len(suffix)] if suffix else target.name
+    data = np.zeros(0, dtype=np.uint8)
+    if get_rank() == MASTER_RANK:
+        with tempfile.TemporaryDirectory(prefix="tnt-save-") as tmp, tnt_comm.long_local_work():
+            made = Path(tmp) / target.name
+            write(os.fspath(made))
+            data = np.frombuffer(made.read_bytes(), dtype=np.uint8)
+    if get_size() > 1:
+        length = int(tnt_comm.broadcast(np.array([data.size], dtype=np.int64), MASTER_RANK)[0])
+        if get_rank() != MASTER_RANK:
+            data = np.zeros(length, dtype=np.uint8)
+        data = tnt_comm.broadcast(data, MASTER_RANK)
+    write_atomically(target.with_name(f"{stem}.rank{get_rank()}{suffix}"),
+                     lambda tmp: Path(tmp).write_bytes(data.tobytes()))
+    if get_size() > 1:
+        tnt_comm.barrier()

@@ -13,19 +13,23 @@ updates made outside tnt's steps (custom loops) are made global by ``_grad_sync`
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import keras
 import tensorflow as tf
 
-import tnt_comm
-
 from . import _backup, _batch_norm, _grad_sync, _inputs, _internals, _io, _runtime, _sync
+from ._core.distributed import DistributedModel
+from ._core.strategy import (
+    ParallelStrategy,
+    Strategy,
+    register,
+    split_options,
+    unknown_options_error,
+)
 from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
 from ._logging import logger
-from ._rank_callbacks import callbacks_for_rank
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -33,17 +37,7 @@ _BATCH_NORM_MIN_LOCAL_BATCH = 16
 _KERAS_MODEL_KWARGS = frozenset({"name", "trainable", "dtype"})
 
 
-class ParallelStrategy(enum.Enum):
-    """How the model is parallelised: DATA, PIPELINING (N == p stages), ALL (N/p pipelines),
-    TENSOR (layers split over N == t ranks, see docs/tensor_parallel.md)."""
-
-    DATA = "data"
-    PIPELINING = "pipelining"
-    ALL = "all"
-    TENSOR = "tensor"
-
-
-class Model(keras.Model):
+class Model(DistributedModel):
     """Wrap ``model`` so that compile/fit/evaluate/predict run on all ranks of the job.
 
     Args:
@@ -59,28 +53,30 @@ class Model(keras.Model):
     """
 
     def __new__(cls, *args, **kwargs):
-        # TENSOR builds a tensor-parallel model; PIPELINING / ALL on several ranks and
-        # stages a pipelined one.
-        from .pipelining import pipelined_model
-        from .tensor_parallel import tensor_parallel_model
-
-        tensor = tensor_parallel_model(*args, strategies=ParallelStrategy, **kwargs)
-        if tensor is not None:
-            return tensor
-        pipelined = pipelined_model(*args, strategies=ParallelStrategy, **kwargs)
-        return pipelined if pipelined is not None else super().__new__(cls, *args, **kwargs)
+        # The strategy registry (``_core.strategy``) builds PIPELINING / TENSOR / ALL models;
+        # None from it means the data-parallel wrapper (one rank, one stage, nothing split).
+        model = args[0] if args else kwargs.get("model")
+        parallel_strategy = args[1] if len(args) > 1 else kwargs.get("parallel_strategy", ParallelStrategy.DATA)
+        member, strategy, options, rest = split_options(
+            parallel_strategy, {k: v for k, v in kwargs.items() if k not in ("model", "parallel_strategy")},
+            where="tnt.Model")
+        if member is not ParallelStrategy.DATA:
+            unknown = sorted(set(rest) - _KERAS_MODEL_KWARGS)
+            if unknown:
+                raise unknown_options_error(strategy, member, unknown, where="tnt.Model",
+                                            also=" (and Keras' name=/trainable=/dtype=)")
+            _check_is_keras_model(model)
+            built = strategy.build(model, member, options)
+            if built is not None:
+                return built
+        return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
                  sync_batch_norm: bool = False, **kwargs):
-        if not isinstance(model, keras.Model):
-            raise TypeError(
-                f"tnt.Model wraps a keras.Model, got {type(model).__name__}. "
-                "Build the Keras model first, then pass it: tnt.Model(keras_model)."
-            )
-        if isinstance(model, Model):
-            raise TypeError("This model is already a tnt.Model; wrap the Keras model only once.")
-        if ParallelStrategy(parallel_strategy) is not ParallelStrategy.DATA:  # 1 rank or 1 stage
-            kwargs = {k: v for k, v in kwargs.items() if not k.startswith(("num_pipeline", "num_micro", "pipeline_", "tensor_parallel_"))}
+        _check_is_keras_model(model)
+        # PIPELINING / TENSOR / ALL with nothing to distribute but data: their options were
+        # checked by the strategy (__new__) and do not apply to the wrapper.
+        kwargs = split_options(parallel_strategy, kwargs, where="tnt.Model")[3]
         unknown = sorted(set(kwargs) - _KERAS_MODEL_KWARGS)
         if unknown:
             raise TypeError(
@@ -145,10 +141,6 @@ class Model(keras.Model):
 
     def to_json(self, **kwargs) -> str:
         return self._model.to_json(**kwargs)
-
-    def summary(self, *args, **kwargs) -> None:
-        if _runtime.is_master_rank():
-            self._model.summary(*args, **kwargs)
 
     def get_weights(self):
         return self._model.get_weights()
@@ -238,11 +230,9 @@ class Model(keras.Model):
 
     # -- preparing a run -------------------------------------------------------------------
     def _sharding(self, distribute: bool, micro_batch_size: int | None) -> Sharding:
-        if self._tnt_seed is None:
-            self._tnt_seed = _inputs.common_seed()
         return Sharding(
             rank=_runtime.get_rank(), size=_runtime.get_size(), distribute=distribute,
-            micro_batch_size=micro_batch_size, shuffle_seed=self._tnt_seed,
+            micro_batch_size=micro_batch_size, shuffle_seed=self._common_seed(),
         )
 
     def _prepare(self, dataset: tf.data.Dataset, with_metrics: bool) -> None:
@@ -272,14 +262,6 @@ class Model(keras.Model):
                 "noisy. Use a larger global batch or fewer ranks.",
                 local, global_batch, size, _BATCH_NORM_MIN_LOCAL_BATCH,
             )
-
-    def _rank_callbacks(self, callbacks):
-        return callbacks_for_rank(
-            callbacks, tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices
-        )
-
-    def _verbose(self, verbose):
-        return verbose if _runtime.is_master_rank() else 0
 
     # -- training loop entry points -----------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -443,31 +425,18 @@ class Model(keras.Model):
         outputs = self.predict_function([element])
         return tf.nest.map_structure(lambda t: t.numpy(), outputs)
 
-    # -- files ---------------------------------------------------------------------------------
-    def save(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
-        """Save the wrapped model (a plain Keras file) from the master rank, atomically."""
-        self._average_moving_statistics()
-        _io.save_on_master(
-            filepath, lambda tmp: self._model.save(tmp, overwrite=True, **kwargs),
-            all_devices=tnt_save_all_devices,
-        )
+    # -- files (the base writes them; see _core.distributed) ----------------------------------
+    _tnt_whole_on_every_rank = True
 
-    def save_weights(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
-        """Save the weights from the master rank, atomically (``.weights.h5``)."""
-        self._average_moving_statistics()
-        _io.save_on_master(
-            filepath, lambda tmp: self._model.save_weights(tmp, overwrite=True, **kwargs),
-            all_devices=tnt_save_all_devices,
-        )
+    def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
+        """The wrapped model itself: every rank holds the whole serial model."""
+        return self._model
 
-    def export(self, filepath, format="tf_saved_model", verbose=True, **kwargs) -> None:
-        """Export the wrapped model for serving (Keras' ``export``), written by the master."""
+    def _tnt_before_save(self) -> None:
         self._average_moving_statistics()
-        if _runtime.is_master_rank():
-            with tnt_comm.long_local_work():  # the others wait in the barrier meanwhile
-                self._model.export(filepath, format=format, verbose=verbose, **kwargs)
-        if _runtime.get_size() > 1:
-            tnt_comm.barrier()
+
+    def _tnt_summary(self, *args, **kwargs) -> None:
+        self._model.summary(*args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load weights read by the master rank; all replicas end up identical."""
@@ -475,3 +444,20 @@ class Model(keras.Model):
             self._model.load_weights(local, *args, **kwargs)
         self._tnt_synced = False
         self._sync_replicas()
+
+
+def _check_is_keras_model(model) -> None:
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"tnt.Model wraps a keras.Model, got {type(model).__name__}. "
+            "Build the Keras model first, then pass it: tnt.Model(keras_model)."
+        )
+    if isinstance(model, DistributedModel):
+        raise TypeError("This model is already a tnt.Model; wrap the Keras model only once.")
+
+
+register(Strategy(
+    name="data", handles=(ParallelStrategy.DATA,), options=("sync_batch_norm",), error=TypeError,
+    build=lambda model, member, options: None,  # the wrapper itself (Model.__init__)
+    load=lambda filepath, member, options, **kwargs: None,  # tnt.models.load_model's own path
+))

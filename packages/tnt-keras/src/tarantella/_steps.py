@@ -30,58 +30,22 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-import tnt_data
-
 from . import _grad_sync, _internals, _settings, _sparse
 from ._batch_norm import has_sync_batch_norm, valid_rows
 from ._metric_states import MetricExchange, metric_variables
 from ._reducer import GraphReducer, Slot, start_token
-
-
-def split_sizes(data):
-    """``(batch, StepSizes)`` from tnt_data (``with_sizes=True``), else ``(batch, None)``."""
-    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], tnt_data.StepSizes):
-        return data
-    return data, None
-
-
-def _first(x) -> tf.Tensor:
-    """The first tensor of an input structure: what ops wait on to wait for the data."""
-    return next(t for t in tf.nest.flatten(x) if t is not None)
-
-
-def _local_batch_size(x) -> tf.Tensor:
-    return tf.shape(_first(x))[0]
-
-
-def _nonempty(structure, local_n: tf.Tensor):
-    """``structure`` with each tensor replaced by one zero sample when the batch is empty.
-
-    A rank whose micro-batch of the last step is empty must still run the step (it
-    takes part in the allreduce), but some TensorFlow kernels mishandle empty batches
-    (oneDNN's Conv2D returns a wrongly shaped result for 0 samples). The padded sample's
-    gradient and metric contributions are masked to zero, so it changes nothing.
-    """
-
-    def pad(t):
-        if t is None:
-            return None
-        zero = tf.zeros([1, *t.shape[1:]], t.dtype) if t.shape[1:].is_fully_defined() else \
-            tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
-        out = tf.cond(local_n > 0, lambda: t, lambda: zero)
-        out.set_shape([None, *t.shape[1:]])  # not t's: a statically empty batch is not empty now
-        return out
-
-    return tf.nest.map_structure(pad, structure)
+from ._step_parts import (
+    allgather_rows,
+    first_tensor,
+    local_batch_size,
+    nonempty,
+    overrides,
+    split_sizes,
+)
 
 
 def _slot(name: str, var) -> Slot:
     return Slot(name, tuple(int(d) for d in var.shape), tf.as_dtype(var.dtype))
-
-
-def overrides(model: keras.Model, step: str) -> bool:
-    """True when ``model``'s class defines its own ``train_step``/``test_step``/``predict_step``."""
-    return getattr(type(model), step) is not getattr(keras.Model, step)
 
 
 class DistributedSteps:
@@ -209,9 +173,9 @@ class DistributedSteps:
     def _local_part(self, x, y, sample_weight, sizes):
         """Everything before the exchange: returns the metric states before the step and
         the values to SUM over ranks (``b_r``, metric contributions, weighted gradients)."""
-        local_n = _local_batch_size(x) if sizes is None else tf.cast(sizes.local, tf.int32)
-        x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        begun = self._train_metrics.begin(_first(x))
+        local_n = local_batch_size(x) if sizes is None else tf.cast(sizes.local, tf.int32)
+        x, y, sample_weight = nonempty((x, y, sample_weight), local_n)
+        begun = self._train_metrics.begin(first_tensor(x))
         weight = None if sizes is None else tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
         with self._train_metrics.watch(), valid_rows(local_n):
             grads = self._gradients(x, y, sample_weight, local_n, weight)
@@ -251,7 +215,7 @@ class DistributedSteps:
             return self._custom.train_step(data, self._size)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._size == 1:  # Keras' own step (the wrapper runs it under Keras' jit setting)
-            grads = self._gradients(x, y, sample_weight, _local_batch_size(x), None)
+            grads = self._gradients(x, y, sample_weight, local_batch_size(x), None)
             model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
@@ -277,14 +241,14 @@ class DistributedSteps:
         if self._own_steps and overrides(model, "test_step"):
             return self._custom.test_step(data, self._size)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        local_n = _local_batch_size(x)
+        local_n = local_batch_size(x)
         if self._size == 1:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
             return model.get_metrics_result()
         start = start_token()
-        x, y, sample_weight = _nonempty((x, y, sample_weight), local_n)
-        begun = self._test_metrics.begin(_first(x))
+        x, y, sample_weight = nonempty((x, y, sample_weight), local_n)
+        begun = self._test_metrics.begin(first_tensor(x))
         with self._test_metrics.watch():
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
@@ -303,19 +267,6 @@ class DistributedSteps:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         if self._size == 1:
             return self._model(x, training=False)
-        local_n = _local_batch_size(x)
-        y_pred = self._model(_nonempty(x, local_n), training=False)
+        local_n = local_batch_size(x)
+        y_pred = self._model(nonempty(x, local_n), training=False)
         return tf.nest.map_structure(lambda t: allgather_rows(t[:local_n], self._comm), y_pred)
-
-
-def allgather_rows(tensor: tf.Tensor, comm=None) -> tf.Tensor:
-    """Concatenate every rank's micro-batch outputs in rank order (= global batch order),
-    over ``comm`` (default: the whole job)."""
-    import tnt_comm
-
-    gather = tnt_comm.allgather if comm is None else comm.allgather
-    out = tf.numpy_function(
-        lambda a: gather(a), [tensor], tensor.dtype, stateful=True, name="tnt_allgather"
-    )
-    out.set_shape([None, *tensor.shape[1:]])
-    return out

@@ -15,7 +15,9 @@ import numpy as np
 import tnt_comm
 
 from . import _internals
+from ._internals import all_layers
 from ._runtime import MASTER_RANK
+from ._step_parts import overrides, split_sizes
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -77,7 +79,6 @@ def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metr
     """
     import tensorflow as tf
 
-    from ._steps import overrides, split_sizes
 
     optimizer = model.optimizer if model.compiled else None
     if (model.built and wrapper.built
@@ -121,7 +122,7 @@ def sync_replicas(model: keras.Model) -> None:
 def moving_statistics(model: keras.Model) -> list:
     """The non-trainable statistics each replica updates from its own micro-batches."""
     out = []
-    for layer in _all_layers(model):
+    for layer in all_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization):
             out += [layer.moving_mean, layer.moving_variance]
     return out
@@ -144,12 +145,3 @@ def average_moving_statistics(model: keras.Model) -> None:
         n = int(np.prod(var.shape))
         var.assign(mean[offset : offset + n].reshape(var.shape).astype(var.dtype))
         offset += n
-
-
-def _all_layers(layer) -> list:
-    """Every layer nested in ``layer`` (Keras' ``layers`` lists only the top level)."""
-    out = []
-    for sub in getattr(layer, "layers", []):
-        out.append(sub)
-        out.extend(_all_layers(sub))
-    return out

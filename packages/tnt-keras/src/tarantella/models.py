@@ -12,7 +12,9 @@ from typing import Any
 import keras
 
 from . import _io
-from ._model import Model, ParallelStrategy
+from ._core.distributed import DistributedModel
+from ._core.strategy import ParallelStrategy, split_options
+from ._model import Model
 
 __all__ = ["clone_model", "load_model", "model_from_config", "model_from_json", "save_model"]
 
@@ -21,38 +23,34 @@ def _inner(model) -> keras.Model:
     return model.model if isinstance(model, Model) else model
 
 
-def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) -> Model:
+def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) -> keras.Model:
     """Load a ``.keras`` file written by ``save``/``save_model`` (on all ranks).
 
-    ``parallel_strategy=PIPELINING|ALL, num_pipeline_stages=q`` loads it into q stages
-    (any q, whatever the file was saved with; see tnt.pipelining.load_model);
-    ``parallel_strategy=TENSOR, tensor_parallel_size=q`` splits it over q ranks (any q,
-    whatever t it was saved at; see tnt.tensor_parallel.load_model); ``ALL`` with
-    ``tensor_parallel_size=q`` over data replicas of q-rank tensor groups.
+    The file is a serial Keras file whatever layout wrote it, and loads into any layout:
+    ``parallel_strategy=PIPELINING|ALL, num_pipeline_stages=q`` into q stages (any q,
+    see tnt.pipelining.load_model); ``parallel_strategy=TENSOR, tensor_parallel_size=q``
+    split over q ranks (any q, see tnt.tensor_parallel.load_model); ``ALL`` with
+    ``tensor_parallel_size=q`` over data replicas of q-rank tensor groups. With nothing to
+    split (one rank, one stage, q = 1) it loads as data-parallel replicas.
     """
-    strategy = ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA))
-    if strategy is ParallelStrategy.TENSOR or (
-            strategy is ParallelStrategy.ALL and kwargs.get("tensor_parallel_size", 1) != 1):
-        from .tensor_parallel import load_model as load_tensor_parallel
-
-        kwargs["parallel_strategy"] = strategy.value
-        return load_tensor_parallel(filepath, custom_objects=custom_objects, compile=compile, **kwargs)
-    if ParallelStrategy(kwargs.get("parallel_strategy", ParallelStrategy.DATA)) is not ParallelStrategy.DATA:
-        from .pipelining import load_model as load_pipelined
-
-        return load_pipelined(filepath, custom_objects=custom_objects, compile=compile, **kwargs)
-    kwargs.pop("parallel_strategy", None)
+    parallel_strategy = kwargs.pop("parallel_strategy", ParallelStrategy.DATA)
+    member, strategy, options, rest = split_options(parallel_strategy, kwargs, where="tnt.models.load_model")
+    loaded = strategy.load(filepath, member, options, custom_objects=custom_objects, compile=compile, **rest)
+    if loaded is not None:
+        return loaded
     with _io.master_file(filepath) as local:
-        inner = keras.models.load_model(local, custom_objects=custom_objects, compile=compile, **kwargs)
+        inner = keras.models.load_model(local, custom_objects=custom_objects, compile=compile, **rest)
     return Model(inner)
 
 
 def save_model(model, filepath, overwrite: bool = True, **kwargs) -> None:
-    """Save ``model`` from the master rank, atomically."""
-    if isinstance(model, Model):
+    """Save ``model`` (any layout: every rank calls it) as one serial Keras file, written
+    by the master atomically; a plain Keras model is written by the master as it is."""
+    if isinstance(model, DistributedModel):
         model.save(filepath, overwrite=overwrite, **kwargs)
         return
-    _io.save_on_master(filepath, lambda tmp: model.save(tmp, overwrite=True, **kwargs))
+    if _io.may_write(filepath, overwrite):
+        _io.save_on_master(filepath, lambda tmp: model.save(tmp, overwrite=True, **kwargs))
 
 
 def model_from_config(config: dict[str, Any], custom_objects=None) -> Model:

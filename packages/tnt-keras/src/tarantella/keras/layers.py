@@ -1,6 +1,6 @@
 """``tnt.keras.layers``: layers Tarantella adds to Keras."""
 
 from .._batch_norm import SyncBatchNormalization
-from ._split_layer import SplitLayer
+from .._core.split_layer import SplitLayer
 
 __all__ = ["SplitLayer", "SyncBatchNormalization"]

@@ -10,15 +10,15 @@ See docs/pipelining.md.
 
 from __future__ import annotations
 
-from ._deferred import deferred_variables, is_deferred
-from ._errors import PipelineError
+from .._core.deferred import deferred_variables, is_deferred
+from .._core.errors import PipelineError
 from ._local import LocalPipeline
-from ._model import PipelinedModel, pipelined_model
+from ._model import PipelinedModel
 from ._plan import Boundary, Plan, Stage, plan
-from ._saving import load_model
 from ._schedule import SCHEDULES, Action, actions, compute_order, micro_batch_sizes, peak_in_flight
 from ._stages import StageModel, build_stage
 from ._stats import pipeline_idle_fractions
+from ._strategy import load_model  # also registers PIPELINING (tarantella._core.strategy)
 
 __all__ = [
     "SCHEDULES",
@@ -39,6 +39,5 @@ __all__ = [
     "micro_batch_sizes",
     "peak_in_flight",
     "pipeline_idle_fractions",
-    "pipelined_model",
     "plan",
 ]

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _settings, _sparse
-from ._errors import PipelineError
+from .._core.errors import PipelineError
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead
 from ._schedule import actions

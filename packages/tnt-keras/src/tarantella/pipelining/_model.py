@@ -20,20 +20,14 @@ import tensorflow as tf
 import tnt_data
 
 from .. import _backup, _runtime
-from .._inputs import Sharding, at_epoch, common_seed, fit_datasets, rank_dataset
-from .._rank_callbacks import callbacks_for_rank
-from ._deferred import materialise
-from ._errors import PipelineError
+from .._core.distributed import DistributedModel
+from .._core.errors import PipelineError
+from .._core.mesh import check_layout
+from .._core.serial_files import assign_optimizer_state, optimizer_state
+from .._inputs import Sharding, at_epoch, fit_datasets, rank_dataset
 from ._plan import Plan
 from ._plan import plan as make_plan
-from ._saving import (
-    assign_optimizer_state,
-    gather_serial_model,
-    load_pipelined_weights,
-    optimizer_state,
-    save_pipelined,
-    save_pipelined_weights,
-)
+from ._saving import fill_serial_model, gather_serial_model, load_pipelined_weights
 from ._schedule import check_schedule
 from ._stage_runtime import StageRuntime
 from ._transport import CommTransport
@@ -44,22 +38,7 @@ def default_micro_batches(num_stages: int) -> int:
     return 4 * num_stages
 
 
-def check_layout(strategy: str, size: int, num_stages: int) -> None:
-    """PIPELINING needs N == p; ALL needs N % p == 0 (N / p replicas)."""
-    if strategy == "pipelining" and size != num_stages:
-        raise PipelineError(
-            f"ParallelStrategy.PIPELINING runs one pipeline of {num_stages} stages, one per rank, "
-            f"but the job has {size} ranks. Launch with `tarantella -n {num_stages}`, or use "
-            f"ParallelStrategy.ALL to run {num_stages}-stage pipelines as data-parallel replicas "
-            f"(N must then be a multiple of {num_stages}).")
-    if strategy == "all" and size % num_stages:
-        raise PipelineError(
-            f"ParallelStrategy.ALL runs N / p pipeline replicas, but {size} ranks is not a multiple of "
-            f"num_pipeline_stages={num_stages}. Launch a multiple of {num_stages} ranks or change "
-            "the number of stages.")
-
-
-def _check_micro_batches(m) -> int:
+def check_micro_batches(m) -> int:
     if not isinstance(m, int | np.integer) or isinstance(m, bool) or m < 1:
         raise PipelineError(f"num_micro_batches must be an integer >= 1, got {m!r}.")
     return int(m)
@@ -79,16 +58,16 @@ def _split_sizes(data):
     return data, None
 
 
-class PipelinedModel(keras.Model):
+class PipelinedModel(DistributedModel):
     """This rank's stage of a model pipelined over ``num_pipeline_stages`` ranks (per replica)."""
 
     def __init__(self, model: keras.Model, *, parallel_strategy: str = "pipelining",
                  num_pipeline_stages: int | None = None, num_micro_batches: int | None = None,
                  pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
                  _stage_builder=None) -> None:
-        """``_stage_builder(plan) -> (transport, StageModel)``: how this rank's stage is made
-        and talks (default: ``rank = replica * p + stage``, the stage's layers cloned whole;
-        tensor_parallel's stages of tensor groups pass their own)."""
+        """``_stage_builder(plan, transport) -> StageModel``: how this rank's stage is made
+        (default: the stage's layers cloned whole; tensor_parallel's stages of tensor groups
+        pass their own, with ``tensor_parallel_size``: the mesh then has t > 1)."""
         super().__init__(name=f"tnt_{model.name}")
         self._tnt_settings = _runtime.setup()
         if pipeline_plan is not None:
@@ -98,15 +77,18 @@ class PipelinedModel(keras.Model):
             plan = pipeline_plan
         else:
             plan = make_plan(model, num_pipeline_stages)
-        check_layout(parallel_strategy, _runtime.get_size(), plan.num_stages)
+        t = getattr(_stage_builder, "tensor_parallel_size", 1)
+        mesh = check_layout(parallel_strategy, _runtime.get_size(), t, plan.num_stages)
         check_schedule(pipeline_schedule)
         m = default_micro_batches(plan.num_stages) if num_micro_batches is None else \
-            _check_micro_batches(num_micro_batches)
+            check_micro_batches(num_micro_batches)
         self.plan = plan
         self.parallel_strategy = parallel_strategy
         self.num_micro_batches = m
         self.pipeline_schedule = pipeline_schedule
-        transport, stage_model = _stage_builder(plan) if _stage_builder else (CommTransport(plan.num_stages), None)
+        self.mesh = mesh
+        transport = CommTransport(mesh)
+        stage_model = _stage_builder(plan, transport) if _stage_builder else None
         self._tnt_check_same_plan(transport)
         self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m, stage_model=stage_model,
                                        fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes)
@@ -172,10 +154,6 @@ class PipelinedModel(keras.Model):
     def get_weights(self):
         """This rank's stage's weights (the whole model only exists in saved files)."""
         return self.stage_model.get_weights()
-
-    def summary(self, *args, **kwargs) -> None:
-        if _runtime.is_master_rank():
-            self.plan.summary()
 
     def _tnt_check_same_plan(self, transport) -> None:
         mine = (self.plan.split_after, [(b.tensor, b.shape, b.dtype, b.producer, b.consumers)
@@ -248,11 +226,6 @@ class PipelinedModel(keras.Model):
         self._tnt_stage.reset_metrics()
 
     # -- data ----------------------------------------------------------------------------------------
-    def _common_seed(self) -> int:
-        if self._tnt_seed is None:
-            self._tnt_seed = common_seed()
-        return self._tnt_seed
-
     def _sharding(self) -> Sharding:
         """Every rank of a replica reads the replica's slice of each global batch."""
         return Sharding(rank=self.replica, size=self.num_replicas, shuffle_seed=self._common_seed())
@@ -265,13 +238,6 @@ class PipelinedModel(keras.Model):
         if not self._tnt_synced:
             self._tnt_stage.sync_replicas()
             self._tnt_synced = True
-
-    def _verbose(self, verbose):
-        return verbose if _runtime.is_master_rank() else 0
-
-    def _rank_callbacks(self, callbacks):
-        return callbacks_for_rank(callbacks,
-                                  tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices)
 
     # -- loops ---------------------------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
@@ -324,53 +290,21 @@ class PipelinedModel(keras.Model):
             return super().predict(data, verbose=self._verbose(verbose), steps=steps,
                                    callbacks=rank_callbacks)
 
-    # -- files -----------------------------------------------------------------------------------------
-    def save(self, filepath, overwrite=True, **kwargs) -> None:
-        """One ordinary ``.keras`` file of the whole model; the master gathers the stages."""
-        save_pipelined(self, filepath, **kwargs)
-
-    def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
-        """One ``.weights.h5`` of the whole model, gathered on the master."""
-        save_pipelined_weights(self, filepath, **kwargs)
-
+    # -- files (the base writes them; see _core.distributed) -------------------------------------
     def load_weights(self, filepath, *args, **kwargs) -> None:
-        """Load a serial weights file; this rank keeps its stage's layers."""
+        """Load a serial weights file; this rank keeps its stage's layers (and optimizer)."""
         load_pipelined_weights(self, filepath)
         self._tnt_synced = False
 
-    def _tnt_gather_serial(self) -> keras.Model | None:
+    def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The whole serial model with optimizer state on the master (None elsewhere); all
-        ranks call it (BackupAndRestore writes it)."""
-        return gather_serial_model(self)
+        ranks call it."""
+        return gather_serial_model(self, with_optimizer)
 
+    def _tnt_fill_serial(self, payloads: list[dict], with_optimizer: bool) -> keras.Model:
+        """A new serial model holding the stages' ``payloads`` (weights and optimizer state
+        by layer), compiled as this model is (the master's part of a gather)."""
+        return fill_serial_model(self, payloads, with_optimizer)
 
-_OPTIONS = ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan")
-
-
-def pipelined_model(*args, strategies, **kwargs) -> PipelinedModel | None:
-    """What ``tnt.Model(...)`` builds for PIPELINING / ALL; None means data parallelism.
-
-    On one rank, or when the plan has one stage, the data-parallel path runs (markers are
-    identities there); the plan and the options are still checked, so a script fails
-    alike under ``python`` and under the launcher.
-    """
-    model = args[0] if args else kwargs.get("model")
-    strategy = strategies(args[1] if len(args) > 1 else kwargs.get("parallel_strategy", strategies.DATA))
-    if strategy is strategies.DATA:
-        unknown = [k for k in _OPTIONS if k in kwargs]
-        if unknown:
-            raise PipelineError(f"{', '.join(unknown)} only apply to ParallelStrategy.PIPELINING or ALL; "
-                                "pass parallel_strategy=tnt.ParallelStrategy.PIPELINING.")
-        return None
-    if not isinstance(model, keras.Model):
-        return None  # tnt.Model's own check names the problem
-    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-    plan = options.pop("pipeline_plan", None) or make_plan(model, options.get("num_pipeline_stages"))
-    check_schedule(options.get("pipeline_schedule", "1f1b"))
-    if options.get("num_micro_batches") is not None:
-        _check_micro_batches(options["num_micro_batches"])
-    options.pop("num_pipeline_stages", None)
-    if _runtime.get_size() == 1 or plan.num_stages == 1:
-        materialise(model)  # built under deferred_variables: the whole model trains here
-        return None
-    return PipelinedModel(model, parallel_strategy=strategy.value, pipeline_plan=plan, **options)
+    def _tnt_summary(self, *args, **kwargs) -> None:
+        self.plan.summary()

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._errors import PipelineError
-from ._graph import ModelGraph, model_graph
+from .._core.errors import PipelineError
+from .._core.graph import ModelGraph, model_graph
 
 #: Optimizer slot variables per trainable weight assumed when balancing (Adam: 2).
 DEFAULT_OPTIMIZER_SLOTS = 2

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._errors import PipelineError
+from .._core.errors import PipelineError
 
 SCHEDULES = ("gpipe", "1f1b")
 

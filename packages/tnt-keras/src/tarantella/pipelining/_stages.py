@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import keras
 
-from ._deferred import current_or_initial
-from ._graph import Call
+from .._core.deferred import current_or_initial
+from .._core.graph import Call
 from ._plan import Plan
 
 

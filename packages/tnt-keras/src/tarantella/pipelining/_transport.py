@@ -1,8 +1,8 @@
 """How a stage talks to its pipeline and to the other replicas of its stage.
 
-Peers are named by *stage* index; the transport maps stages to ranks. Layout (DESIGN.md):
-``rank = replica * p + stage``; the pipeline group of a rank is its replica's p ranks,
-its replica group the ranks holding the same stage.
+Peers are named by *stage* index; the transport maps stages to ranks through the mesh
+(``tarantella._core.mesh``, docs/architecture.md, "The mesh"): the pipeline group of a
+rank is its replica's p ranks, its replica group the ranks holding the same stage.
 
 - :class:`CommTransport`: tnt_comm point-to-point messages (headers checked on receipt)
   and collectives on the two sub-communicators.
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._errors import PipelineError
+from .._core.errors import PipelineError
 
 #: Header field "boundary" of a message: activations 2b, gradients 2b + 1.
 ACTIVATION, GRADIENT = 0, 1
@@ -144,27 +144,32 @@ class LocalTransport:
 
 
 class CommTransport:
-    """tnt_comm messages and sub-communicators for one rank of a p x r layout."""
+    """tnt_comm messages and the mesh's sub-communicators for one rank of a layout of
+    replicas x stages (x tensor shards: messages go between the same shard of two stages)."""
 
-    def __init__(self, num_stages: int) -> None:
+    def __init__(self, mesh) -> None:
         import tnt_comm
 
+        from .._core.mesh import groups
+
         self._tnt_comm = tnt_comm
-        world = tnt_comm.world()
-        self._world = world
-        size, rank = world.size, world.rank
-        if size % num_stages:
-            raise PipelineError(f"{size} ranks cannot hold {num_stages}-stage pipelines: the number "
-                                "of ranks must be a multiple of num_pipeline_stages.")
-        self.num_stages = num_stages
-        self.stage = rank % num_stages
-        self.replica = rank // num_stages
-        self.num_replicas = size // num_stages
-        self._pipe = world.split(self.replica, self.stage)
-        self._replicas = world.split(self.stage, self.replica)
+        self._world = tnt_comm.world()
+        self.mesh = mesh
+        mine = groups(mesh)
+        self.num_stages = mesh.num_pipeline_stages
+        self.stage = mine.stage
+        self.shard = mine.shard
+        self.replica = mine.replica_index
+        self.num_replicas = mesh.replicas
+        self._pipe = mine.pipeline
+        self._replicas = mine.replica
 
     def rank_of(self, stage: int) -> int:
-        return self.replica * self.num_stages + stage
+        return self.mesh.rank_of(self.replica, stage, self.shard)
+
+    def pipeline_allgather_object(self, obj) -> list:
+        """``obj`` of every stage of this replica (same shard), in stage order."""
+        return self._pipe.allgather_object(obj)
 
     def isend(self, array, stage, header):
         # Sent from the array's own memory (no copy): every caller sends arrays it never

@@ -18,15 +18,16 @@ See docs/tensor_parallel.md.
 
 from __future__ import annotations
 
+from .._core.errors import TensorParallelError
+from .._core.mesh import Mesh as Layout  # the old name of the one mesh
+from .._core.mesh import check_layout
 from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
-from ._errors import TensorParallelError
 from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
-from ._layout import Layout, check_layout
 from ._layout_map import from_layout_map
-from ._model import TensorParallelModel, tensor_parallel_model
+from ._model import TensorParallelModel
 from ._plan import KINDS, SUPPORTED, LayerSplit, Plan, plan, plan_from_kinds
-from ._saving import load_model
 from ._stages import TensorPipelinedModel
+from ._strategy import load_model  # also registers TENSOR and ALL (tarantella._core.strategy)
 from ._xla import allow_cpu_clusters as _allow_cpu_clusters
 
 _allow_cpu_clusters()  # TF_XLA_FLAGS is read when the first function runs (see _xla)
@@ -54,5 +55,4 @@ __all__ = [
     "plan",
     "plan_from_kinds",
     "reduce_from_group",
-    "tensor_parallel_model",
 ]

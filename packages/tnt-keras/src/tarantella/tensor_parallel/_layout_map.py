@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import keras
 
-from ..pipelining._graph import model_graph
-from ._errors import TensorParallelError
+from .._core.errors import TensorParallelError
+from .._core.graph import model_graph
 from ._plan import (
     COLUMN,
     COLUMN_GATHER,

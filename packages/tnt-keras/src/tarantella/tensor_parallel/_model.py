@@ -27,14 +27,14 @@ import numpy as np
 import tnt_comm
 
 from .. import _backup, _inputs, _internals, _runtime, _sync
-from .._rank_callbacks import callbacks_for_rank
-from ..pipelining._deferred import current_or_initial, has_deferred, is_deferred, materialise
-from ..pipelining._graph import model_graph
+from .._core.deferred import current_or_initial, has_deferred, is_deferred, materialise
+from .._core.distributed import DistributedModel
+from .._core.errors import TensorParallelError
+from .._core.graph import model_graph
+from .._core.mesh import check_layout, groups
 from . import _saving
 from ._collectives import TensorGroup
-from ._errors import TensorParallelError
 from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
-from ._layout import check_layout, replica_group
 from ._layout_map import as_plan
 from ._plan import (
     COLUMN,
@@ -102,7 +102,7 @@ class GroupMember:
         return digest([v for shard in self._tnt_shards.values() for v in shard.weights])
 
 
-class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
+class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
     """This rank's shards of a model whose large layers are split over ``t`` ranks (and,
     with ``parallel_strategy="all"``, its replica's slice of every global batch)."""
 
@@ -125,15 +125,18 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
         t = check_size(tensor_parallel_size)
         check_model(model)
         plan = as_plan(tensor_parallel_plan, model, t)
-        layout = check_layout(parallel_strategy, _runtime.get_size(), t)
+        mesh = check_layout(parallel_strategy, _runtime.get_size(), t)
         super().__init__(name=f"tnt_{model.name}")
         self._tnt_settings = _runtime.setup()
         self.plan = plan
         self.parallel_strategy = parallel_strategy
-        self.group = TensorGroup.of_world(t)
-        object.__setattr__(self, "_tnt_replicas", replica_group(layout))  # None: one replica
-        self.num_replicas = layout.replicas
-        self.replica = layout.replica(_runtime.get_rank())
+        self.mesh = mesh
+        mine = groups(mesh)
+        self.group = TensorGroup(mine.tensor)
+        # None: one replica (no gradient exchange between replicas).
+        object.__setattr__(self, "_tnt_replicas", mine.replica if mesh.replicas > 1 else None)
+        self.num_replicas = mesh.replicas
+        self.replica = mesh.replica(_runtime.get_rank())
         self._tnt_check_same_plan()
         # A model built in tnt.pipelining.deferred_variables() has no values to broadcast:
         # each variable gets its initial value when its shard is made (_assign_initial).
@@ -238,9 +241,8 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
                 "apply the same reduced gradients. Every rank must build the same model and call the same "
                 "methods with the same arguments.")
 
-    def summary(self, *args, **kwargs) -> None:
-        if _runtime.is_master_rank():
-            self.plan.summary()
+    def _tnt_summary(self, *args, **kwargs) -> None:
+        self.plan.summary()
 
     # -- compile / run ---------------------------------------------------------------------
     def compile(self, optimizer="rmsprop", loss=None, *, jit_compile="auto", **kwargs):
@@ -272,11 +274,6 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
         """Keras' step (one replica) or the data-parallel step over the replica group."""
         return super().predict_step(data) if self._tnt_steps is None else self._tnt_steps.predict_step(data)
 
-    def _common_seed(self) -> int:
-        if getattr(self, "_tnt_seed", None) is None:
-            self._tnt_seed = _inputs.common_seed()
-        return self._tnt_seed
-
     def fit(self, *args, **kwargs):
         """Keras' fit on every rank of the group (same batches everywhere; with data
         replicas, the replica's slice of each global batch); afterwards the replicated
@@ -301,8 +298,7 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
                 kwargs["initial_epoch"] = restored
         if not _runtime.is_master_rank():
             kwargs["verbose"] = 0
-        with callbacks_for_rank(callbacks, tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices) \
-                as kwargs["callbacks"]:
+        with self._rank_callbacks(callbacks) as kwargs["callbacks"]:
             if _internals.global_seed() is not None:
                 history = super().fit(**kwargs)
             else:
@@ -326,24 +322,15 @@ class TensorParallelModel(GroupMember, ReplicaLoops, keras.Model):
                 return super().predict(*args, **kwargs)
             return self._predict_replicas(*args, **kwargs)
 
-    # -- files (see _saving) -------------------------------------------------------------------
-    def save(self, filepath, overwrite=True, **kwargs) -> None:
-        """One ordinary serial ``.keras`` file (shards joined), written by the master; call
-        it on every rank of the group."""
-        _saving.save(self, filepath, **kwargs)
-
-    def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
-        """The serial ``.weights.h5`` (shards joined), written by the master; all ranks call it."""
-        _saving.save_weights(self, filepath, **kwargs)
-
+    # -- files (the base writes them, see _core.distributed; reading: _saving) ---------------
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load a serial weights file (saved at any t): this rank reads its slices only."""
         _saving.load_weights(self, filepath)
 
-    def _tnt_gather_serial(self) -> keras.Model | None:
+    def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The serial model with optimizer state on the master (None elsewhere); all ranks
         call it (BackupAndRestore writes it)."""
-        return _saving.gather_serial_model(self)
+        return _saving.gather_serial_model(self, with_optimizer)
 
 
 def shard_model(model: keras.Model, plan, group: TensorGroup, shards: dict) -> keras.Model:
@@ -393,74 +380,4 @@ def assign_slices(pairs, group: TensorGroup) -> None:
         local.assign(np.split(full, group.size, axis=axis)[group.rank] if axis is not None else full)
 
 
-_PIPELINE_OPTIONS = ("num_pipeline_stages", "pipeline_plan", "num_micro_batches", "pipeline_schedule")
-
-
-def _pipeline_plan(model, kwargs: dict):
-    """The pipeline plan ALL would cut ``model`` by (None: one stage, no markers or options)."""
-    from ..pipelining import plan as pipeline_plan
-
-    if kwargs.get("pipeline_plan") is not None:
-        return kwargs["pipeline_plan"]
-    if kwargs.get("num_pipeline_stages") is not None or any(call.is_split for call in model_graph(model).calls):
-        return pipeline_plan(model, kwargs.get("num_pipeline_stages"))
-    return None
-
-
-def tensor_parallel_model(*args, strategies, **kwargs) -> keras.Model | None:
-    """What ``tnt.Model(...)`` builds for TENSOR, and for ALL with ``tensor_parallel_size``
-    > 1 (data replicas of tensor groups, or of pipelines of them: ``_stages``); None for
-    the other strategies."""
-    strategy = strategies(args[1] if len(args) > 1 else kwargs.get("parallel_strategy", strategies.DATA))
-    given = [k for k in _OPTIONS if k in kwargs]
-    model = args[0] if args else kwargs.get("model")
-    if strategy is strategies.ALL and check_size(kwargs.get("tensor_parallel_size", 1)) == 1:
-        if "tensor_parallel_plan" in kwargs:
-            raise TensorParallelError("tensor_parallel_plan needs tensor_parallel_size > 1 (the ranks sharing "
-                                      "each split layer); pass tensor_parallel_size=plan.tensor_parallel_size.")
-        return None  # ALL with tensor_parallel_size=1: nothing to split
-    if strategy not in (strategies.TENSOR, strategies.ALL):
-        if given:
-            raise TensorParallelError(
-                f"{', '.join(given)} only apply to ParallelStrategy.TENSOR or ALL; pass "
-                "parallel_strategy=tnt.ParallelStrategy.TENSOR (or ALL for data replicas of tensor groups).")
-        return None
-    name = strategy.name
-    allowed = {"model", "parallel_strategy", *_OPTIONS} | (
-        set(_PIPELINE_OPTIONS) if strategy is strategies.ALL else set())
-    extra = sorted(set(kwargs) - allowed)
-    if extra:
-        raise TensorParallelError(
-            f"tnt.Model(parallel_strategy={name}) got unknown keyword argument(s): {', '.join(extra)}; it "
-            "takes the Keras model, tensor_parallel_size= and tensor_parallel_plan="
-            + (" (and with ALL the pipeline's num_pipeline_stages=, pipeline_plan=, num_micro_batches=, "
-               "pipeline_schedule=)." if strategy is strategies.ALL else "."))
-    if "tensor_parallel_size" not in kwargs:
-        raise TensorParallelError("ParallelStrategy.TENSOR needs tensor_parallel_size= (the ranks sharing "
-                                  "each split layer), e.g. tnt.Model(m, parallel_strategy=tnt.ParallelStrategy."
-                                  "TENSOR, tensor_parallel_size=2).")
-    if not isinstance(model, keras.Model):
-        raise TensorParallelError(f"tnt.Model wraps a keras.Model, got {type(model).__name__}.")
-    t = check_size(kwargs["tensor_parallel_size"])
-    if strategy is strategies.ALL:
-        check_model(model)
-        pipeline = _pipeline_plan(model, kwargs)
-        if pipeline is not None and pipeline.num_stages > 1:
-            from ._stages import TensorPipelinedModel
-
-            options = {k: kwargs[k] for k in ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule")
-                       if k in kwargs}
-            return TensorPipelinedModel(model, tensor_plan=as_plan(kwargs.get("tensor_parallel_plan"), model, t),
-                                        pipeline_plan=pipeline, **options)
-        pipelined = sorted({"num_micro_batches", "pipeline_schedule"} & set(kwargs))
-        if pipelined:
-            raise TensorParallelError(
-                f"{', '.join(pipelined)} apply to pipeline stages, but the model has one stage. Pass "
-                "num_pipeline_stages=p (or put SplitLayer markers in the model) to run p stages of "
-                f"{t}-rank tensor groups, or drop the option(s).")
-        check_layout("all", _runtime.get_size(), t)
-    return TensorParallelModel(model, tensor_parallel_size=t, tensor_parallel_plan=kwargs.get("tensor_parallel_plan"),
-                               parallel_strategy=strategy.value)
-
-
-__all__ = ["TensorParallelModel", "tensor_parallel_model"]
+__all__ = ["TensorParallelModel", "assign_slices", "shard_model", "split_variables"]

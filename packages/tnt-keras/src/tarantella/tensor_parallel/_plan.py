@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from ..pipelining._graph import ModelGraph, model_graph
-from ._errors import TensorParallelError
+from .._core.errors import TensorParallelError
+from .._core.graph import ModelGraph, model_graph
 
 #: Lone layers below this many weights are not worth a collective per step.
 DEFAULT_MIN_SPLIT_PARAMS = 1 << 16

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import keras
 
-from .. import _backup, _runtime, _sync
+from .. import _backup, _sync
 from .._inputs import Sharding, at_epoch, fit_datasets, rank_dataset
-from .._rank_callbacks import callbacks_for_rank
 from .._steps import DistributedSteps
 
 
@@ -44,9 +43,6 @@ class ReplicaLoops:
         return rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method=method,
                             sharding=self._sharding())
 
-    def _verbose(self, verbose):
-        return verbose if _runtime.is_master_rank() else 0
-
     def _fit_replicas(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
                       validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
                       sample_weight=None, initial_epoch=0, validation_batch_size=None, **kwargs):
@@ -64,8 +60,7 @@ class ReplicaLoops:
                 initial_epoch = restored
         if initial_epoch > 0:  # the shuffle order of that epoch in an uninterrupted run
             train = at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
-        with callbacks_for_rank(callbacks, tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices) \
-                as rank_callbacks:
+        with self._rank_callbacks(callbacks) as rank_callbacks:
             return keras.Model.fit(self, train, epochs=epochs, verbose=self._verbose(verbose),
                                    callbacks=rank_callbacks, validation_data=val, shuffle=False,
                                    initial_epoch=initial_epoch, **kwargs)

@@ -7,7 +7,7 @@ optimizer holding the joined state and writes it with Keras' own ``save`` / ``sa
 (once, atomically: ``_io.save_on_master``). The file is a plain serial Keras file.
 
 Loading: every rank builds the file's model with deferred variables (shapes, no memory:
-``pipelining._deferred``), builds its shards, gives values to the replicated layers only,
+``_core.deferred``), builds its shards, gives values to the replicated layers only,
 and reads from the file's ``model.weights.h5`` the replicated layers whole and, of every
 split variable and its optimizer slots, only its own slice (an h5py hyperslab: the rest of
 the dataset is never read). The file may have been saved serially or at any t; it loads
@@ -25,17 +25,16 @@ import numpy as np
 
 import tnt_comm
 
-from .. import _internals, _io, _runtime
-from ..pipelining._deferred import is_deferred
-from ..pipelining._saving import (
-    _deferred_from_file,
-    _stage_file,
-    _variable_keys,
+from .. import _internals, _runtime
+from .._core.deferred import is_deferred
+from .._core.errors import TensorParallelError
+from .._core.serial_files import (
     assign_optimizer_state,
+    open_model_file,
     optimizer_keys,
     serial_optimizer_keys,
+    variable_keys,
 )
-from ._errors import TensorParallelError
 
 
 def _split_keys(tpm) -> dict[str, tuple[int, tuple[int, ...]]]:
@@ -44,7 +43,7 @@ def _split_keys(tpm) -> dict[str, tuple[int, tuple[int, ...]]]:
     The key is the serial model's; the shard layer must hold the same weight at the same
     index (it does: shards build their weights in the serial layer's order).
     """
-    serial_keys, local_keys = _variable_keys(tpm._serial), _variable_keys(tpm.local_model)
+    serial_keys, local_keys = variable_keys(tpm._serial), variable_keys(tpm.local_model)
     out = {}
     for serial, local, axis in tpm._split_variables():
         key = serial_keys[id(serial)]
@@ -101,19 +100,6 @@ def gather_serial_model(tpm, with_optimizer: bool = True) -> keras.Model | None:
             full.compile(**args)
             assign_optimizer_state(full.optimizer, full, state)
     return full
-
-
-def save(tpm, filepath, **kwargs) -> None:
-    """``model.save``: one serial ``.keras`` file, written by the master."""
-    full = gather_serial_model(tpm)
-    _io.save_on_master(filepath, lambda tmp: full.save(tmp, overwrite=True, **kwargs))
-
-
-def save_weights(tpm, filepath, **kwargs) -> None:
-    """``model.save_weights``: the serial ``.weights.h5`` (with optimizer state, as Keras
-    writes it for a compiled model), written by the master."""
-    full = gather_serial_model(tpm)
-    _io.save_on_master(filepath, lambda tmp: full.save_weights(tmp, overwrite=True, **kwargs))
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -193,52 +179,8 @@ def read_tensor_state(tpm, full: keras.Model, full_optimizer, store) -> None:
 def load_weights(tpm, filepath) -> None:
     """``model.load_weights``: a serial weights (or .keras) file saved at any t; this rank
     reads its slices and the replicated layers."""
-    with _stage_file(filepath) as (local, archive):
+    with open_model_file(filepath) as (local, archive):
         read_tensor_state(tpm, tpm._serial, tpm.optimizer, _internals.weights_store(local, archive))
 
 
-def load_model(filepath, *, tensor_parallel_size: int, tensor_parallel_plan=None, custom_objects=None,
-               compile: bool = True, safe_mode: bool = True, parallel_strategy: str = "tensor", **kwargs):
-    """Load a ``.keras`` file (saved serially or tensor-parallel at any t) split over
-    ``tensor_parallel_size`` ranks; each rank reads only its slices of the split layers.
-
-    ``tensor_parallel_plan``: a plan of the file's model (default: the automatic plan).
-    ``parallel_strategy="all"``: data replicas of such groups (N a multiple of t; every
-    replica reads the same slices). Pipeline stages of tensor groups cannot be loaded yet.
-    """
-    from ._model import TensorParallelModel
-
-    strategy = getattr(parallel_strategy, "value", parallel_strategy)
-    stages = sorted({"num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan"} & set(kwargs))
-    if strategy == "all" and stages:
-        raise TensorParallelError(
-            f"tnt.models.load_model(parallel_strategy=ALL, tensor_parallel_size > 1) with {', '.join(stages)}: "
-            "loading into pipeline stages of tensor groups is not available yet. Load the file with "
-            "keras.saving.load_model on every rank and wrap that model with tnt.Model(..., parallel_strategy="
-            "ALL, num_pipeline_stages=p, tensor_parallel_size=t).")
-    if kwargs:
-        raise TensorParallelError(f"tnt.models.load_model(parallel_strategy=TENSOR) got unknown keyword "
-                                  f"argument(s) {sorted(kwargs)}; it takes tensor_parallel_size=, "
-                                  "tensor_parallel_plan=, custom_objects=, compile= and safe_mode=.")
-    with _stage_file(filepath) as (local, archive):
-        if archive is None:
-            raise TensorParallelError(f"{filepath} is not a .keras file: tnt.models.load_model(parallel_strategy="
-                                      "TENSOR) loads .keras files (use model.load_weights for .weights.h5).")
-        full = _deferred_from_file(archive, custom_objects, compile, safe_mode)
-        model = TensorParallelModel(full, tensor_parallel_size=tensor_parallel_size, parallel_strategy=strategy,
-                                    tensor_parallel_plan=tensor_parallel_plan, _weights_from_file=True)
-        split = {id(s) for s, _, _ in model._split_variables()}
-        for var in full.variables:  # replicated layers (and seeds): real variables, read below
-            if is_deferred(var) and id(var) not in split:
-                _internals.initialize_deferred(var)
-        full_optimizer = None
-        if compile and full.compiled:
-            args = keras.saving.deserialize_keras_object(full.get_compile_config())
-            args.pop("jit_compile", None)
-            model.compile(**args)
-            full_optimizer = full.optimizer
-        read_tensor_state(model, full, full_optimizer, _internals.weights_store(local, archive))
-    return model
-
-
-__all__ = ["gather_serial_model", "load_model", "load_weights", "read_tensor_state", "save", "save_weights"]
+__all__ = ["gather_serial_model", "load_weights", "read_tensor_state"]

@@ -1,8 +1,8 @@
 """ParallelStrategy.ALL with pipeline stages of tensor groups: N = replicas x p x t.
 
-``rank = (replica * p + stage) * t + shard`` (DESIGN.md, "Layer parallelism"). The
-composition is pipelining's model with two pieces swapped in (``PipelinedModel``'s
-``_stage_builder``):
+``rank = (replica * p + stage) * t + shard`` (the mesh: docs/architecture.md, "Layer
+parallelism"). The composition is pipelining's model with its stage builder swapped
+(``PipelinedModel``'s ``_stage_builder``):
 
 - the stage: pipelining builds the stage's Keras model from clones of its layers
   (``build_stage``); the ranks of the tensor group make it identical (broadcast from
@@ -10,10 +10,11 @@ composition is pipelining's model with two pieces swapped in (``PipelinedModel``
   model (``shard_model``), each rank keeping its slices. Its inputs and outputs — the
   pipeline's boundary tensors — are whole and the same on every rank of the group,
   which is why a column/row pair must sit in one stage (its activations between are split);
-- the transport: point-to-point traffic goes between the same shard of neighbouring
-  stages; the pipeline group of a rank is its replica's stages of the same shard, its
-  replica group the same stage and shard in the other replicas (stage gradients and
-  metric states are summed there by pipelining's own step end).
+- the transport is pipelining's own on the mesh of t > 1: point-to-point traffic goes
+  between the same shard of neighbouring stages; the pipeline group of a rank is its
+  replica's stages of the same shard, its replica group the same stage and shard in the
+  other replicas (stage gradients and metric states are summed there by pipelining's
+  own step end).
 
 Everything else — schedules, micro-batches, loss weighting, logs, predict — is
 pipelining's, unchanged: every rank of a tensor group runs the same schedule on the same
@@ -27,44 +28,15 @@ import numpy as np
 
 import tnt_comm
 
-from .. import _io, _runtime
-from ..pipelining._model import PipelinedModel
-from ..pipelining._plan import Plan as PipelinePlan
-from ..pipelining._saving import _filled_serial_model, optimizer_state
-from ..pipelining._stages import StageModel, build_stage
-from ..pipelining._transport import CommTransport
+from .. import _runtime
+from .._core.errors import TensorParallelError
+from .._core.mesh import groups
+from .._core.serial_files import optimizer_state
+from ..pipelining import PipelinedModel, StageModel, build_stage
+from ..pipelining import Plan as PipelinePlan
 from ._collectives import TensorGroup
-from ._errors import TensorParallelError
-from ._layout import check_layout
 from ._model import GroupMember, assign_slices, digest, shard_model, split_variables
 from ._plan import COLUMN, SPLIT_AXES, Plan, var_name
-
-
-class TensorStageTransport(CommTransport):
-    """Pipelining's transport for the rank ``(replica * p + stage) * t + shard``: messages
-    go to the same shard of the other stages; collectives run on the ranks of the same
-    shard (pipeline group: same replica; replica group: same stage)."""
-
-    def __init__(self, num_stages: int, tensor_parallel_size: int) -> None:
-        world = tnt_comm.world()
-        t = tensor_parallel_size
-        self._tnt_comm = tnt_comm
-        self._world = world
-        self.num_stages = num_stages
-        self.tensor_parallel_size = t
-        self.shard = world.rank % t
-        self.stage = world.rank // t % num_stages
-        self.replica = world.rank // (t * num_stages)
-        self.num_replicas = world.size // (t * num_stages)
-        self._pipe = world.split(self.replica * t + self.shard, self.stage)
-        self._replicas = world.split(self.stage * t + self.shard, self.replica)
-
-    def rank_of(self, stage: int) -> int:
-        return (self.replica * self.num_stages + stage) * self.tensor_parallel_size + self.shard
-
-    def pipeline_allgather_object(self, obj) -> list:
-        """``obj`` of every stage of this replica (same shard), in stage order."""
-        return self._pipe.allgather_object(obj)
 
 
 def check_pairs_in_one_stage(tensor_plan: Plan, pipeline_plan: PipelinePlan) -> None:
@@ -86,13 +58,12 @@ class _StageBuilder:
 
     def __init__(self, tensor_plan: Plan) -> None:
         self.tensor_plan = tensor_plan
+        self.tensor_parallel_size = tensor_plan.tensor_parallel_size
         self.group: TensorGroup | None = None
         self.shards: dict = {}
 
-    def __call__(self, pipeline_plan: PipelinePlan):
-        t = self.tensor_plan.tensor_parallel_size
-        self.group = TensorGroup.of_world(t)  # adjacent ranks: the same stage of one replica
-        transport = TensorStageTransport(pipeline_plan.num_stages, t)
+    def __call__(self, pipeline_plan: PipelinePlan, transport) -> StageModel:
+        self.group = TensorGroup(groups(transport.mesh).tensor)  # adjacent ranks: one stage of one replica
         whole = build_stage(pipeline_plan, transport.stage)
         if self.group.comm is not None:  # one stage, one start: shard 0's values and seeds
             for var in whole.model.variables:
@@ -100,8 +71,7 @@ class _StageBuilder:
                 var.assign(self.group.comm.broadcast(value, 0).reshape(value.shape))
         local = shard_model(whole.model, self.tensor_plan, self.group, self.shards)
         assign_slices(split_variables(whole.model, self.shards, self.tensor_plan), self.group)
-        stage = StageModel(whole.index, local, whole.data_inputs, whole.inputs, whole.outputs, whole.is_last)
-        return transport, stage
+        return StageModel(whole.index, local, whole.data_inputs, whole.inputs, whole.outputs, whole.is_last)
 
 
 class TensorPipelinedModel(GroupMember, PipelinedModel):
@@ -111,9 +81,7 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
 
     def __init__(self, model: keras.Model, *, tensor_plan: Plan, pipeline_plan: PipelinePlan,
                  **pipeline_options) -> None:
-        t = tensor_plan.tensor_parallel_size
         check_pairs_in_one_stage(tensor_plan, pipeline_plan)
-        check_layout("all", _runtime.get_size(), t, pipeline_plan.num_stages)
         mine = [(s.name, s.kind) for s in tensor_plan.layers]
         if _runtime.get_size() > 1 and tnt_comm.broadcast_object(mine, 0) != mine:
             raise TensorParallelError(
@@ -198,17 +166,7 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
         if not _runtime.is_master_rank():
             return None
         with tnt_comm.long_local_work():
-            return _filled_serial_model(self, payloads, with_optimizer)
-
-    def save(self, filepath, overwrite=True, **kwargs) -> None:
-        """One ordinary serial ``.keras`` file (stages gathered, shards joined), written by the master."""
-        full = self._tnt_gather_serial()
-        _io.save_on_master(filepath, lambda tmp: full.save(tmp, overwrite=True, **kwargs))
-
-    def save_weights(self, filepath, overwrite=True, **kwargs) -> None:
-        """The serial ``.weights.h5``, written by the master."""
-        full = self._tnt_gather_serial(with_optimizer=False)
-        _io.save_on_master(filepath, lambda tmp: full.save_weights(tmp, overwrite=True, **kwargs))
+            return self._tnt_fill_serial(payloads, with_optimizer)
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Not available yet with pipeline stages of tensor groups (see the error)."""
@@ -219,4 +177,4 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
             "or train with num_pipeline_stages=1 or tensor_parallel_size=1, which resume from backups.")
 
 
-__all__ = ["TensorPipelinedModel", "TensorStageTransport", "check_pairs_in_one_stage"]
+__all__ = ["TensorPipelinedModel", "check_pairs_in_one_stage"]

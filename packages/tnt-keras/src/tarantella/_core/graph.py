@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from ..keras._split_layer import SplitLayer
-from ._errors import PipelineError
+from .errors import PipelineError
+from .split_layer import SplitLayer
 
 
 @dataclass(frozen=True)
