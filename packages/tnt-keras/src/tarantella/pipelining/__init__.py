@@ -16,18 +16,30 @@ from ._local import LocalPipeline
 from ._model import PipelinedModel, pipelined_model
 from ._plan import Boundary, Plan, Stage, plan
 from ._saving import load_model
-from ._schedule import SCHEDULES, Action, actions, compute_order, micro_batch_sizes, peak_in_flight
+from ._schedule import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    ScheduleGrid,
+    actions,
+    compute_order,
+    micro_batch_sizes,
+    peak_in_flight,
+    schedule_grid,
+)
 from ._stages import StageModel, build_stage
 from ._stats import pipeline_idle_fractions
 
 __all__ = [
     "SCHEDULES",
     "Action",
+    "ActionKind",
     "Boundary",
     "LocalPipeline",
     "PipelineError",
     "PipelinedModel",
     "Plan",
+    "ScheduleGrid",
     "Stage",
     "StageModel",
     "actions",
@@ -41,4 +53,5 @@ __all__ = [
     "pipeline_idle_fractions",
     "pipelined_model",
     "plan",
+    "schedule_grid",
 ]
