@@ -15,7 +15,17 @@ from .._core.errors import PipelineError
 from ._local import LocalPipeline
 from ._model import PipelinedModel
 from ._plan import Boundary, Plan, Stage, plan
-from ._schedule import SCHEDULES, Action, actions, compute_order, micro_batch_sizes, peak_in_flight
+from ._schedule import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    ScheduleGrid,
+    actions,
+    compute_order,
+    micro_batch_sizes,
+    peak_in_flight,
+    schedule_grid,
+)
 from ._stages import StageModel, build_stage
 from ._stats import pipeline_idle_fractions
 from ._strategy import load_model  # also registers PIPELINING (tarantella._core.strategy)
@@ -23,11 +33,13 @@ from ._strategy import load_model  # also registers PIPELINING (tarantella._core
 __all__ = [
     "SCHEDULES",
     "Action",
+    "ActionKind",
     "Boundary",
     "LocalPipeline",
     "PipelineError",
     "PipelinedModel",
     "Plan",
+    "ScheduleGrid",
     "Stage",
     "StageModel",
     "actions",
@@ -40,4 +52,5 @@ __all__ = [
     "peak_in_flight",
     "pipeline_idle_fractions",
     "plan",
+    "schedule_grid",
 ]
