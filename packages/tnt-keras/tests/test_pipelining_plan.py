@@ -209,14 +209,14 @@ def test_model_options_are_checked_on_one_rank_too():
 
 
 def test_layout_rules():
-    from tarantella.pipelining._model import check_layout
+    from tarantella._core.mesh import check_layout
 
-    check_layout("pipelining", 3, 3)
-    check_layout("all", 4, 2)
+    check_layout("pipelining", 3, num_pipeline_stages=3)
+    check_layout("all", 4, num_pipeline_stages=2)
     with pytest.raises(PipelineError, match="Launch with `tarantella -n 2`"):
-        check_layout("pipelining", 4, 2)
+        check_layout("pipelining", 4, num_pipeline_stages=2)
     with pytest.raises(PipelineError, match="not a multiple of num_pipeline_stages=2"):
-        check_layout("all", 3, 2)
+        check_layout("all", 3, num_pipeline_stages=2)
 
 
 # -- schedules -------------------------------------------------------------------------------------------

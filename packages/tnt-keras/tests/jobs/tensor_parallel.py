@@ -359,7 +359,7 @@ def save_load_checks(t: int, work: Path) -> dict:
         {"sliced": len(sliced), "expected_sliced": 3 * split_axis_vars,  # each weight + Adam's 2 slots
          "all_slices_1_of_t": all(whole == read * t for whole, read in sliced)})
     out["load_leaves_serial_split_layers_unmaterialised"] = all(tnt_comm.allgather_object(
-        all(tnt.pipelining._deferred.is_deferred(s) for s, _, _ in cont._split_variables())))
+        all(tnt.pipelining.is_deferred(s) for s, _, _ in cont._split_variables())))
     h_cont = cont.fit(xc, yc, **fit).history
     w_cont = cont.get_weights()
 
