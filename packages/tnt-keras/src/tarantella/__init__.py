@@ -1,10 +1,27 @@
-"""Tarantella: data-parallel training of Keras 3 models, exactly as serial Keras.
+"""Tarantella: distributed training of Keras 3 models, exactly as serial Keras.
+
+Three strategies, with the results serial Keras gives for the same global batch. Data
+parallelism (the default): every rank trains the whole model on its share of a batch.
 
     import tarantella as tnt
     model = tnt.Model(keras_model)
     model.compile(...); model.fit(dataset_batched_with_the_global_batch_size)
 
-Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a 1-rank run.
+Pipeline parallelism: the model cut into stages on different ranks, fed micro-batches.
+
+    model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                      num_pipeline_stages=2, num_micro_batches=8)   # tarantella -n 2
+    model.compile(...); model.fit(...)
+
+Layer (tensor) parallelism: large layers' weights split over a group of ranks.
+
+    model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.TENSOR,
+                      tensor_parallel_size=2)                       # tarantella -n 2
+    model.compile(...); model.fit(...)
+
+``ParallelStrategy.ALL`` combines them: N / (p * t) data replicas of p stages of t-rank
+tensor groups. Launch with ``tarantella -n N -- train.py``; ``python train.py`` is a
+1-rank run. How it is built: docs/architecture.md.
 """
 
 from __future__ import annotations
