@@ -1,7 +1,7 @@
 """tnt.Model on 1, 2 and 3 ranks gives serial Keras' History, weights, evaluate and predict.
 
 The serial reference is plain ``keras.Model.fit`` computed inside the same job. The
-tolerances are those of float32 summation order (DESIGN.md, "The promise"): a looser
+tolerances are those of float32 summation order (docs/architecture.md, "The promise"): a looser
 one would hide a real bug. The 2-rank launch runs every case. An optimizer only ever
 sees the global gradient, the same whatever N, so the other launches run a subset: on 1
 rank (Keras' own step) one case per model kind and input form plus jit; on 3 ranks those

@@ -4,7 +4,7 @@ Three launches: PIPELINING on 2 and 3 ranks (one pipeline, one stage per rank) a
 on 4 ranks (two replicas of a 2-stage pipeline); fewer cannot cover p = 2 and 3 with N
 ranks (PIPELINING needs N == p, ALL N % p == 0). The 2-rank job leaves its p = 2 file in
 a directory the 3-rank job loads from (p = 2 -> q = 3). Tolerances are those of the
-data-parallel tests (float32 summation order; DESIGN.md, "The promise").
+data-parallel tests (float32 summation order; docs/architecture.md, "The promise").
 """
 
 from __future__ import annotations

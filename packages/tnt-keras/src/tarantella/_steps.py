@@ -1,7 +1,7 @@
 """The distributed train, test and predict steps of a wrapped Keras model.
 
 Data flow of one training step on rank r with micro-batch b_r of global batch B
-(see DESIGN.md, "Data flow of one training step"):
+(see docs/architecture.md, "Data flow of one training step"):
 
 1. Metric states are read (``s0``) and reset, so that the step's updates leave exactly
    this rank's contribution ``c_r`` in them.

@@ -7,7 +7,7 @@ gradients) with respect to its boundary inputs and its weights. Sends are non-bl
 and waited for at the end of the step; each receive is posted one message ahead of the
 action that takes it (``ReceiveAhead``), so it lands while the stage computes.
 
-Loss weighting (DESIGN.md): the last stage differentiates ``loss_i * b_i / B`` (B = the
+Loss weighting (docs/architecture.md, "The mesh"): the last stage differentiates ``loss_i * b_i / B`` (B = the
 global batch), every other stage adds its regularisation loss weighted alike, so summed
 over the micro-batches of all replicas each counts exactly once. Both are scaled by the
 optimizer's ``scale_loss`` (a ``LossScaleOptimizer``'s dynamic scale, a static

@@ -1,6 +1,6 @@
 """One rank's stage for whole steps: schedule, then the end of the step.
 
-End of a training step on stage s (DESIGN.md, "Pipeline parallelism"):
+End of a training step on stage s (docs/architecture.md, "Pipeline parallelism"):
 
 1. the executor ran the schedule: gradients ``g_s`` = sum over micro-batches of the
    gradients of ``b_i / B`` x loss (accumulated in micro-batch order);

@@ -1,7 +1,7 @@
 """Which layers of a Keras model split over a tensor group, and how.
 
 The plan is a pure function of the model and ``tensor_parallel_size``, so every rank
-computes the same one without talking. Rules (DESIGN.md, "Layer parallelism"):
+computes the same one without talking. Rules (docs/architecture.md, "Layer parallelism"):
 
 - ``Dense -> (elementwise layers) -> Dense``: the first column-split, the second
   row-split: one SUM-allreduce forward (g after the second), one backward (f before the

@@ -1,0 +1,140 @@
+"""Files of every layout, the same way (issue 28): one launch per rank count (2 and 4).
+
+For each layout the job's size allows, a small MLP (built alike on every rank, seeded)
+is compiled with Adam, trained one epoch, then:
+
+- ``tnt.models.save_model`` writes one plain serial ``.keras`` file: on the master it
+  loads in plain Keras, predicts as the distributed model does, and holds the optimizer
+  state (its ``iterations`` = the steps trained);
+- ``save_weights`` writes the optimizer state too (as Keras does for a compiled model);
+- ``overwrite=False`` on an existing path raises FileExistsError on every rank, for
+  ``save``, ``save_weights`` and ``tnt.models.save_model``; nothing is written;
+- ``export`` writes a SavedModel whose ``serve`` gives the outputs of a serial export of
+  the saved model (made on the master with plain Keras);
+- on 2 ranks, the TENSOR t = 2 file loads with ``ALL, tensor_parallel_size=1`` (data
+  replicas) and predicts as plain Keras does with the same file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import _job
+import h5py
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tarantella as tnt
+
+S = tnt.ParallelStrategy
+N = tnt.get_size()
+WIDTH = 8  # divisible by t = 2 and 4
+
+
+def mlp(marked: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(7)
+    x = keras.Input((6,), name="x")
+    h = keras.layers.Dense(WIDTH, activation="relu", name="up1")(x)
+    h = keras.layers.Dense(6, name="down1")(h)
+    if marked:
+        h = tnt.keras.layers.SplitLayer(name="cut")(h)
+    h = keras.layers.Dense(WIDTH, activation="relu", name="up2")(h)
+    h = keras.layers.Dense(6, name="down2")(h)
+    return keras.Model(x, keras.layers.Dense(3, name="head")(h), name="mlp")
+
+
+LAYOUTS = {
+    2: {
+        "data": lambda: tnt.Model(mlp()),
+        "pipelining_p2": lambda: tnt.Model(mlp(), parallel_strategy=S.PIPELINING, num_pipeline_stages=2,
+                                           num_micro_batches=2),
+        "tensor_t2": lambda: tnt.Model(mlp(), parallel_strategy=S.TENSOR, tensor_parallel_size=2),
+        "all_t2": lambda: tnt.Model(mlp(), parallel_strategy=S.ALL, tensor_parallel_size=2),
+    },
+    4: {
+        "data": lambda: tnt.Model(mlp()),
+        "pipelining_p4": lambda: tnt.Model(mlp(), parallel_strategy=S.PIPELINING, num_pipeline_stages=4,
+                                           num_micro_batches=2),
+        "tensor_t4": lambda: tnt.Model(mlp(), parallel_strategy=S.TENSOR, tensor_parallel_size=4),
+        "all_p2_t2": lambda: tnt.Model(mlp(marked=True), parallel_strategy=S.ALL, tensor_parallel_size=2,
+                                       num_micro_batches=2),
+        "all_p2_replicas2": lambda: tnt.Model(mlp(), parallel_strategy=S.ALL, num_pipeline_stages=2,
+                                              num_micro_batches=2),
+    },
+}
+BATCH, SAMPLES = 8, 32
+
+
+def data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(SAMPLES, 6)).astype("float32")
+    y = rng.normal(size=(SAMPLES, 3)).astype("float32")
+    return x, y
+
+
+def raises_exists(fn) -> bool:
+    try:
+        fn()
+    except FileExistsError:
+        return True
+    return False
+
+
+def serve(directory: Path, x: np.ndarray) -> np.ndarray:
+    loaded = tf.saved_model.load(os.fspath(directory))
+    return np.asarray(loaded.serve(tf.constant(x)))
+
+
+def run_layout(name: str, make, work: Path) -> dict:
+    x, y = data()
+    model = make()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0)
+    predicted = model.predict(x, batch_size=BATCH, verbose=0)
+    out = {"class": type(model).__name__}
+    path, weights = work / f"{name}.keras", work / f"{name}.weights.h5"
+    tnt.models.save_model(model, path)
+    model.save_weights(weights)
+    stamp = (path.stat().st_mtime_ns, weights.stat().st_mtime_ns)
+    out["overwrite_false_raises"] = [
+        raises_exists(lambda: model.save(path, overwrite=False)),
+        raises_exists(lambda: model.save_weights(weights, overwrite=False)),
+        raises_exists(lambda: tnt.models.save_model(model, path, overwrite=False)),
+    ]
+    out["overwrite_false_kept_files"] = (path.stat().st_mtime_ns, weights.stat().st_mtime_ns) == stamp
+    export = work / f"{name}_export"
+    model.export(export, verbose=False)
+    if tnt.is_master_rank():
+        plain = keras.saving.load_model(path)
+        out["saved_predict_diff"] = _job.max_abs_diff(plain.predict(x, batch_size=BATCH, verbose=0), predicted)
+        out["saved_iterations"] = int(plain.optimizer.iterations.numpy())
+        with h5py.File(weights, "r") as f:
+            out["weights_file_optimizer_vars"] = len(f["optimizer"]["vars"]) if "optimizer" in f else 0
+        serial_export = work / f"{name}_serial_export"
+        plain.export(serial_export, verbose=False)
+        out["export_serve_diff"] = _job.max_abs_diff(serve(export, x), serve(serial_export, x))
+    return out
+
+
+def main() -> None:
+    out_file = _job.out_path()
+    work = out_file.parent
+    results = {"ranks": N, "layouts": {}}
+    for name in _job.only(LAYOUTS[N]):
+        results["layouts"][name] = run_layout(name, LAYOUTS[N][name], work)
+    if N == 2:  # the t = 2 file as data replicas (tensor_parallel_size=1) on 2 ranks
+        x, _ = data()
+        loaded = tnt.models.load_model(work / "tensor_t2.keras", parallel_strategy=S.ALL, tensor_parallel_size=1)
+        got = loaded.predict(x, batch_size=BATCH, verbose=0)
+        results["t2_file_as_all_q1"] = {"class": type(loaded).__name__}
+        if tnt.is_master_rank():
+            plain = keras.saving.load_model(work / "tensor_t2.keras")
+            results["t2_file_as_all_q1"]["predict_diff"] = _job.max_abs_diff(
+                got, plain.predict(x, batch_size=BATCH, verbose=0))
+    _job.write(out_file, results)
+
+
+if __name__ == "__main__":
+    main()

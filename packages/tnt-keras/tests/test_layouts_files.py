@@ -1,0 +1,79 @@
+"""Every layout saves, loads and exports alike (issue 28): launched on 2 and 4 ranks
+(jobs/layouts_files.py, one launch each); see the job's docstring for what each case does.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from conftest import launch
+
+import tarantella as tnt
+
+EXPECTED = {
+    2: {"data": "Model", "pipelining_p2": "PipelinedModel", "tensor_t2": "TensorParallelModel",
+        "all_t2": "TensorParallelModel"},
+    4: {"data": "Model", "pipelining_p4": "PipelinedModel", "tensor_t4": "TensorParallelModel",
+        "all_p2_t2": "TensorPipelinedModel", "all_p2_replicas2": "PipelinedModel"},
+}
+STEPS = 4  # 32 samples, global batch 8
+TOL = 2e-5
+
+
+_LAUNCHED: dict[int, dict] = {}
+
+
+def _report(ranks: int, tmp_path_factory) -> dict:
+    """The job's report on ``ranks`` ranks (one launch per rank count in this session)."""
+    if ranks not in _LAUNCHED:
+        out = tmp_path_factory.mktemp(f"layouts{ranks}") / "layouts.json"
+        result = launch(ranks, "layouts_files.py", out)
+        assert result["ranks"] == ranks
+        result["work"] = out.parent
+        _LAUNCHED[ranks] = result
+    return _LAUNCHED[ranks]
+
+
+@pytest.fixture(params=sorted(EXPECTED), ids=lambda n: f"{n}ranks")
+def report(request, tmp_path_factory):
+    return _report(request.param, tmp_path_factory)
+
+
+def test_every_layout_ran_as_the_class_it_claims(report):
+    got = {name: case["class"] for name, case in report["layouts"].items()}
+    assert got == EXPECTED[report["ranks"]]
+
+
+def test_save_model_writes_one_plain_keras_file_with_the_optimizer_state(report):
+    for name, case in report["layouts"].items():
+        assert case["saved_predict_diff"] <= TOL, (name, case)
+        assert case["saved_iterations"] == STEPS, (name, case)
+
+
+def test_save_weights_writes_the_optimizer_state(report):
+    for name, case in report["layouts"].items():
+        assert case["weights_file_optimizer_vars"] > 0, (name, case)
+
+
+def test_overwrite_false_on_an_existing_path_raises_and_keeps_the_file(report):
+    for name, case in report["layouts"].items():
+        assert case["overwrite_false_raises"] == [True, True, True], (name, case)
+        assert case["overwrite_false_kept_files"], (name, case)
+
+
+def test_export_serves_the_outputs_of_a_serial_export(report):
+    for name, case in report["layouts"].items():
+        assert case["export_serve_diff"] <= 1e-6, (name, case)
+
+
+def test_a_t2_file_loads_at_q1_as_data_replicas_and_on_one_rank(tmp_path_factory):
+    report = _report(2, tmp_path_factory)  # the 2-rank job writes the t = 2 file
+    got = report["t2_file_as_all_q1"]
+    assert got["class"] == "Model" and got["predict_diff"] <= TOL, got
+    # And in this 1-rank process: TENSOR with tensor_parallel_size=1.
+    path = report["work"] / "tensor_t2.keras"
+    x = np.random.default_rng(3).normal(size=(32, 6)).astype("float32")
+    loaded = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=1)
+    assert isinstance(loaded, tnt.Model)
+    assert np.max(np.abs(loaded.predict(x, verbose=0) - keras.saving.load_model(path).predict(x, verbose=0))) <= TOL
