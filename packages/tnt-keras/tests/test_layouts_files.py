@@ -62,6 +62,12 @@ def test_overwrite_false_on_an_existing_path_raises_and_keeps_the_file(report):
         assert case["overwrite_false_kept_files"], (name, case)
 
 
+def test_save_on_all_devices_gives_every_rank_the_whole_file(report):
+    for name, case in report["layouts"].items():
+        assert case["all_devices_files"] == [True] * report["ranks"], (name, case)
+        assert case["all_devices_last_rank_predict_diff"] <= TOL, (name, case)
+
+
 def test_export_serves_the_outputs_of_a_serial_export(report):
     for name, case in report["layouts"].items():
         assert case["export_serve_diff"] <= 1e-6, (name, case)

@@ -9,6 +9,8 @@ is compiled with Adam, trained one epoch, then:
 - ``save_weights`` writes the optimizer state too (as Keras does for a compiled model);
 - ``overwrite=False`` on an existing path raises FileExistsError on every rank, for
   ``save``, ``save_weights`` and ``tnt.models.save_model``; nothing is written;
+- ``tnt_save_all_devices=True`` gives every rank its own file (``<name>.rank<r>.keras``),
+  the whole serial model also where only the master holds it;
 - ``export`` writes a SavedModel whose ``serve`` gives the outputs of a serial export of
   the saved model (made on the master with plain Keras);
 - on 2 ranks, the TENSOR t = 2 file loads with ``ALL, tensor_parallel_size=1`` (data
@@ -27,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 import tarantella as tnt
+import tnt_comm
 
 S = tnt.ParallelStrategy
 N = tnt.get_size()
@@ -106,6 +109,10 @@ def run_layout(name: str, make, work: Path) -> dict:
     out["overwrite_false_kept_files"] = (path.stat().st_mtime_ns, weights.stat().st_mtime_ns) == stamp
     export = work / f"{name}_export"
     model.export(export, verbose=False)
+    copies = work / f"{name}_copy.keras"
+    model.save(copies, tnt_save_all_devices=True)  # each rank its own file, name.rank<r>.keras
+    mine = work / f"{name}_copy.rank{tnt.get_rank()}.keras"
+    out["all_devices_files"] = tnt_comm.allgather_object(mine.exists())
     if tnt.is_master_rank():
         plain = keras.saving.load_model(path)
         out["saved_predict_diff"] = _job.max_abs_diff(plain.predict(x, batch_size=BATCH, verbose=0), predicted)
@@ -115,6 +122,9 @@ def run_layout(name: str, make, work: Path) -> dict:
         serial_export = work / f"{name}_serial_export"
         plain.export(serial_export, verbose=False)
         out["export_serve_diff"] = _job.max_abs_diff(serve(export, x), serve(serial_export, x))
+        last = keras.saving.load_model(work / f"{name}_copy.rank{N - 1}.keras")
+        out["all_devices_last_rank_predict_diff"] = _job.max_abs_diff(
+            last.predict(x, batch_size=BATCH, verbose=0), predicted)
     return out
 
 
