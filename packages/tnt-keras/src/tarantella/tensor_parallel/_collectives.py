@@ -26,6 +26,7 @@ import tensorflow as tf
 import tnt_comm
 
 from .. import _graph_collectives
+from .._core.mesh import Mesh, groups
 
 #: The order chain of every tensor-group collective (see _graph_collectives).
 _CHAIN = "tensor_group"
@@ -41,11 +42,10 @@ class TensorGroup:
 
     @classmethod
     def of_world(cls, tensor_parallel_size: int) -> TensorGroup:
-        """Split the job's ranks into groups of ``tensor_parallel_size`` adjacent ranks."""
+        """The job's ranks in groups of ``tensor_parallel_size`` adjacent ranks (the mesh's
+        tensor groups, shared with every model of that layout)."""
         world = tnt_comm.world()
-        if world.size == 1:
-            return cls(None)
-        return cls(world.split(world.rank // tensor_parallel_size, world.rank))
+        return cls(groups(Mesh(world.size, tensor_parallel_size)).tensor)
 
     def __repr__(self) -> str:
         return f"<TensorGroup rank {self.rank} of {self.size}>"
