@@ -45,6 +45,17 @@ def test_every_layout_ran_as_the_class_it_claims(report):
     assert got == EXPECTED[report["ranks"]]
 
 
+def test_pipelines_print_their_schedule_as_a_grid(report):
+    grids = {name: case["schedule_grid_first_line"] for name, case in report["layouts"].items()
+             if "schedule_grid_first_line" in case}
+    expected = {2: {"pipelining_p2": "1f1b: 2 stages, 2 micro-batches"},
+                4: {"pipelining_p4": "1f1b: 4 stages, 2 micro-batches",
+                    "all_p2_t2": "1f1b: 2 stages, 2 micro-batches",
+                    "all_p2_replicas2": "1f1b: 2 stages, 2 micro-batches"}}[report["ranks"]]
+    assert sorted(grids) == sorted(expected), grids
+    assert all(grids[name].startswith(expected[name] + ",") for name in expected), grids
+
+
 def test_save_model_writes_one_plain_keras_file_with_the_optimizer_state(report):
     for name, case in report["layouts"].items():
         assert case["saved_predict_diff"] <= TOL, (name, case)

@@ -304,3 +304,29 @@ def all_layers(layer) -> list:
         out.append(sub)
         out.extend(all_layers(sub))
     return out
+
+
+def functional_structure(functional: keras.Model) -> tuple:
+    """(input structure, output structure, nodes by depth, input layer names) of a
+    functional model: what walking its graph needs (Functional._inputs_struct,
+    _outputs_struct, _nodes_by_depth and KerasTensor._keras_history)."""
+    try:
+        inputs = functional._inputs_struct
+        names = [t._keras_history[0].name for t in keras.tree.flatten(inputs)]
+        return inputs, functional._outputs_struct, functional._nodes_by_depth, names
+    except AttributeError as err:
+        raise _missing("the functional model's graph (Functional._nodes_by_depth)", err) from err
+
+
+def get_keras_mask(x):
+    """The Keras mask a tensor carries (None without one)."""
+    from keras.src.backend.common import masking
+
+    return masking.get_keras_mask(x)
+
+
+def set_keras_mask(x, mask) -> None:
+    """Attach ``mask`` to ``x`` as Keras does for a masking layer's output."""
+    from keras.src.backend.common import masking
+
+    masking.set_keras_mask(x, mask)

@@ -22,6 +22,16 @@ once while optimising the graph and never again — so the other ranks wait fore
 ``tf.numpy_function`` is not XLA-compilable, so ``reduce`` must be called outside any
 XLA-compiled function; the training step compiles the parts before and after it instead
 (``_steps.DistributedSteps``, docs/keras.md).
+
+Note [One step end]: every strategy ends a training step here, on the same engine with
+the same bucket plan, through one of two glues chosen by one rule — *who drives the
+step*. When the step is one traced ``tf.function`` (data parallelism; tensor groups with
+data replicas), :class:`GraphReducer` puts the exchange into the graph, where buckets
+leave while backprop continues. When Python drives the step (a pipeline stage runs its
+schedule eagerly, calling compiled forward and backward passes), the stage's gradients
+are complete when its schedule ends: :class:`EagerReducer` submits them at once, with no
+graph to trace and nothing left to overlap. Sparse gradients are gathered in rank order
+after the dense SUM in both (Note [Sparse gradients as serial]).
 """
 
 from __future__ import annotations
@@ -186,3 +196,42 @@ class GraphReducer:
 
     def close(self) -> None:
         self._engine.close()
+
+
+class EagerReducer:
+    """The step end of a Python-driven step: SUM the dense gradients over ``comm`` with the
+    fused engine, gather the sparse ones (Note [One step end])."""
+
+    def __init__(self, comm: tnt_comm.Communicator, threshold_bytes: int) -> None:
+        self._comm = comm
+        self._threshold = threshold_bytes
+        self._engine: tnt_comm.FusedAllreduce | None = None
+        self._members: list[int] = []  # positions (of the variables) of the dense gradients
+
+    def reduce(self, grads: list, variables: Sequence, allgather_sparse) -> list:
+        """``grads`` (one per variable) summed over the group; ``allgather_sparse(g)``
+        gathers a sparse one. The engine is remade when which gradients are dense changes."""
+        from . import _sparse
+
+        dense_at = [i for i, g in enumerate(grads) if not _sparse.is_sparse(g)]
+        if self._engine is None or self._members != dense_at:
+            self.close()
+            specs = [tnt_comm.TensorSpec(variables[i].path, int(np.prod(variables[i].shape)),
+                                         np.dtype(variables[i].dtype)) for i in dense_at]
+            self._engine = tnt_comm.FusedAllreduce(specs, self._threshold, tnt_comm.Op.SUM, comm=self._comm)
+            self._members = dense_at
+        out = list(grads)
+        if dense_at:
+            arrays = [np.asarray(grads[i]) for i in dense_at]
+            self._engine.submit_many(list(range(len(arrays))), [a.reshape(-1) for a in arrays])
+            for i, a, total in zip(dense_at, arrays, self._engine.wait()):
+                out[i] = tf.convert_to_tensor(np.asarray(total).reshape(a.shape))
+        for i, g in enumerate(grads):
+            if _sparse.is_sparse(g):
+                out[i] = allgather_sparse(g)
+        return out
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None

@@ -97,6 +97,8 @@ def run_layout(name: str, make, work: Path) -> dict:
     model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0)
     predicted = model.predict(x, batch_size=BATCH, verbose=0)
     out = {"class": type(model).__name__}
+    if hasattr(model, "schedule_grid"):  # pipelines: the schedule as a printable grid
+        out["schedule_grid_first_line"] = model.schedule_grid().splitlines()[0]
     path, weights = work / f"{name}.keras", work / f"{name}.weights.h5"
     tnt.models.save_model(model, path)
     model.save_weights(weights)

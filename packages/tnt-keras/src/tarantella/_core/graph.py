@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
+from .. import _internals
 from .errors import PipelineError
 from .split_layer import SplitLayer
 
@@ -120,18 +121,18 @@ def model_graph(model: keras.Model) -> ModelGraph:
             keras_tensors[name] = t
         return name
 
-    inputs = [note(t) for t in keras.tree.flatten(functional._inputs_struct)]
-    input_layer_names = [t._keras_history[0].name for t in keras.tree.flatten(functional._inputs_struct)]
+    inputs_struct, outputs_struct, nodes_by_depth, input_layer_names = _internals.functional_structure(functional)
+    inputs = [note(t) for t in keras.tree.flatten(inputs_struct)]
     calls: list[Call] = []
-    for depth in sorted(functional._nodes_by_depth.keys(), reverse=True):
-        for node in functional._nodes_by_depth[depth]:
+    for depth in sorted(nodes_by_depth.keys(), reverse=True):
+        for node in nodes_by_depth[depth]:
             if not node.operation or node.is_input:
                 continue
             ins = [note(t) for t in node.arguments.keras_tensors]
             outs = [note(t) for t in node.outputs]
             calls.append(Call(len(calls), node.operation, node, ins, outs))
-    output_struct = keras.tree.map_structure(note, functional._outputs_struct)
-    outputs = [note(t) for t in keras.tree.flatten(functional._outputs_struct)]
+    output_struct = keras.tree.map_structure(note, outputs_struct)
+    outputs = [note(t) for t in keras.tree.flatten(outputs_struct)]
     for c in calls:
         if c.is_split and (len(dict.fromkeys(c.inputs)) != 1 or len(c.outputs) != 1):
             raise PipelineError(

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import _settings, _sparse
+from .. import _internals, _settings, _sparse
 from .._core.errors import PipelineError
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead
@@ -116,7 +116,7 @@ class StageExecutor:
 
         def make():
             def update(y, y_pred, sample_weight, loss, n):
-                model._loss_tracker.update_state(loss, sample_weight=n)
+                _internals.loss_tracker(model).update_state(loss, sample_weight=n)
                 model.compute_metrics(None, y, y_pred, sample_weight=sample_weight)
                 return tf.constant(True)
             return update

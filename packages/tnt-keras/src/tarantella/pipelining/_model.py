@@ -28,7 +28,7 @@ from .._inputs import Sharding, at_epoch, fit_datasets, rank_dataset
 from ._plan import Plan
 from ._plan import plan as make_plan
 from ._saving import fill_serial_model, gather_serial_model, load_pipelined_weights
-from ._schedule import check_schedule
+from ._schedule import check_schedule, schedule_grid
 from ._stage_runtime import StageRuntime
 from ._transport import CommTransport
 
@@ -121,6 +121,21 @@ class PipelinedModel(DistributedModel):
     def num_replicas(self) -> int:
         """How many pipelines train data-parallel (N / p)."""
         return self._tnt_stage.transport.num_replicas
+
+    @property
+    def transport(self):
+        """How this rank's stage talks to its pipeline and its replicas (``CommTransport``)."""
+        return self._tnt_stage.transport
+
+    @property
+    def loss_scaled(self) -> bool:
+        """Whether the stage's optimizer is a ``LossScaleOptimizer`` (decided over all stages)."""
+        return self._tnt_stage.loss_scaled
+
+    def schedule_grid(self) -> str:
+        """This model's schedule as a stage x time-slot grid with its bubble fraction
+        (``tnt.pipelining.schedule_grid``)."""
+        return schedule_grid(self.pipeline_schedule, self.plan.num_stages, self.num_micro_batches)
 
     @property
     def peak_micro_batches_in_flight(self) -> int:

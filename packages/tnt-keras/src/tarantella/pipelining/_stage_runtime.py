@@ -32,19 +32,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import _sparse
+from .. import _internals, _sparse
+from .._core.serial_files import clone_optimizer
 from .._metric_states import metric_variables
 from ._executor import PREDICT, TEST, TRAIN, StageExecutor
 from ._plan import Plan
 from ._schedule import micro_batch_sizes
 from ._stages import StageModel, build_stage
 from ._transport import Transport
-
-
-def clone_optimizer(optimizer) -> keras.optimizers.Optimizer:
-    """A fresh optimizer with ``optimizer``'s configuration (strings accepted)."""
-    optimizer = keras.optimizers.get(optimizer)
-    return optimizer.__class__.from_config(optimizer.get_config())
 
 
 class StageRuntime:
@@ -69,8 +64,7 @@ class StageRuntime:
         self.windows: deque[tuple[float, float, float]] = deque(maxlen=10_000)
         self._others_regularized = any(st.has_regularizer for st in plan.stages[:-1])
         self._apply = None
-        self._engine = None  # fused allreduce over the replica group, made at the first step
-        self._engine_members: list[int] = []  # the trainable variables (dense gradients) it sums
+        self._reducer = None  # the step end over the replica group (EagerReducer), made at the first step
         # Trainable variables whose gradients came as IndexedSlices in the last step with
         # data (a replica without data sends none of their slices, not dense zeros).
         self._sparse_positions: dict[int, tf.DType] = {}  # -> the dtype of their indices
@@ -183,37 +177,20 @@ class StageRuntime:
         mine = 0.0 if self.is_last else self.executor.regularization_value()
         total = float(self.transport.pipeline_allreduce(np.array([mine], np.float64))[0])
         if self.is_last and n > 0:
-            tracker = self.model._loss_tracker
+            tracker = _internals.loss_tracker(self.model)
             tracker.total.assign_add(tf.cast(total * n, tracker.total.dtype))
 
     def _reduce_over_replicas(self, grads: list) -> list:
         """SUM over the stage's replica group with the fused engine (buckets, in order);
         sparse gradients gathered in replica order afterwards (Note [Sparse gradients as
-        serial]: replica order is the serial order of the global batch's rows)."""
+        serial]: replica order is the serial order of the global batch's rows). The eager
+        glue of the one step end (``_reducer``, Note [One step end])."""
         if self.transport.num_replicas == 1:
             return grads
-        import tnt_comm
-
-        variables = self.model.trainable_variables
-        dense_at = [i for i, g in enumerate(grads) if not _sparse.is_sparse(g)]
-        if self._engine is None or self._engine_members != dense_at:
-            if self._engine is not None:
-                self._engine.close()
-            specs = [tnt_comm.TensorSpec(variables[i].path, int(np.prod(variables[i].shape)),
-                                         np.dtype(variables[i].dtype)) for i in dense_at]
-            self._engine = self.transport.fused_allreduce(specs, self.fusion_threshold_bytes)
-            self._engine_members = dense_at
-        out = list(grads)
-        if dense_at:
-            arrays = [np.asarray(grads[i]) for i in dense_at]
-            self._engine.submit_many(list(range(len(arrays))), [a.reshape(-1) for a in arrays])
-            summed = self._engine.wait()
-            for i, a, total in zip(dense_at, arrays, summed):
-                out[i] = tf.convert_to_tensor(np.asarray(total).reshape(a.shape))
-        for i, g in enumerate(grads):
-            if _sparse.is_sparse(g):
-                out[i] = _sparse.allgather_eager(g, self.transport.replica_allgather)
-        return out
+        if self._reducer is None:
+            self._reducer = self.transport.eager_reducer(self.fusion_threshold_bytes)
+        return self._reducer.reduce(grads, self.model.trainable_variables,
+                                    lambda g: _sparse.allgather_eager(g, self.transport.replica_allgather))
 
     def _finite_over_pipeline(self, grads: list) -> bool:
         """True iff the gradients of every stage are finite (the same answer on all ranks).
@@ -276,17 +253,11 @@ class StageRuntime:
 
 
 def float16_read_variables(model: keras.Model) -> list[bool]:
-    """Per trainable variable of ``model``: whether its (innermost) layer reads it as float16."""
-    owner = {}
-    for layer in model._flatten_layers(include_self=False):  # parents first: the innermost wins
-        for v in layer.trainable_weights:
-            owner[id(v)] = layer
-    out = []
-    for v in model.trainable_variables:
-        layer = owner.get(id(v))
-        out.append(layer is not None and layer.autocast and layer.compute_dtype == "float16"
-                   and getattr(v, "_autocast", True))
-    return out
+    """Per trainable variable of ``model``: whether serial Keras differentiates it in float16
+    (the one rule of every strategy: ``_internals.float16_differentiated``, Note [Float16
+    overflow as serial] in ``_grad_sync``)."""
+    in_float16 = _internals.float16_differentiated(model)
+    return [id(v) in in_float16 for v in model.trainable_variables]
 
 
 def _pythonify(logs: dict) -> dict:

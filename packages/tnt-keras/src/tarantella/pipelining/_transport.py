@@ -205,7 +205,8 @@ class CommTransport:
             return np.asarray(array)
         return self._replicas.broadcast(np.ascontiguousarray(array), 0)
 
-    def fused_allreduce(self, specs, threshold_bytes: int):
-        """The fused engine on this stage's replica group (gradients of the stage)."""
-        return self._tnt_comm.FusedAllreduce(specs, threshold_bytes, self._tnt_comm.Op.SUM,
-                                             comm=self._replicas)
+    def eager_reducer(self, threshold_bytes: int):
+        """The step end over this stage's replica group (``_reducer.EagerReducer``)."""
+        from .._reducer import EagerReducer
+
+        return EagerReducer(self._replicas, threshold_bytes)

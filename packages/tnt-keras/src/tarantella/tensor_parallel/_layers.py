@@ -14,8 +14,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.backend.common import masking as _masking
 
+from .. import _internals
 from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
 
 
@@ -158,10 +158,10 @@ class SliceDropout(keras.layers.Layer):
 
 def _copy_keeping_mask(x, group: TensorGroup):
     """f on ``x``, carrying its Keras mask over (attention reads the inputs' masks)."""
-    mask = _masking.get_keras_mask(x)
+    mask = _internals.get_keras_mask(x)
     y = copy_to_group(x, group)
     if mask is not None:
-        _masking.set_keras_mask(y, mask)
+        _internals.set_keras_mask(y, mask)
     return y
 
 

@@ -120,13 +120,13 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
                                        for w in layer.weights]
         state = {}
         if with_optimizer:
-            for key, value in optimizer_state(self._tnt_stage.optimizer, self.stage_model).items():
+            for key, value in optimizer_state(self.optimizer, self.stage_model).items():
                 state[key] = self._gather(value, split.get(key.split("|", 1)[0]) if "|" in key else None)
         return {"weights": weights, "optimizer": state}
 
     def _stage_payloads(self, with_optimizer: bool) -> list[dict]:
         """Every stage's payload, on every rank (collective on the job)."""
-        return self._tnt_stage.transport.pipeline_allgather_object(self._stage_payload(with_optimizer))
+        return self.transport.pipeline_allgather_object(self._stage_payload(with_optimizer))
 
     def get_weights(self) -> list[np.ndarray]:
         """The whole serial model's weights in its order, on every rank (collective on the job)."""
@@ -151,7 +151,7 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
                 "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards of "
                 "the split layers' gradients. Use clipvalue=, or tensor_parallel_size=1 (pipelining alone).")
         super().compile(optimizer, loss, *args, **kwargs)
-        if self._tnt_stage.loss_scaled:
+        if self.loss_scaled:
             raise TensorParallelError(
                 "a LossScaleOptimizer (mixed_float16) decides whether to skip a step from finite gradients, "
                 "which a rank of a tensor group sees only shards of. Train in float32 with pipeline stages "
