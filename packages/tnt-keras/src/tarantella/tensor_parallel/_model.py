@@ -51,8 +51,6 @@ from ._plan import (
 from ._replicas import ReplicaLoops
 from ._xla import compiled_segments
 
-_OPTIONS = ("tensor_parallel_size", "tensor_parallel_plan")
-
 
 def _shard_layer(layer, kind: str, group: TensorGroup):
     if kind == COLUMN:

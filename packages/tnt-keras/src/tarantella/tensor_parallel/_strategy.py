@@ -27,7 +27,8 @@ from ._stages import TensorPipelinedModel
 
 #: The options of a tensor group, declared once (ALL takes them with pipelining's).
 OPTIONS = ("tensor_parallel_size", "tensor_parallel_plan")
-_STAGE_OPTIONS = ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan")
+#: Pipelining's options, as it declared them (ALL takes both).
+_STAGE_OPTIONS = strategy_for(ParallelStrategy.PIPELINING).options
 
 
 def _size(options: dict, member: ParallelStrategy) -> int:
@@ -108,7 +109,7 @@ def load_model(filepath, *, tensor_parallel_size: int, tensor_parallel_plan=None
     replica reads the same slices). Pipeline stages of tensor groups cannot be loaded yet.
     """
     strategy = getattr(parallel_strategy, "value", parallel_strategy)
-    stages = sorted({"num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan"} & set(kwargs))
+    stages = sorted(set(_STAGE_OPTIONS) & set(kwargs))
     if strategy == "all" and stages:
         raise TensorParallelError(
             f"tnt.models.load_model(parallel_strategy=ALL, tensor_parallel_size > 1) with {', '.join(stages)}: "
