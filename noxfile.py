@@ -135,7 +135,8 @@ def _build_native_ops(session: nox.Session, required: bool) -> None:
 def multihost(session: nox.Session) -> None:
     """Jobs whose ranks live on 2-3 "hosts" (network namespaces) and talk over TCP.
 
-    Needs root (CAP_NET_ADMIN): elsewhere the tests skip and say why. See
+    Needs root (CAP_NET_ADMIN): elsewhere the tests skip and say why; under CI (CI=true)
+    as root they fail when the namespaces cannot be made. See
     docs/launcher.md#a-multi-host-test-bed-on-one-machine.
     """
     session.install(

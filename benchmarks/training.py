@@ -25,6 +25,8 @@ rank), ResNet-20, contenders timed round-robin in the same processes:
   batch (two in-graph allreduces per BatchNormalization layer forward, two backward);
 * ``keras_independent``: every rank runs plain Keras on its micro-batches, no
   communication: what this machine delivers with N busy ranks (the hardware ceiling);
+  its step times give the lockstep ceiling, over all rounds and of each round alone
+  (``lockstep_ceiling_per_round``, which summary.py divides the same round's ratio by);
 * ``keras_alone``: rank 0 runs plain Keras while the others sleep: 1-rank compute speed
   measured inside the same job;
 * ``mwms``: tf.distribute.MultiWorkerMirroredStrategy, set up in the same processes with
@@ -480,6 +482,10 @@ def scaling(args) -> dict:
             everyone = comm.allgather(mine)
             entry["step_seconds_per_rank"] = everyone
             entry["lockstep_ceiling"] = bl.lockstep_ceiling(everyone)
+            # Each round's own ceiling (its steps only), to divide the same round's ratios by.
+            entry["lockstep_ceiling_per_round"] = [
+                bl.lockstep_ceiling(comm.allgather([t for r in rnd for t in r["step_seconds"]]))
+                for rnd in runs[c.name]]
         entry["sps"] = bl.median(entry["sps_per_round"])
         if flat and "wait_s" in flat[0]:
             entry["wait_fraction"] = bl.median([r["wait_s"] / r["seconds"] for r in flat])

@@ -27,3 +27,24 @@ def test_ranks_with_different_step_counts_use_the_common_steps():
 def test_no_steps_is_an_error():
     with pytest.raises(ValueError, match="no steps"):
         lockstep_ceiling([[], [1.0]])
+
+
+def test_each_round_is_divided_by_its_own_ceiling():
+    from summary import over_own_ceiling
+
+    # round 2's low ratio comes with a low ceiling: against its own ceiling it is at 1.0
+    assert over_own_ceiling([0.9, 0.8, 0.95], [0.9, 0.8, 1.0]) == pytest.approx([1.0, 1.0, 0.95])
+
+
+def test_rounds_without_a_ratio_are_left_out():
+    from summary import over_own_ceiling
+
+    assert over_own_ceiling([None, 0.9], [0.9, 0.9]) == pytest.approx([1.0])
+
+
+def test_spread_gives_median_extremes_and_quartiles():
+    from summary import spread
+
+    got = spread([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (got["median"], got["min"], got["max"], got["q1"], got["q3"], got["n"]) == (3.0, 1.0, 5.0, 2.0, 4.0, 5)
+    assert spread([0.7])["q1"] == spread([0.7])["q3"] == 0.7

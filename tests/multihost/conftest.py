@@ -35,17 +35,20 @@ def _availability() -> str | None:
 
 
 UNAVAILABLE = _availability()
+#: Under CI (CI=true) as root an unavailable bed fails the tests (testbed.must_fail).
+MUST_FAIL = testbed.must_fail(os.environ.get("CI"), os.geteuid())
 
 
 def pytest_report_header() -> str:
     if UNAVAILABLE:
-        return f"multihost: SKIPPING every test: network namespaces unavailable: {UNAVAILABLE}"
+        doing = "FAILING (CI=true, root)" if MUST_FAIL else "SKIPPING"
+        return f"multihost: {doing} every test: network namespaces unavailable: {UNAVAILABLE}"
     return "multihost: network namespaces available (a 3-host test bed is built)"
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if UNAVAILABLE:
-        terminalreporter.write_line(f"multihost tests skipped: {UNAVAILABLE}")
+        terminalreporter.write_line(f"multihost tests {'failed' if MUST_FAIL else 'skipped'}: {UNAVAILABLE}")
     if REPORT:
         terminalreporter.section("multi-host scenarios (measured)")
         for line in REPORT:
@@ -54,6 +57,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 @pytest.fixture(scope="session")
 def bed() -> Iterator[testbed.TestBed]:
+    if UNAVAILABLE and MUST_FAIL:
+        pytest.fail(f"CI=true and running as root, but network namespaces cannot be made: {UNAVAILABLE}",
+                    pytrace=False)
     if UNAVAILABLE:
         pytest.skip(f"network namespaces unavailable: {UNAVAILABLE}")
     removed = testbed.remove_stale()

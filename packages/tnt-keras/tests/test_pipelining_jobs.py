@@ -5,6 +5,11 @@ on 4 ranks (two replicas of a 2-stage pipeline); fewer cannot cover p = 2 and 3 
 ranks (PIPELINING needs N == p, ALL N % p == 0). The 2-rank job leaves its p = 2 file in
 a directory the 3-rank job loads from (p = 2 -> q = 3). Tolerances are those of the
 data-parallel tests (float32 summation order; docs/architecture.md, "The promise").
+
+Each job runs its own cases and checks (EXPECTED_CASES, EXPECTED_CHECKS): a test is
+parametrised over the jobs that carry what it checks, so no test passes on a job where
+it checks nothing. Each job is launched once per session, by the first test that needs
+its report (in file order: the 2-rank job before the 3-rank one).
 """
 
 from __future__ import annotations
@@ -28,37 +33,122 @@ OVERFLOW_AT_START = {"lso": ["l0"], "f16": ["l1"]}
 #: Metric and loss-tracker variables a stage holds besides its weights and optimizer.
 METRIC_BYTES = 64
 
+P2, P3, ALL4 = "pipelining_2ranks", "pipelining_3ranks", "all_4ranks"
+#: job -> (ranks, layout).
+JOBS = {P2: (2, "pipelining"), P3: (3, "pipelining"), ALL4: (4, "all")}
+ALL_JOBS = list(JOBS)
+
+#: The cases each job trains (jobs/pipeline.py, main).
+EXPECTED_CASES = {
+    P2: ["skip_p2_adam_clip_m4_1f1b", "mlp_p2_momentum_m3_gpipe", "mlp_p2_momentum_m3_1f1b",
+         "mlp_p2_adam_m1_1f1b", "cnn_p2_momentum_m3_1f1b", "emb_p2_adam_m4_gpipe", "emb_p2_adam_m4_1f1b",
+         "lso_p2_lso_spe3_m3_1f1b", "f16_p2_adam_m3_1f1b"],
+    P3: ["skip_p3_adam_clip_m4_1f1b", "mlp_p3_adam_m4_gpipe", "mlp_p3_adam_m4_1f1b"],
+    ALL4: ["mlp_all2x2_adam_m4_gpipe", "mlp_all2x2_adam_m4_1f1b", "emb_all2x2_adam_m3_1f1b",
+           "lso_all2x2_lso_spe3_m3_1f1b", "f16_all2x2_adam_m3_1f1b"],
+}
+#: The GPipe cases each job compares bitwise with their 1F1B twins.
+EXPECTED_SCHEDULE_PAIRS = {
+    P2: ["mlp_p2_momentum_m3_gpipe", "emb_p2_adam_m4_gpipe"],
+    P3: ["mlp_p3_adam_m4_gpipe"],
+    ALL4: ["mlp_all2x2_adam_m4_gpipe"],
+}
+#: The checks beside the cases each job runs (the report's other keys). The 3-rank job
+#: loads the p = 2 file ("load_p2_file") only if the 2-rank job ran before it.
+EXPECTED_CHECKS = {
+    P2: {"gpipe_equals_1f1b", "save_load", "validation_split_history_diff", "unseeded_shuffle"},
+    P3: {"gpipe_equals_1f1b", "load_p2_file", "backup_resume"},
+    ALL4: {"gpipe_equals_1f1b", "save_load"},
+}
+REPORT_FIELDS = {"ranks", "layout", "cases", "pid"}
+#: The jobs that carry a check (where a test of it is generated).
+SAVING_JOBS = [P2, ALL4]  # save/load: q = 1, 2 from p = 2; q = 2, 4 from ALL 2 x 2
+LOSS_SCALE_JOBS = [P2, ALL4]  # the "lso" and "f16" cases (2 stages only)
+REPLICATED_JOBS = [ALL4]  # more than one replica of each stage
+
+
+class _Launches:
+    """Each job's report, launched on first use and kept for the session (a failed
+    launch is not retried: every later test of that job fails with its error)."""
+
+    def __init__(self, shared, tmp_path_factory) -> None:
+        self.shared = shared
+        self.tmp_path_factory = tmp_path_factory
+        self.reports: dict[str, dict] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.loaded_p2_file: dict[str, bool] = {}
+
+    def __getitem__(self, job: str) -> dict:
+        if job in self.errors:
+            raise self.errors[job]
+        if job not in self.reports:
+            try:
+                self.reports[job] = self._launch(job)
+            except BaseException as e:  # pytest.fail raises a BaseException
+                self.errors[job] = e
+                raise
+        return self.reports[job]
+
+    def _launch(self, job: str) -> dict:
+        ranks, layout = JOBS[job]
+        out = self.tmp_path_factory.mktemp("pipe") / "pipeline.json"
+        gives_p2 = ranks == 2 and layout == "pipelining"
+        loads_p2 = ranks == 3 and (self.shared / "p2.keras").exists()
+        self.loaded_p2_file[job] = loads_p2
+        share = ["--shared", str(self.shared)] if gives_p2 or loads_p2 else []
+        result = launch(ranks, "pipeline.py", out, "--layout", layout, *share)
+        assert result["ranks"] == ranks and result["layout"] == layout
+        print_diff_table(f"pipelining, {layout} on {ranks} ranks", result["cases"], extra=lambda c: (
+            f"  loss scale: serial {c['loss_scale']['serial']}, per rank {c['loss_scale']['per_rank']}"
+            if c["loss_scale"] else ""))
+        print(f"save/load: {result.get('save_load')}\nload p2 file: {result.get('load_p2_file')}"
+              + f"\nbackup resume: {result.get('backup_resume')}"
+              + f"\nunseeded shuffle: {result.get('unseeded_shuffle')}"
+              + "\nmaterialised / stage / serial bytes per rank: "
+              + "; ".join(f"{n}: {c['materialised_bytes_per_rank']} / {c['stage_training_bytes_per_rank']} / "
+                          f"{c['serial_training_bytes']}" for n, c in result["cases"].items()))
+        return result
+
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Where the 2-rank job leaves its p = 2 save for the 3-rank job."""
-    return tmp_path_factory.mktemp("pipe_shared")
+def launches(tmp_path_factory):
+    # Where the 2-rank job leaves its p = 2 save for the 3-rank job.
+    return _Launches(tmp_path_factory.mktemp("pipe_shared"), tmp_path_factory)
 
 
-@pytest.fixture(scope="module", params=[(2, "pipelining"), (3, "pipelining"), (4, "all")],
-                ids=lambda p: f"{p[1]}_{p[0]}ranks")
-def report(request, tmp_path_factory, shared):
-    ranks, layout = request.param
-    out = tmp_path_factory.mktemp("pipe") / "pipeline.json"
-    share = ["--shared", str(shared)] if ranks == 2 or (ranks == 3 and (shared / "p2.keras").exists()) else []
-    result = launch(ranks, "pipeline.py", out, "--layout", layout, *share)
-    assert result["ranks"] == ranks and result["layout"] == layout
-    print_diff_table(f"pipelining, {layout} on {ranks} ranks", result["cases"], extra=lambda c: (
-        f"  loss scale: serial {c['loss_scale']['serial']}, per rank {c['loss_scale']['per_rank']}"
-        if c["loss_scale"] else ""))
-    print(f"save/load: {result.get('save_load')}\nload p2 file: {result.get('load_p2_file')}"
-          + f"\nbackup resume: {result.get('backup_resume')}"
-          + f"\nunseeded shuffle: {result.get('unseeded_shuffle')}"
-          + "\nmaterialised / stage / serial bytes per rank: "
-          + "; ".join(f"{n}: {c['materialised_bytes_per_rank']} / {c['stage_training_bytes_per_rank']} / "
-                      f"{c['serial_training_bytes']}" for n, c in result["cases"].items()))
-    return result
+@pytest.fixture
+def report(job, launches):
+    """The report of ``job``, the test's parametrisation (one of JOBS)."""
+    return launches[job]
+
+
+def on(*jobs: str):
+    """Generate the test for these jobs only (those that carry what it checks)."""
+    return pytest.mark.parametrize("job", list(jobs))
 
 
 def _tol(name: str) -> tuple[float, float]:
     return TOL[name.split("_")[0]]
 
 
+@on(*ALL_JOBS)
+def test_every_case_ran(report, job):
+    assert sorted(report["cases"]) == sorted(EXPECTED_CASES[job])
+
+
+@on(*ALL_JOBS)
+def test_every_check_ran_and_no_other(report, job, launches):
+    """The job ran the checks beside its cases that it carries, and no other (the save/load,
+    validation_split, backup/resume, p = 2 file and unseeded-shuffle checks each run on
+    the jobs named in EXPECTED_CHECKS only)."""
+    expected = set(EXPECTED_CHECKS[job])
+    if job == P3 and not launches.loaded_p2_file[job]:
+        expected.discard("load_p2_file")  # the 2-rank job did not run first (see the p2 test)
+    assert set(report) - REPORT_FIELDS == expected
+    assert sorted(report["gpipe_equals_1f1b"]) == sorted(EXPECTED_SCHEDULE_PAIRS[job])
+
+
+@on(*ALL_JOBS)
 def test_history_evaluate_predict_and_weights_match_serial(report):
     for name, c in report["cases"].items():
         tol_loss, tol_w = _tol(name)
@@ -70,18 +160,24 @@ def test_history_evaluate_predict_and_weights_match_serial(report):
         assert c["history_keys"] == ["accuracy", "loss", "val_accuracy", "val_loss"], name
 
 
+@on(*ALL_JOBS)
 def test_every_rank_sees_the_same_logs_and_predictions(report):
     assert all(c["same_logs_on_all_ranks"] for c in report["cases"].values())
 
 
+@on(*ALL_JOBS)
 def test_gpipe_and_1f1b_are_bitwise_identical(report):
     assert report["gpipe_equals_1f1b"] and all(report["gpipe_equals_1f1b"].values()), report["gpipe_equals_1f1b"]
 
 
+@on(*REPLICATED_JOBS)
 def test_replicas_hold_bitwise_identical_stages(report):
+    # Only where each stage has several replicas: with one rank per stage it holds trivially.
+    assert report["layout"] == "all" and report["ranks"] == 4, (report["layout"], report["ranks"])
     assert all(c["replicas_identical"] for c in report["cases"].values())
 
 
+@on(*ALL_JOBS)
 def test_no_rank_holds_the_whole_model(report):
     for name, c in report["cases"].items():
         counts = c["variables_per_rank"]
@@ -102,6 +198,7 @@ def _assert_load_reads_only_the_stage(pairs, label):
         assert stage <= made <= stage + METRIC_BYTES, (label, made, stage)
 
 
+@on(*ALL_JOBS)
 def test_1f1b_holds_at_most_min_p_minus_s_m_micro_batches(report):
     p = report["ranks"] if report["layout"] == "pipelining" else report["ranks"] // 2
     for name, c in report["cases"].items():
@@ -110,10 +207,8 @@ def test_1f1b_holds_at_most_min_p_minus_s_m_micro_batches(report):
         assert c["peak_in_flight"] == expected, (name, c["peak_in_flight"])
 
 
+@on(*SAVING_JOBS)  # the 3-rank job does not save: these two cover q = 1, 2 and q = 2, 4
 def test_save_gathers_one_plain_keras_file_and_loads_into_any_stage_count(report):
-    if report["ranks"] == 3:  # by design: the 2- and 4-rank jobs save and load (q = 2, 4)
-        assert "save_load" not in report
-        return
     sl = report["save_load"]
     assert sl["plain_keras_weight_diff"] <= 2e-5 and sl["plain_keras_has_optimizer_state"], sl
     assert sl["plain_keras_optimizer_diff"] <= 2e-5, sl
@@ -127,42 +222,36 @@ def test_save_gathers_one_plain_keras_file_and_loads_into_any_stage_count(report
     assert sl["continue_history_diff"] <= 1e-5 and sl["continue_weight_diff"] <= 2e-5, sl
 
 
+@on(P2)
 def test_validation_split_and_class_weight_match_serial(report):
-    if report["ranks"] != 2:  # checked once, on the 2-rank job
-        assert "validation_split_history_diff" not in report
-        return
     assert report["validation_split_history_diff"] <= 1e-5
 
 
-def test_file_saved_at_p2_loads_into_3_stages(report):
-    if report["ranks"] != 3:
-        return
-    if "load_p2_file" not in report:  # only when the 3-rank job is selected alone (-k)
-        pytest.skip("needs the file the 2-rank job saves; run both jobs (the module) together")
+@on(P3)
+def test_file_saved_at_p2_loads_into_3_stages(report, job, launches):
+    if not launches.loaded_p2_file[job]:
+        pytest.skip("the 3-rank job ran without the 2-rank job's p = 2 file (the 2-rank job was "
+                    "deselected or ran after it); run the whole module")
     got = report["load_p2_file"]
     assert got["stages"] == 3 and got["predict_diff"] <= 2e-5, got
     _assert_load_reads_only_the_stage(got["materialised_vs_stage_bytes"], "p2 -> q3")
 
 
+@on(P3)
 def test_backup_and_restore_resume_equals_uninterrupted_serial(report):
-    if report["ranks"] != 3:  # checked on the 3-stage job
-        assert "backup_resume" not in report
-        return
     got = report["backup_resume"]
     assert got["interrupted"] and got["resumed_epochs"] == 2, got
     assert got["history_diff"] <= 1e-5 and got["weight_diff"] <= 2e-5, got
     assert got["backup_removed"], got
 
 
+@on(*LOSS_SCALE_JOBS)
 def test_loss_scale_optimizer_skips_and_scales_as_serial_on_every_stage(report):
     """LossScaleOptimizer: one stage's overflow skips the step everywhere (History and
     weights are checked with the other cases); every rank ends with serial Keras' loss
     scale and number of applied steps. Stage 0 alone overflows first in the float32 case,
     the last stage alone in the mixed_float16 one: neither stage alone may decide."""
     cases = {n: c for n, c in report["cases"].items() if c["loss_scale"]}
-    if report["ranks"] == 3:  # checked on 2 stages and ALL 2 x 2
-        assert not cases
-        return
     assert sorted(n.split("_")[0] for n in cases) == ["f16", "lso"], list(cases)
     for name, c in cases.items():
         ls = c["loss_scale"]
@@ -174,38 +263,53 @@ def test_loss_scale_optimizer_skips_and_scales_as_serial_on_every_stage(report):
         assert all(r == [scale, applied] for r in ls["per_rank"]), (name, ls)
 
 
-def test_mixed_float16_case_computes_in_float16_and_leaves_the_policy(report):
+@on(*ALL_JOBS)
+def test_no_loss_scale_outside_the_loss_scaled_cases(report):
+    """Only the "lso" and "f16" cases carry a LossScaleOptimizer state (none on 3 stages)."""
+    scaled = sorted(n for n, c in report["cases"].items() if c["loss_scale"])
+    assert scaled == sorted(n for n in report["cases"] if n.split("_")[0] in ("lso", "f16")), scaled
+
+
+@on(*LOSS_SCALE_JOBS)
+def test_mixed_float16_case_computes_in_float16(report):
     """The mixed_float16 case is what it claims: a mixed_float16 model whose stages send
     float16 activations, an optimizer compile wrapped in a LossScaleOptimizer (the job
-    passes plain Adam), and the global dtype policy float32 again after it (other cases
-    are unaffected)."""
+    passes plain Adam), and the global dtype policy float32 again after it."""
     cases = {n: c for n, c in report["cases"].items() if n.startswith("f16_")}
-    assert len(cases) == (0 if report["ranks"] == 3 else 1), list(cases)
+    assert len(cases) == 1, list(cases)
     for name, c in cases.items():
         assert c["policy"] == {"model": "mixed_float16", "boundaries": ["float16"],
                                "optimizer": "LossScaleOptimizer", "global_after": "float32"}, (name, c["policy"])
+
+
+@on(*ALL_JOBS)
+def test_other_cases_stay_float32(report):
+    """Every case but the mixed_float16 one trains a float32 model and leaves the global
+    policy float32 (on the 2-rank and ALL jobs: also after the mixed_float16 case)."""
     for name, c in report["cases"].items():
         if not name.startswith("f16_"):
             assert c["policy"]["model"] == "float32" and c["policy"]["global_after"] == "float32", (name, c["policy"])
 
 
-def test_callbacks_see_serial_batch_ends_also_with_steps_per_execution(report):
-    """on_train_batch_end: the batch indices and logs serial Keras gives, for every case;
-    the LossScaleOptimizer cases compile with steps_per_execution=3 (8 steps per epoch:
-    calls after steps 3, 6 and 8, which Keras numbers 2, 5 and 8)."""
-    spe_cases = 0
+@on(*ALL_JOBS)
+def test_callbacks_see_serial_batch_ends(report):
+    """on_train_batch_end: the batch indices and logs serial Keras gives, for every case."""
     for name, c in report["cases"].items():
         got = c["batch_ends"]
         assert got["batches"][0] == got["batches"][1], (name, got["batches"])
         assert got["keys_equal"] and got["logs_diff"] <= _tol(name)[0], (name, got)
-        if "_spe3_" in name:
-            spe_cases += 1
-            assert got["batches"][0] == [2, 5, 8], (name, got["batches"])
-    assert spe_cases == (0 if report["ranks"] == 3 else 1), spe_cases
 
 
+@on(*LOSS_SCALE_JOBS)
+def test_callbacks_see_serial_batch_ends_with_steps_per_execution(report):
+    """The "lso" case compiles with steps_per_execution=3 (8 steps per epoch: calls after
+    steps 3, 6 and 8, which Keras numbers 2, 5 and 8); its logs are checked above."""
+    spe = {n: c["batch_ends"]["batches"] for n, c in report["cases"].items() if "_spe3_" in n}
+    assert len(spe) == 1, list(spe)
+    for name, batches in spe.items():
+        assert batches[0] == batches[1] == [2, 5, 8], (name, batches)
+
+
+@on(P2)
 def test_unseeded_shuffle_gives_stage_0_and_the_last_stage_the_same_batches(report):
-    if report["ranks"] != 2:
-        assert "unseeded_shuffle" not in report
-        return
     assert report["unseeded_shuffle"]["each_x_met_its_y"], report["unseeded_shuffle"]
