@@ -64,7 +64,7 @@ BAD_SETTINGS = {
 _PROBE = """
 import json, os, sys
 import tarantella
-from tarantella import _settings
+from tarantella._core import settings as _settings
 cases = json.loads(sys.argv[1])
 out = {}
 for case, (name, value) in cases.items():
@@ -124,7 +124,7 @@ def test_bad_setting_value(setting_messages, case):
 
 _NO_COMPILER = """
 import tensorflow as tf, tarantella as tnt, tnt_comm
-from tarantella import _graph_collectives
+from tarantella._core import graph_collectives as _graph_collectives
 f = tf.function(lambda x: _graph_collectives.allreduce(x, tnt_comm.world(), "t", "ar"))
 x = tf.constant([1.0, 2.0, 3.0])
 kinds = {op.type for op in f.get_concrete_function(x).graph.get_operations()}

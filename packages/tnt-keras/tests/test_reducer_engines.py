@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import tnt_comm
-from tarantella import _reducer
+from tarantella._core import reducer as _reducer
 
 
 class HandlelessEngine:

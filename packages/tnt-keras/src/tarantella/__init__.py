@@ -26,16 +26,15 @@ tensor groups. Launch with ``tarantella -n N -- train.py``; ``python train.py`` 
 
 from __future__ import annotations
 
-from . import keras, models, native, pipelining, tensor_parallel
+from . import data_parallel, keras, models, native, pipelining, tensor_parallel
 from ._core.deferred import deferred_variables
+from ._core.inputs import InputError
+from ._core.internals import UnsupportedVersionError
+from ._core.runtime import get_master_rank, get_rank, get_size, is_master_rank, setup
+from ._core.settings import SettingError
 from ._core.strategy import ParallelStrategy
-from ._grad_sync import UnsyncedReplicasError, local_batch_size
-from ._inputs import InputError
-from ._internals import UnsupportedVersionError
-from ._model import Model
-from ._runtime import get_master_rank, get_rank, get_size, is_master_rank, setup
-from ._settings import SettingError
-from ._sync import ReplicaMismatchError
+from ._core.sync import ReplicaMismatchError
+from .data_parallel import Model, UnsyncedReplicasError, local_batch_size
 
 __version__ = "0.1.0"
 
@@ -50,6 +49,7 @@ __all__ = [
     "UnsupportedVersionError",
     "UnsyncedReplicasError",
     "__version__",
+    "data_parallel",
     "deferred_variables",
     "get_master_rank",
     "get_rank",

@@ -11,10 +11,10 @@ from typing import Any
 
 import keras
 
-from . import _io
+from ._core import files as _io
 from ._core.distributed import DistributedModel
 from ._core.strategy import ParallelStrategy, split_options
-from ._model import Model
+from .data_parallel import Model
 
 __all__ = ["clone_model", "load_model", "model_from_config", "model_from_json", "save_model"]
 

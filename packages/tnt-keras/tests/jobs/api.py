@@ -77,7 +77,8 @@ def check_native_ops() -> None:
     """The native collectives are built and used here (a compiler exists on every machine
     that builds tnt-comm), and they give exactly what the tf.numpy_function fallback and
     numpy give: allreduce, allgather and the fused gradient reducer, inside tf.function."""
-    from tarantella import _graph_collectives, _reducer
+    from tarantella._core import graph_collectives as _graph_collectives
+    from tarantella._core import reducer as _reducer
 
     n, r = tnt.get_size(), tnt.get_rank()
     world = tnt_comm.world()

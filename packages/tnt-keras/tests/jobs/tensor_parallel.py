@@ -296,18 +296,18 @@ class _ReadLog:
 
     def __init__(self) -> None:
         self.reads: list[tuple[int, int]] = []
-        self.real = tnt._internals.h5_dataset
+        self.real = tnt._core.internals.h5_dataset
 
     def __enter__(self):
         def logged(store, group, key):
             dataset = self.real(store, group, key)
             return None if dataset is None else _LoggedDataset(dataset, self.reads)
 
-        tnt._internals.h5_dataset = logged
+        tnt._core.internals.h5_dataset = logged
         return self
 
     def __exit__(self, *exc) -> None:
-        tnt._internals.h5_dataset = self.real
+        tnt._core.internals.h5_dataset = self.real
 
 
 class _LoggedDataset:

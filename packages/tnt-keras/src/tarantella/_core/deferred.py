@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import keras
 
-from .. import _internals
+from . import internals as _internals
 
 
 @contextlib.contextmanager

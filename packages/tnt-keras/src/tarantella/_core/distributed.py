@@ -15,8 +15,10 @@ import keras
 
 import tnt_comm
 
-from .. import _inputs, _io, _runtime
-from .._rank_callbacks import callbacks_for_rank
+from . import files as _io
+from . import inputs as _inputs
+from . import runtime as _runtime
+from .rank_callbacks import callbacks_for_rank
 
 
 class DistributedModel(keras.Model):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
-from .. import _internals
+from . import internals as _internals
 from .errors import PipelineError
 from .split_layer import SplitLayer
 

@@ -20,7 +20,9 @@ import numpy as np
 
 import tnt_comm
 
-from .. import _internals, _io, _runtime
+from . import files as _io
+from . import internals as _internals
+from . import runtime as _runtime
 from .deferred import deferred_variables, is_deferred
 
 

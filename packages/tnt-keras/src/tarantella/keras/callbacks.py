@@ -14,7 +14,7 @@ import numpy as np
 
 import tnt_comm
 
-from .._runtime import get_size, is_master_rank
+from .._core.runtime import get_size, is_master_rank
 
 __all__ = ["Callback"]
 

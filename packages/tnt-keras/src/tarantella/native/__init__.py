@@ -38,8 +38,8 @@ import tensorflow as tf
 
 import tnt_comm
 
-from .._logging import logger
-from .._settings import native_ops_enabled
+from .._core.log import logger
+from .._core.settings import native_ops_enabled
 
 _SOURCE = Path(__file__).with_name("tnt_tf_ops.cc")
 _lock = threading.Lock()

@@ -27,7 +27,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import _internals, _settings, _sparse
+from .._core import internals as _internals
+from .._core import settings as _settings
+from .._core import sparse as _sparse
 from .._core.errors import PipelineError
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead

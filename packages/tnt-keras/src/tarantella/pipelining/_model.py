@@ -19,12 +19,13 @@ import tensorflow as tf
 
 import tnt_data
 
-from .. import _backup, _runtime
+from .._core import backup as _backup
+from .._core import runtime as _runtime
 from .._core.distributed import DistributedModel
 from .._core.errors import PipelineError
+from .._core.inputs import Sharding, at_epoch, fit_datasets, rank_dataset
 from .._core.mesh import check_layout
 from .._core.serial_files import assign_optimizer_state, optimizer_state
-from .._inputs import Sharding, at_epoch, fit_datasets, rank_dataset
 from ._plan import Plan
 from ._plan import plan as make_plan
 from ._saving import fill_serial_model, gather_serial_model, load_pipelined_weights

@@ -27,7 +27,7 @@ import numpy as np
 
 import tnt_comm
 
-from .. import _internals
+from .._core import internals as _internals
 from .._core.deferred import deferred_variables
 from .._core.serial_files import (
     assign_optimizer_state,

@@ -32,9 +32,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from .. import _internals, _sparse
+from .._core import internals as _internals
+from .._core import sparse as _sparse
+from .._core.metric_states import metric_variables
 from .._core.serial_files import clone_optimizer
-from .._metric_states import metric_variables
 from ._executor import PREDICT, TEST, TRAIN, StageExecutor
 from ._plan import Plan
 from ._schedule import micro_batch_sizes

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import keras
 
-from .. import _internals, _runtime
+from .._core import internals as _internals
+from .._core import runtime as _runtime
 from .._core.deferred import materialise
 from .._core.errors import PipelineError
 from .._core.graph import model_graph

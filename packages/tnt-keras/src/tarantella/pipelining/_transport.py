@@ -207,6 +207,6 @@ class CommTransport:
 
     def eager_reducer(self, threshold_bytes: int):
         """The step end over this stage's replica group (``_reducer.EagerReducer``)."""
-        from .._reducer import EagerReducer
+        from .._core.reducer import EagerReducer
 
         return EagerReducer(self._replicas, threshold_bytes)

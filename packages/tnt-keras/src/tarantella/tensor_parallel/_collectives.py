@@ -25,7 +25,7 @@ import tensorflow as tf
 
 import tnt_comm
 
-from .. import _graph_collectives
+from .._core import graph_collectives as _graph_collectives
 from .._core.mesh import Mesh, groups
 
 #: The order chain of every tensor-group collective (see _graph_collectives).

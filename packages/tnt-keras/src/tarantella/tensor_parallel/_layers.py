@@ -15,7 +15,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from .. import _internals
+from .._core import internals as _internals
 from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_from_group
 
 

@@ -26,7 +26,11 @@ import numpy as np
 
 import tnt_comm
 
-from .. import _backup, _inputs, _internals, _runtime, _sync
+from .._core import backup as _backup
+from .._core import inputs as _inputs
+from .._core import internals as _internals
+from .._core import runtime as _runtime
+from .._core import sync as _sync
 from .._core.deferred import current_or_initial, has_deferred, is_deferred, materialise
 from .._core.distributed import DistributedModel
 from .._core.errors import TensorParallelError

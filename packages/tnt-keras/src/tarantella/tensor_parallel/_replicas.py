@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import keras
 
-from .. import _backup, _sync
-from .._inputs import Sharding, at_epoch, fit_datasets, rank_dataset
-from .._steps import DistributedSteps
+from .._core import backup as _backup
+from .._core import sync as _sync
+from .._core.inputs import Sharding, at_epoch, fit_datasets, rank_dataset
+from ..data_parallel import DistributedSteps
 
 
 class ReplicaLoops:

@@ -25,7 +25,8 @@ import numpy as np
 
 import tnt_comm
 
-from .. import _internals, _runtime
+from .._core import internals as _internals
+from .._core import runtime as _runtime
 from .._core.deferred import is_deferred
 from .._core.errors import TensorParallelError
 from .._core.serial_files import (

@@ -28,7 +28,7 @@ import numpy as np
 
 import tnt_comm
 
-from .. import _runtime
+from .._core import runtime as _runtime
 from .._core.errors import TensorParallelError
 from .._core.mesh import groups
 from .._core.serial_files import optimizer_state

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import keras
 
-from .. import _internals, _runtime
+from .._core import internals as _internals
+from .._core import runtime as _runtime
 from .._core.deferred import is_deferred
 from .._core.errors import TensorParallelError
 from .._core.graph import model_graph

@@ -32,8 +32,10 @@ import keras
 
 import tnt_comm
 
-from . import _internals, _io, _runtime
-from ._logging import logger
+from . import files as _io
+from . import internals as _internals
+from . import runtime as _runtime
+from .log import logger
 
 #: Attribute of the weights file's root group holding the backup's {"epoch", "batch"}.
 STAMP = "tnt_backup"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import tnt_comm
 
-from . import _logging, _settings
+from . import log as _logging
+from . import settings as _settings
 
 MASTER_RANK = 0
 
@@ -68,7 +69,7 @@ def setup() -> _settings.Settings:
     if unknown and not getattr(setup, "_warned", False):
         setup._warned = True  # type: ignore[attr-defined]
         _logging.logger.warning("unknown setting(s) ignored: %s", ", ".join(unknown))
-    from . import _internals
+    from . import internals as _internals
 
     version_warning = _internals.version_warning()
     if version_warning and not getattr(setup, "_warned_version", False):

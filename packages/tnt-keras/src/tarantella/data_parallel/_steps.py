@@ -30,11 +30,13 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from . import _grad_sync, _internals, _settings, _sparse
-from ._batch_norm import has_sync_batch_norm, valid_rows
-from ._metric_states import MetricExchange, metric_variables
-from ._reducer import GraphReducer, Slot, start_token
-from ._step_parts import (
+from .._core import internals as _internals
+from .._core import settings as _settings
+from .._core import sparse as _sparse
+from .._core.batch_norm import has_sync_batch_norm, valid_rows
+from .._core.metric_states import MetricExchange, metric_variables
+from .._core.reducer import GraphReducer, Slot, start_token
+from .._core.step_parts import (
     allgather_rows,
     first_tensor,
     local_batch_size,
@@ -42,6 +44,7 @@ from ._step_parts import (
     overrides,
     split_sizes,
 )
+from . import _grad_sync
 
 
 def _slot(name: str, var) -> Slot:
@@ -96,6 +99,8 @@ class DistributedSteps:
         return list(reversed(dense))
 
     def train_reducer(self) -> GraphReducer:
+        """The reducer of a training step: batch size, metric states, dense gradients
+        (remade when a retrace finds other sparse gradients)."""
         if self._train_reducer is not None and self._train_reducer_sparse != self._sparse_positions:
             self._train_reducer.close()  # a retrace found other sparse gradients: new slots
             self._train_reducer = None
@@ -107,12 +112,14 @@ class DistributedSteps:
         return self._train_reducer
 
     def test_reducer(self) -> GraphReducer:
+        """The reducer of an evaluation step: batch size and metric states."""
         if self._test_reducer is None:
             slots = [Slot("batch_size", (1,), tf.float32), *self._metric_slots()]
             self._test_reducer = GraphReducer(slots, self._threshold, self._comm)
         return self._test_reducer
 
     def close(self) -> None:
+        """Release the reducers' engines (a new compile makes new steps)."""
         for reducer in (self._train_reducer, self._test_reducer):
             if reducer is not None:
                 reducer.close()
@@ -209,6 +216,8 @@ class DistributedSteps:
         return tf.constant(True)
 
     def train_step(self, data) -> dict:
+        """One training step on this rank's micro-batch; gradients and metric states summed
+        over the group, then the serial update applied (or the model's own train_step)."""
         model = self._model
         data, sizes = split_sizes(data)
         if self._own_steps and overrides(model, "train_step"):
@@ -236,6 +245,7 @@ class DistributedSteps:
             return model.get_metrics_result()
 
     def test_step(self, data) -> dict:
+        """One evaluation step; metric states summed over the group."""
         model = self._model
         data, _ = split_sizes(data)
         if self._own_steps and overrides(model, "test_step"):
@@ -261,6 +271,7 @@ class DistributedSteps:
             return model.get_metrics_result()
 
     def predict_step(self, data):
+        """This rank's predictions, gathered in rank order (the global batch's order)."""
         data, _ = split_sizes(data)
         if self._own_steps and overrides(self._model, "predict_step"):
             return self._custom.predict_step(data, self._size)

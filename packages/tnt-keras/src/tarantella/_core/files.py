@@ -19,8 +19,8 @@ import numpy as np
 
 import tnt_comm
 
-from . import _internals
-from ._runtime import MASTER_RANK, get_rank, get_size
+from . import internals as _internals
+from .runtime import MASTER_RANK, get_rank, get_size
 
 # Keras decides the format from the file name, so temporary names keep the suffix.
 _SUFFIXES = (".weights.h5", ".keras", ".h5", ".json")

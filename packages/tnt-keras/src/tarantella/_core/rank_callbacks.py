@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import keras
 
-from ._runtime import get_rank, is_master_rank
+from .runtime import get_rank, is_master_rank
 
 _MASTER_ONLY_CALLBACKS = (keras.callbacks.CSVLogger, keras.callbacks.ProgbarLogger)
 

@@ -18,18 +18,25 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from . import _backup, _batch_norm, _grad_sync, _inputs, _internals, _io, _runtime, _sync
-from ._core.distributed import DistributedModel
-from ._core.strategy import (
+from .._core import backup as _backup
+from .._core import batch_norm as _batch_norm
+from .._core import files as _io
+from .._core import inputs as _inputs
+from .._core import internals as _internals
+from .._core import runtime as _runtime
+from .._core import sync as _sync
+from .._core.distributed import DistributedModel
+from .._core.inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
+from .._core.inputs import InputError, Sharding, global_batch_size, rank_dataset
+from .._core.log import logger
+from .._core.strategy import (
     ParallelStrategy,
     Strategy,
     register,
     split_options,
     unknown_options_error,
 )
-from ._inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
-from ._inputs import InputError, Sharding, global_batch_size, rank_dataset
-from ._logging import logger
+from . import _grad_sync
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from . import _internals, _settings, _sparse
-from ._reducer import GraphReducer, Slot
+from .._core import internals as _internals
+from .._core import settings as _settings
+from .._core import sparse as _sparse
+from .._core.reducer import GraphReducer, Slot
 
 _state = threading.local()
 _models: weakref.WeakValueDictionary[int, keras.Model] = weakref.WeakValueDictionary()
@@ -129,7 +131,7 @@ def _distributed_apply(original):
             return original(self, grads, trainable_variables)
         variables = list(trainable_variables) if trainable_variables is not None else (
             _internals.optimizer_variables_built_on(self))
-        from . import _runtime
+        from .._core import runtime as _runtime
 
         owner = _owner(variables) if _runtime.get_size() > 1 else None
         if owner is None or len(grads) == 0:
@@ -195,7 +197,7 @@ def _chain_token(mode: _Weighting | None) -> tf.Tensor | None:
 
 
 def _global_gradients(grads: list, variables: list, mode: _Weighting | None) -> list:
-    from . import _runtime
+    from .._core import runtime as _runtime
 
     if _settings.sparse_as_dense():
         grads = [None if g is None else _sparse.to_dense(g) for g in grads]

@@ -14,10 +14,10 @@ import numpy as np
 
 import tnt_comm
 
-from . import _internals
-from ._internals import all_layers
-from ._runtime import MASTER_RANK
-from ._step_parts import overrides, split_sizes
+from . import internals as _internals
+from .internals import all_layers
+from .runtime import MASTER_RANK
+from .step_parts import overrides, split_sizes
 
 
 class ReplicaMismatchError(RuntimeError):

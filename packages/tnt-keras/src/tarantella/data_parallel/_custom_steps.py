@@ -25,11 +25,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from .._core.batch_norm import valid_rows
+from .._core.metric_states import MetricExchange, metric_variables
+from .._core.reducer import GraphReducer, Slot, start_token
+from .._core.step_parts import allgather_rows, nonempty
 from . import _grad_sync
-from ._batch_norm import valid_rows
-from ._metric_states import MetricExchange, metric_variables
-from ._reducer import GraphReducer, Slot, start_token
-from ._step_parts import allgather_rows, nonempty
 
 
 def _first_rows(data) -> tf.Tensor:

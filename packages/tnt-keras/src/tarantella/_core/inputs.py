@@ -20,8 +20,9 @@ import tensorflow as tf
 import tnt_comm
 import tnt_data
 
-from . import _internals, _runtime
-from ._logging import logger
+from . import internals as _internals
+from . import runtime as _runtime
+from .log import logger
 
 DEFAULT_BATCH_SIZE = 32
 

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tnt_comm
 
-from . import native as _native
+from .. import native as _native
 
 _last: dict[tuple[int, str], tf.Tensor] = {}
 

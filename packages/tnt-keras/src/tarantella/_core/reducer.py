@@ -45,7 +45,7 @@ import tensorflow as tf
 
 import tnt_comm
 
-from . import native as _native
+from .. import native as _native
 
 _TOKEN = np.zeros((), dtype=np.int32)
 # TensorFlow's Split shares the input's memory for an output that starts 64-byte aligned
@@ -211,7 +211,7 @@ class EagerReducer:
     def reduce(self, grads: list, variables: Sequence, allgather_sparse) -> list:
         """``grads`` (one per variable) summed over the group; ``allgather_sparse(g)``
         gathers a sparse one. The engine is remade when which gradients are dense changes."""
-        from . import _sparse
+        from . import sparse as _sparse
 
         dense_at = [i for i, g in enumerate(grads) if not _sparse.is_sparse(g)]
         if self._engine is None or self._members != dense_at:

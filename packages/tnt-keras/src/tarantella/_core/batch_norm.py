@@ -27,7 +27,9 @@ import tensorflow as tf
 
 import tnt_comm
 
-from . import _graph_collectives, _internals, _runtime
+from . import graph_collectives as _graph_collectives
+from . import internals as _internals
+from . import runtime as _runtime
 
 
 def _chained_allreduce(t: tf.Tensor, direction: str) -> tf.Tensor:

@@ -1,0 +1,15 @@
+"""``tnt.data_parallel``: the data-parallel wrapper (``tnt.Model``) and its step builder.
+
+Every rank holds the whole model and computes the gradient of its micro-batch; one fused
+allreduce per step sums them (docs/architecture.md, "Data flow of one training step").
+``DistributedSteps`` is the step of every strategy that runs data replicas of a model
+whose forward pass is one traced function (tensor groups with replicas use it).
+"""
+
+from __future__ import annotations
+
+from ._grad_sync import UnsyncedReplicasError, local_batch_size
+from ._model import Model
+from ._steps import DistributedSteps
+
+__all__ = ["DistributedSteps", "Model", "UnsyncedReplicasError", "local_batch_size"]
