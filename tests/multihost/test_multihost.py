@@ -25,9 +25,18 @@ STEPS = str(JOBS / "steps.py")
 PY = ["--python-interpreter", sys.executable]
 
 
+#: Open MPI's own start-up failure, seen once in ~20 CI runs of the bed (session 13): the
+#: launch never reached tarantella's code. Such a launch is retried once and reported.
+PMIX_START_FAILURE = "The PMIx server's listener thread failed to start"
+
+
 def _report_job(bed, tmp_path: Path, hostfile: Path, layout: list[str], *extra: str) -> dict:
-    job = start_job(bed, tmp_path, ["--hostfile", str(hostfile), *layout, *PY, *extra, "--",
-                                    STEPS, "--out", str(tmp_path), "--scenario", "report"])
+    args = ["--hostfile", str(hostfile), *layout, *PY, *extra, "--",
+            STEPS, "--out", str(tmp_path), "--scenario", "report"]
+    job = start_job(bed, tmp_path, args)
+    if job.wait(120) != 0 and PMIX_START_FAILURE in job.stderr:
+        record(f"{hostfile.name}: Open MPI's PMIx server did not start; launched once more", None, None)
+        job = start_job(bed, tmp_path, args)
     assert job.wait(120) == 0, job.output()
     result = json.loads((tmp_path / "result.json").read_text())
     result["stdout"] = job.stdout
