@@ -86,11 +86,6 @@ def strategy_for(parallel_strategy: Any) -> Strategy:
         raise RuntimeError(f"no strategy is registered for {member}; import tarantella first.") from None
 
 
-def all_options() -> frozenset[str]:
-    """Every option name any strategy takes."""
-    return frozenset(_OWNERS)
-
-
 def split_options(parallel_strategy: Any, kwargs: Mapping[str, Any], *,
                   where: str) -> tuple[ParallelStrategy, Strategy, dict, dict]:
     """(strategy enum, strategy, its options, the other keyword arguments) of ``kwargs``.
@@ -105,18 +100,13 @@ def split_options(parallel_strategy: Any, kwargs: Mapping[str, Any], *,
     foreign = [k for k in kwargs if k not in strategy.options and k in _OWNERS]
     if foreign:
         owner = _OWNERS[foreign[0]]
-        takes = " or ".join(f"ParallelStrategy.{m.name}" for m in ParallelStrategy
-                            if m in _REGISTRY and foreign[0] in _REGISTRY[m].options)
+        handled = [m for m in ParallelStrategy if m in _REGISTRY and foreign[0] in _REGISTRY[m].options]
+        takes = " or ".join(f"ParallelStrategy.{m.name}" for m in handled)
         raise owner.error(f"{where}(parallel_strategy={member.name}): {', '.join(foreign)} only apply to {takes}; "
-                    f"pass parallel_strategy=tnt.ParallelStrategy.{owner.handles[0].name}"
-                    f"{' (or ALL)' if ParallelStrategy.ALL in _handled_with(foreign[0]) else ''} "
-                    f"or drop the option(s).")
+                          f"pass parallel_strategy=tnt.ParallelStrategy.{owner.handles[0].name}"
+                          f"{' (or ALL)' if ParallelStrategy.ALL in handled else ''} or drop the option(s).")
     rest = {k: v for k, v in kwargs.items() if k not in strategy.options}
     return member, strategy, options, rest
-
-
-def _handled_with(option: str) -> set[ParallelStrategy]:
-    return {m for m, s in _REGISTRY.items() if option in s.options}
 
 
 def unknown_options_error(strategy: Strategy, member: ParallelStrategy, unknown: list[str], *,
