@@ -13,7 +13,7 @@ between them, ``_xla``).
 ``TENSOR`` runs one group of N == t ranks; ``ALL`` with ``tensor_parallel_size=t`` runs
 N / t data replicas of such groups (``_replicas``: each replica reads its slice of the
 global batch, gradients are summed over the replica group only), or, with pipeline
-stages, pipelining's model whose stages are tensor groups (``_stages``).
+stages, pipelining's model whose stages are tensor groups (``tarantella.hybrid``).
 """
 
 from __future__ import annotations
@@ -206,17 +206,19 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         """The local model's forward pass (outputs identical on every rank of the group)."""
         return self.local_model(inputs, training=training)
 
-    def get_weights(self) -> list[np.ndarray]:
-        """The serial model's weights, serial-shaped, in its order (collective on the group)."""
+    # get_weights / set_weights: the base's (serial-shaped; the master's values win).
+    def _tnt_serial_weights(self) -> list[np.ndarray]:
+        """The serial model's weights, shards joined over the group (collective on the group)."""
         gathered = {id(s): self._gather(local, axis) for s, local, axis in self._split_variables()}
         return [gathered[id(w)] if id(w) in gathered else np.asarray(w.numpy()) for w in self._serial.weights]
 
-    def set_weights(self, weights) -> None:
-        """Set the serial-shaped weights (rank 0's values win); shards take their slices."""
+    def _tnt_serial_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(w.shape) for w in self._serial.weights]
+
+    def _tnt_assign_serial(self, weights) -> None:
+        """The serial layers take the list; each shard its slices of the split ones."""
         materialise(self._serial)  # a loaded model's serial split layers hold no values
         self._serial.set_weights(weights)
-        if _runtime.get_size() > 1:
-            _sync.broadcast_from_master(self._serial.weights)
         self._assign_shards()
 
     def replicated_checksum(self) -> str:
