@@ -144,16 +144,17 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
                        for v in layer.weights])
 
     # -- compile ---------------------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs) -> None:
+    def compile(self, *args, **kwargs) -> None:
         """Pipelining's compile; norms of whole gradients and loss scaling are refused (a
         rank holds only shards of the split layers' gradients)."""
-        optimizer = keras.optimizers.get(optimizer)
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        resolved = self._tnt_own_compile_arguments(args, kwargs)
+        resolved["optimizer"] = keras.optimizers.get(resolved["optimizer"])
+        inner = getattr(resolved["optimizer"], "inner_optimizer", resolved["optimizer"])
         if getattr(inner, "clipnorm", None) or getattr(inner, "global_clipnorm", None):
             raise TensorParallelError(
                 "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards of "
                 "the split layers' gradients. Use clipvalue=, or tensor_parallel_size=1 (pipelining alone).")
-        super().compile(optimizer, loss, *args, **kwargs)
+        super().compile(**resolved)
         if self.loss_scaled:
             raise TensorParallelError(
                 "a LossScaleOptimizer (mixed_float16) decides whether to skip a step from finite gradients, "

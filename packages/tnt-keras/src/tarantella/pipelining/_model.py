@@ -21,6 +21,7 @@ import tnt_data
 
 from .._core import backup as _backup
 from .._core import runtime as _runtime
+from .._core.compile_args import own_compile_arguments
 from .._core.distributed import DistributedModel
 from .._core.errors import PipelineError
 from .._core.inputs import Sharding, at_epoch, fit_datasets, rank_dataset
@@ -32,6 +33,7 @@ from ._saving import (
     fill_serial_model,
     gather_serial_model,
     load_pipelined_weights,
+    serial_model_from_config,
     serial_weight_keys,
     stage_payload,
 )
@@ -218,15 +220,24 @@ class PipelinedModel(DistributedModel):
                 f"({mine} vs {first}); every rank must build the same model.")
 
     # -- compile -------------------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                weighted_metrics=None, run_eagerly=False, steps_per_execution=1,
-                jit_compile="auto", auto_scale_loss=True, **kwargs) -> None:
-        """Each stage gets a clone of ``optimizer``; the last stage the loss and metrics.
+    def _tnt_own_compile_arguments(self, args: tuple, kwargs: dict) -> dict:
+        """``keras.Model.compile``'s arguments as the user's model's own ``compile`` passes
+        them on (a model with shapes only is built for a class that has one)."""
+        return own_compile_arguments(self._tnt_serial_config[0],
+                                     lambda: serial_model_from_config(self, deferred=True), args, kwargs)
+
+    def compile(self, *args, **kwargs) -> None:
+        """Each stage gets a clone of the optimizer; the last stage the loss and metrics —
+        those the user's model's own ``compile`` passes on (its defaults: keras-hub's metrics).
 
         Like Keras' ``compile``, a ``mixed_float16`` model (its policy when it was built)
-        gets ``optimizer`` wrapped in a ``LossScaleOptimizer`` unless ``auto_scale_loss``
+        gets the optimizer wrapped in a ``LossScaleOptimizer`` unless ``auto_scale_loss``
         is False; its skip decision is taken over all stages (``StageRuntime``).
         """
+        resolved = self._tnt_own_compile_arguments(args, kwargs)
+        optimizer, loss, metrics, loss_weights, weighted_metrics, steps_per_execution, auto_scale_loss = (
+            resolved[k] for k in ("optimizer", "loss", "metrics", "loss_weights", "weighted_metrics",
+                                  "steps_per_execution", "auto_scale_loss"))
         optimizer = keras.optimizers.get(optimizer)
         if auto_scale_loss and self._tnt_mixed_float16 and \
                 not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

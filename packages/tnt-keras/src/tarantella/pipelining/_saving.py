@@ -69,16 +69,18 @@ def stage_payload(pm, with_optimizer: bool = True) -> dict:
 def serial_weight_keys(pm) -> list[tuple[str, tuple[int, ...]]]:
     """("<layer>/<weight index>", shape) of each of the serial model's weights, in its
     ``get_weights()`` order (from its config, with deferred variables: no memory)."""
-    with deferred_variables():
-        full = serial_model_from_config(pm)
+    full = serial_model_from_config(pm, deferred=True)
     keys = variable_keys(full)
     return [(keys[id(w)], tuple(int(d) for d in w.shape)) for w in full.weights]
 
 
-def serial_model_from_config(pm) -> keras.Model:
+def serial_model_from_config(pm, deferred: bool = False) -> keras.Model:
     """A new serial model from the config kept at construction (Keras' from_config consumes
-    the dict it is given, so it gets a copy)."""
+    the dict it is given, so it gets a copy); ``deferred``: shapes only, no memory."""
     cls, config = pm._tnt_serial_config
+    if deferred:
+        with deferred_variables():
+            return cls.from_config(copy.deepcopy(config))
     return cls.from_config(copy.deepcopy(config))
 
 

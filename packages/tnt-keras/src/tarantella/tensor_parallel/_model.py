@@ -31,6 +31,7 @@ from .._core import inputs as _inputs
 from .._core import internals as _internals
 from .._core import runtime as _runtime
 from .._core import sync as _sync
+from .._core.compile_args import own_compile_arguments
 from .._core.deferred import current_or_initial, has_deferred, is_deferred, materialise
 from .._core.distributed import DistributedModel
 from .._core.errors import TensorParallelError
@@ -249,18 +250,22 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         self.plan.summary()
 
     # -- compile / run ---------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, *, jit_compile="auto", **kwargs):
-        """Keras' compile of the local model's wrapper. The group collectives are ops XLA
-        cannot hold, so the step is never one XLA cluster; ``jit_compile=True`` has XLA
-        compile the segments between them instead (``_xla``)."""
-        optimizer = keras.optimizers.get(optimizer)
+    def compile(self, *args, **kwargs):
+        """Keras' compile of the local model's wrapper, with the arguments the user's
+        model's own ``compile`` passes on (its defaults: keras-hub's metrics). The group
+        collectives are ops XLA cannot hold, so the step is never one XLA cluster;
+        ``jit_compile=True`` has XLA compile the segments between them instead (``_xla``)."""
+        serial = self._serial
+        kwargs = own_compile_arguments(type(serial), lambda: serial, args, kwargs)
+        optimizer = keras.optimizers.get(kwargs.pop("optimizer"))
+        jit_compile = kwargs.pop("jit_compile")
         if self.plan.split_layers() and (getattr(optimizer, "clipnorm", None) or
                                          getattr(optimizer, "global_clipnorm", None)):
             raise TensorParallelError(
                 "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards "
                 "of the split layers' gradients. Use clipvalue=, or train with ParallelStrategy.DATA.")
         self._tnt_xla_segments = jit_compile is True
-        super().compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
+        super().compile(optimizer=optimizer, jit_compile=False, **kwargs)
         if self._tnt_steps is not None:  # its reducers hold the old metrics' and optimizer's slots
             self._tnt_steps.close()
             self._tnt_steps = self._replica_steps()
