@@ -24,6 +24,12 @@ TOL = 2e-5
 _LAUNCHED: dict[int, dict] = {}
 
 
+@keras.saving.register_keras_serializable(package="tnt_tests")
+class WithDefaults(keras.Model):
+    """The job's model class (jobs/layouts_files.py), registered here to load its files
+    in this process (its compile's default metric does not matter here)."""
+
+
 def _report(ranks: int, tmp_path_factory) -> dict:
     """The job's report on ``ranks`` ranks (one launch per rank count in this session)."""
     if ranks not in _LAUNCHED:
