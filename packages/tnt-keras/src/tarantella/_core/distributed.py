@@ -148,7 +148,10 @@ def serial_weights_problem(weights, expected: list[tuple[int, ...]]) -> str | No
     if len(weights) != len(expected):
         return f"got a list of {len(weights)} arrays, the model has {len(expected)} weights"
     for j, (w, shape) in enumerate(zip(weights, expected)):
-        got = tuple(np.shape(w))
+        try:
+            got = tuple(np.shape(w))
+        except (TypeError, ValueError) as err:  # ragged nesting: no shape (fails on every rank alike)
+            return f"array {j} has no shape ({err})"
         if got != tuple(shape):
             return f"array {j} has shape {got}, the model's weight {j} has shape {tuple(shape)}"
     return None
