@@ -24,6 +24,12 @@ TOL = 2e-5
 _LAUNCHED: dict[int, dict] = {}
 
 
+@keras.saving.register_keras_serializable(package="tnt_tests")
+class WithDefaults(keras.Model):
+    """The job's model class (jobs/layouts_files.py), registered here to load its files
+    in this process (its compile's default metric does not matter here)."""
+
+
 def _report(ranks: int, tmp_path_factory) -> dict:
     """The job's report on ``ranks`` ranks (one launch per rank count in this session)."""
     if ranks not in _LAUNCHED:
@@ -82,6 +88,39 @@ def test_save_on_all_devices_gives_every_rank_the_whole_file(report):
 def test_export_serves_the_outputs_of_a_serial_export(report):
     for name, case in report["layouts"].items():
         assert case["export_serve_diff"] <= 1e-6, (name, case)
+
+
+def test_history_has_serial_keras_keys_and_values_with_the_model_class_own_compile_defaults(report):
+    for name, case in report["layouts"].items():
+        keys = case["history_keys"]
+        # loss, the explicit metric and the default weighted metric of the class's compile
+        assert keys["serial"] == ["default_mae", "loss", "mse_metric"], (name, keys)
+        assert keys["tnt"] == keys["serial"], (name, keys)
+        assert case["history_diff"] <= 1e-5, (name, case["history_diff"])
+
+
+def test_get_weights_is_the_serial_models_list_on_every_rank(report):
+    for name, case in report["layouts"].items():
+        per_rank = case["get_weights_vs_serial_per_rank"]
+        assert len(per_rank) == report["ranks"] and max(per_rank) <= TOL, (name, per_rank)
+        assert case["get_weights_vs_saved_file"] == 0.0, (name, case["get_weights_vs_saved_file"])
+
+
+def test_set_weights_takes_a_serial_list_and_predicts_as_serial_keras(report):
+    for name, case in report["layouts"].items():
+        for key in ("set_then_predict_per_rank", "set_then_get_per_rank"):
+            per_rank = case[key]
+            assert len(per_rank) == report["ranks"] and max(per_rank) <= 1e-6, (name, key, per_rank)
+
+
+def test_set_weights_with_a_wrong_list_raises_value_error_on_every_rank(report):
+    for name, case in report["layouts"].items():
+        for key, words in (("short_list_error_per_rank", "a list of 9 arrays, the model has 10 weights"),
+                           ("wrong_shape_error_per_rank", "array 0 has shape (7, 7)")):
+            errors = case[key]
+            assert len(errors) == report["ranks"], (name, key, errors)
+            assert all(e is not None and words in e and "get_weights()" in e for e in errors), (name, key, errors)
+        assert max(case["weights_kept_after_errors_per_rank"]) == 0.0, (name, case)
 
 
 def test_a_t2_file_loads_at_q1_as_data_replicas_and_on_one_rank(tmp_path_factory):

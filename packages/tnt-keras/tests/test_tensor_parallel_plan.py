@@ -231,7 +231,7 @@ def test_column_row_pair_across_pipeline_stages_is_refused():
     with pytest.raises(TensorParallelError, match=r"'up2' \(column-split\) is on pipeline stage 0 and its "
                                                   r"row-split partner 'down2' on stage 1.*plan.replicate\('up2'\)"):
         tnt.Model(model, parallel_strategy=ALL, tensor_parallel_size=2, pipeline_plan=cut)
-    from tarantella.tensor_parallel._stages import check_pairs_in_one_stage
+    from tarantella.hybrid import check_pairs_in_one_stage
 
     check_pairs_in_one_stage(plan(model, tensor_parallel_size=2),   # cut between the pairs: fine
                              tnt.pipelining.plan(model, split_after=["down1"]))

@@ -26,7 +26,7 @@ tensor groups. Launch with ``tarantella -n N -- train.py``; ``python train.py`` 
 
 from __future__ import annotations
 
-from . import data_parallel, keras, models, native, pipelining, tensor_parallel
+from . import data_parallel, hybrid, keras, models, native, pipelining, tensor_parallel
 from ._core.deferred import deferred_variables
 from ._core.inputs import InputError
 from ._core.internals import UnsupportedVersionError
@@ -54,6 +54,7 @@ __all__ = [
     "get_master_rank",
     "get_rank",
     "get_size",
+    "hybrid",
     "is_master_rank",
     "keras",
     "local_batch_size",

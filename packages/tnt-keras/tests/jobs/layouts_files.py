@@ -15,6 +15,18 @@ is compiled with Adam, trained one epoch, then:
   the saved model (made on the master with plain Keras);
 - on 2 ranks, the TENSOR t = 2 file loads with ``ALL, tensor_parallel_size=1`` (data
   replicas) and predicts as plain Keras does with the same file.
+
+Against serial Keras trained in the same job (same model class, seed, batches):
+
+- History has serial Keras' keys and values: the model's class has a ``compile`` of its
+  own that adds a default weighted metric (as keras-hub's tasks do), and an explicit
+  metric is compiled too;
+- ``get_weights()`` on every rank is the serial model's list (order, shapes, values) and
+  the saved file's;
+- ``set_weights(list)`` with a serial-shaped list (a serial model built with another seed)
+  then ``predict`` gives that serial model's predictions, on every rank, and
+  ``get_weights()`` gives the list back; a list one array short or with a wrong shape
+  raises ValueError on every rank.
 """
 
 from __future__ import annotations
@@ -36,8 +48,31 @@ N = tnt.get_size()
 WIDTH = 8  # divisible by t = 2 and 4
 
 
-def mlp(marked: bool = False) -> keras.Model:
-    keras.utils.set_random_seed(7)
+@keras.saving.register_keras_serializable(package="tnt_tests")
+class WithDefaults(keras.Model):
+    """A functional model whose own ``compile`` adds a default weighted metric (as
+    keras-hub's tasks add ``sparse_categorical_accuracy``)."""
+
+    def compile(self, optimizer="rmsprop", loss=None, weighted_metrics="auto", **kwargs):
+        if weighted_metrics == "auto":
+            weighted_metrics = [keras.metrics.MeanAbsoluteError(name="default_mae")]
+        super().compile(optimizer=optimizer, loss=loss, weighted_metrics=weighted_metrics, **kwargs)
+
+    def compile_from_config(self, config) -> None:
+        """Keras' own, which skips classes with a compile of their own (files load compiled)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+
+def compile_(model) -> None:
+    """The one compile every layout and the serial reference get."""
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse",
+                  metrics=[keras.metrics.MeanSquaredError(name="mse_metric")])
+
+
+def mlp(marked: bool = False, seed: int = 7) -> keras.Model:
+    keras.utils.set_random_seed(seed)
     x = keras.Input((6,), name="x")
     h = keras.layers.Dense(WIDTH, activation="relu", name="up1")(x)
     h = keras.layers.Dense(6, name="down1")(h)
@@ -45,7 +80,7 @@ def mlp(marked: bool = False) -> keras.Model:
         h = tnt.keras.layers.SplitLayer(name="cut")(h)
     h = keras.layers.Dense(WIDTH, activation="relu", name="up2")(h)
     h = keras.layers.Dense(6, name="down2")(h)
-    return keras.Model(x, keras.layers.Dense(3, name="head")(h), name="mlp")
+    return WithDefaults(x, keras.layers.Dense(3, name="head")(h), name="mlp")
 
 
 LAYOUTS = {
@@ -77,6 +112,54 @@ def data():
     return x, y
 
 
+def serial_reference(marked: bool) -> dict:
+    """Serial Keras: the same model trained on the same batches, in this process."""
+    x, y = data()
+    serial = mlp(marked)
+    compile_(serial)
+    history = serial.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0).history
+    return {"history": history, "weights": serial.get_weights()}
+
+
+def weights_diff(a, b) -> float:
+    """Largest difference of two weight lists; inf when their lengths or shapes differ."""
+    if len(a) != len(b) or any(np.shape(u) != np.shape(v) for u, v in zip(a, b)):
+        return float("inf")
+    return _job.max_abs_diff(list(a), list(b))
+
+
+def raises_value_error(fn) -> str | None:
+    """The ValueError's message (None if nothing or something else was raised)."""
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return None  # any other exception propagates and fails the job
+
+
+def check_weights_api(model, ref: dict, saved: Path, x: np.ndarray) -> dict:
+    """get_weights after fit, set_weights with a serial list, and bad lists (every rank)."""
+    out = {}
+    got = model.get_weights()
+    out["get_weights_vs_serial_per_rank"] = tnt_comm.allgather_object(weights_diff(got, ref["weights"]))
+    if tnt.is_master_rank():
+        out["get_weights_vs_saved_file"] = weights_diff(got, keras.saving.load_model(saved).get_weights())
+    fresh = mlp(seed=11)
+    fresh_weights = fresh.get_weights()
+    model.set_weights(fresh_weights)
+    out["set_then_predict_per_rank"] = tnt_comm.allgather_object(_job.max_abs_diff(
+        model.predict(x, batch_size=BATCH, verbose=0), fresh.predict(x, batch_size=BATCH, verbose=0)))
+    out["set_then_get_per_rank"] = tnt_comm.allgather_object(weights_diff(model.get_weights(), fresh_weights))
+    wrong_shape = [np.zeros((7, 7), "float32"), *fresh_weights[1:]]
+    out["short_list_error_per_rank"] = tnt_comm.allgather_object(
+        raises_value_error(lambda: model.set_weights(fresh_weights[:-1])))
+    out["wrong_shape_error_per_rank"] = tnt_comm.allgather_object(
+        raises_value_error(lambda: model.set_weights(wrong_shape)))
+    out["weights_kept_after_errors_per_rank"] = tnt_comm.allgather_object(
+        weights_diff(model.get_weights(), fresh_weights))
+    return out
+
+
 def raises_exists(fn) -> bool:
     try:
         fn()
@@ -93,10 +176,14 @@ def serve(directory: Path, x: np.ndarray) -> np.ndarray:
 def run_layout(name: str, make, work: Path) -> dict:
     x, y = data()
     model = make()
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0)
+    ref = serial_reference(marked=name == "all_p2_t2")
+    compile_(model)
+    history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH), epochs=1, verbose=0).history
     predicted = model.predict(x, batch_size=BATCH, verbose=0)
     out = {"class": type(model).__name__}
+    out["history_keys"] = {"serial": sorted(ref["history"]), "tnt": sorted(history)}
+    common = sorted(set(ref["history"]) & set(history))
+    out["history_diff"] = _job.max_abs_diff([ref["history"][k] for k in common], [history[k] for k in common])
     if hasattr(model, "schedule_grid"):  # pipelines: the schedule as a printable grid
         out["schedule_grid_first_line"] = model.schedule_grid().splitlines()[0]
     path, weights = work / f"{name}.keras", work / f"{name}.weights.h5"
@@ -127,6 +214,7 @@ def run_layout(name: str, make, work: Path) -> dict:
         last = keras.saving.load_model(work / f"{name}_copy.rank{N - 1}.keras")
         out["all_devices_last_rank_predict_diff"] = _job.max_abs_diff(
             last.predict(x, batch_size=BATCH, verbose=0), predicted)
+    out.update(check_weights_api(model, ref, path, x))
     return out
 
 

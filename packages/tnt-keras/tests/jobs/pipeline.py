@@ -281,7 +281,7 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
     evaluated = model.evaluate(ds(vx, vy, 7), verbose=0)
     predicted = model.predict(ds(vx, None, 7), verbose=0)
     everyone = tnt_comm.allgather_object((hist, evaluated, digest([np.asarray(predicted)]),
-                                          model.stage, model.replica, digest(model.get_weights()),
+                                          model.stage, model.replica, digest(model.stage_model.get_weights()),
                                           len(model.stage_model.weights), model.peak_micro_batches_in_flight,
                                           materialised, stage_bytes, user_deferred,
                                           loss_scale_state(model._tnt_stage.optimizer)))
@@ -309,7 +309,7 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
         "loss_scale": None if ref["loss_scale"] is None else {
             "serial": ref["loss_scale"], "per_rank": [e[11] for e in everyone],
             "steps": epochs * -(-n // batch), "overflow_at_start": overflow_at_start},
-        "weights_digest": digest(model.get_weights()),
+        "weights_digest": digest(model.stage_model.get_weights()),
         "policy": {"model": user_model.dtype_policy.name, "boundaries": [b.dtype for b in model.plan.boundaries],
                    "optimizer": type(model._tnt_stage.optimizer).__name__,
                    "global_after": keras.config.dtype_policy().name},
@@ -512,7 +512,7 @@ def unseeded_shuffle_check() -> dict:
         model.fit(x, t, batch_size=b, epochs=1, verbose=0)  # shuffle=True, Keras' default
     finally:
         tf_config.enable_op_determinism()
-    kernel = tnt_comm.broadcast_object(model.get_weights()[0].ravel() if model.stage == 0 else None, 0)
+    kernel = tnt_comm.broadcast_object(model.stage_model.get_weights()[0].ravel() if model.stage == 0 else None, 0)
     in_samples = kernel / (lr * 2 / b)  # the target each e_i was trained towards
     return {"each_x_met_its_y": bool(np.allclose(in_samples, t.ravel(), atol=1e-6)),
             "targets_met_x_n": [round(float(v) * n, 3) for v in in_samples]}

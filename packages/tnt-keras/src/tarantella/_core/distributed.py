@@ -5,13 +5,15 @@ it gathers the serial model on the master (``_tnt_gather_serial``), how it reads
 file into its own part (``load_weights``) and what it prints as its summary. Everything
 else — files written by the master atomically, ``overwrite``, ``export`` of a
 whole-model SavedModel, per-rank copies (``tnt_save_all_devices``), progress on the
-master only, callbacks per rank, the common shuffle seed — is here, alike for every
+master only, callbacks per rank, the common shuffle seed, serial-shaped ``get_weights`` /
+``set_weights`` — is here, alike for every
 layout (docs/architecture.md, "Strategies").
 """
 
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 import tnt_comm
 
@@ -40,6 +42,47 @@ class DistributedModel(keras.Model):
 
     def _tnt_before_save(self) -> None:
         """Make the state a file holds global (data parallelism: moving statistics)."""
+
+    def _tnt_serial_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of the serial model's ``get_weights()``, in its order (no collective)."""
+        raise NotImplementedError
+
+    def _tnt_assign_serial(self, weights: list[np.ndarray]) -> None:
+        """Keep this rank's part of the serial-shaped ``weights`` (checked, the master's
+        on every rank): a stage's layers, a shard's slices, the whole of a replica."""
+        raise NotImplementedError
+
+    def _tnt_serial_weights(self) -> list[np.ndarray]:
+        """The serial model's weights on every rank, its order and shapes (every rank calls it)."""
+        raise NotImplementedError
+
+    # -- serial-shaped weights -----------------------------------------------------------------
+    def get_weights(self) -> list[np.ndarray]:
+        """The serial model's ``get_weights()`` (its order and shapes) on every rank,
+        whatever the layout; every rank calls it (a collective)."""
+        return [np.asarray(w) for w in self._tnt_serial_weights()]
+
+    def set_weights(self, weights) -> None:
+        """Set the weights from a serial-shaped list (the serial model's ``get_weights()``
+        order and shapes); every rank calls it and keeps its part of the master's list.
+        A list of another length or shape raises ValueError on every rank."""
+        expected = self._tnt_serial_shapes()
+        problem = serial_weights_problem(weights, expected)
+        several = _runtime.get_size() > 1
+        problems = tnt_comm.allgather_object(problem) if several else [problem]
+        bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+        if bad:
+            rank, what = bad[0]
+            raise ValueError(
+                f"set_weights() on rank {rank}: {what}. It takes the serial model's weights as "
+                f"serial Keras' get_weights() returns them: {len(expected)} arrays of shapes "
+                f"{[tuple(s) for s in expected]} (e.g. model.get_weights() of this model or of "
+                "the serial Keras model it wraps).")
+        weights = [np.asarray(w) for w in weights]
+        if several:
+            weights = tnt_comm.broadcast_object(weights if _runtime.is_master_rank() else None,
+                                                _runtime.get_master_rank())
+        self._tnt_assign_serial(weights)
 
     # -- the loops' common pieces ---------------------------------------------------------------
     def _verbose(self, verbose):
@@ -98,4 +141,20 @@ class DistributedModel(keras.Model):
             tnt_comm.barrier()
 
 
-__all__ = ["DistributedModel"]
+def serial_weights_problem(weights, expected: list[tuple[int, ...]]) -> str | None:
+    """What is wrong with ``weights`` as a list of arrays of the ``expected`` shapes (None: fine)."""
+    if isinstance(weights, np.ndarray | str | bytes | dict) or not hasattr(weights, "__len__"):
+        return f"got {type(weights).__name__}, not a list of arrays"
+    if len(weights) != len(expected):
+        return f"got a list of {len(weights)} arrays, the model has {len(expected)} weights"
+    for j, (w, shape) in enumerate(zip(weights, expected)):
+        try:
+            got = tuple(np.shape(w))
+        except (TypeError, ValueError) as err:  # ragged nesting: no shape (fails on every rank alike)
+            return f"array {j} has no shape ({err})"
+        if got != tuple(shape):
+            return f"array {j} has shape {got}, the model's weight {j} has shape {tuple(shape)}"
+    return None
+
+
+__all__ = ["DistributedModel", "serial_weights_problem"]

@@ -46,6 +46,15 @@ def loss_tracker(model: keras.Model) -> keras.metrics.Metric:
         raise _missing("keras.Model._loss_tracker", err) from err
 
 
+def compile_arguments(model: keras.Model) -> dict[str, Any]:
+    """The arguments ``keras.Model.compile`` last received on ``model`` (the objects
+    themselves, not their configs: the user's optimizer stays the user's)."""
+    try:
+        return dict(model._compile_config.config)
+    except AttributeError as err:
+        raise _missing("keras.Model._compile_config", err) from err
+
+
 def optimizer_variables_built_on(optimizer: keras.optimizers.Optimizer) -> list:
     """The trainable variables an optimizer was built with (``apply(grads)`` without them)."""
     if not optimizer.built:

@@ -149,14 +149,17 @@ class Model(DistributedModel):
     def to_json(self, **kwargs) -> str:
         return self._model.to_json(**kwargs)
 
-    def get_weights(self):
+    # get_weights / set_weights: the base's (serial-shaped; the master's values win).
+    def _tnt_serial_weights(self):
+        """Every replica holds the serial model: its own weights, no collective."""
         return self._model.get_weights()
 
-    def set_weights(self, weights) -> None:
-        """Set the weights on the master and broadcast them, so all replicas agree."""
+    def _tnt_serial_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(w.shape) for w in self._model.weights]
+
+    def _tnt_assign_serial(self, weights) -> None:
+        """Every replica takes the whole list (the master's, broadcast by the base)."""
         self._model.set_weights(weights)
-        if _runtime.get_size() > 1:
-            _sync.broadcast_from_master(self._model.weights)
 
     def __getattr__(self, name: str):
         # Attributes defined by a subclassed model (e.g. `model.encoder`) stay reachable.

@@ -21,6 +21,7 @@ import tnt_data
 
 from .._core import backup as _backup
 from .._core import runtime as _runtime
+from .._core.compile_args import own_compile_arguments
 from .._core.distributed import DistributedModel
 from .._core.errors import PipelineError
 from .._core.inputs import Sharding, at_epoch, fit_datasets, rank_dataset
@@ -28,7 +29,14 @@ from .._core.mesh import check_layout
 from .._core.serial_files import assign_optimizer_state, optimizer_state
 from ._plan import Plan
 from ._plan import plan as make_plan
-from ._saving import fill_serial_model, gather_serial_model, load_pipelined_weights
+from ._saving import (
+    fill_serial_model,
+    gather_serial_model,
+    load_pipelined_weights,
+    serial_model_from_config,
+    serial_weight_keys,
+    stage_payload,
+)
 from ._schedule import check_schedule, schedule_grid
 from ._stage_runtime import StageRuntime
 from ._transport import CommTransport
@@ -98,6 +106,7 @@ class PipelinedModel(DistributedModel):
         self._tnt_compile_args: dict | None = None
         self._tnt_synced = False
         self._tnt_seed: int | None = None
+        self._tnt_serial_keys: list | None = None
         self.built = True
         if model.compiled:  # e.g. loaded from a .keras file with its training configuration
             self._compile_from(model)
@@ -167,9 +176,39 @@ class PipelinedModel(DistributedModel):
         every rank."""
         return []
 
-    def get_weights(self):
-        """This rank's stage's weights (the whole model only exists in saved files)."""
-        return self.stage_model.get_weights()
+    # -- serial-shaped weights (the base's get_weights / set_weights) -------------------------
+    def _tnt_stage_payload(self, with_optimizer: bool) -> dict:
+        """This stage's serial-shaped weights by layer (and optimizer state by key)."""
+        return stage_payload(self, with_optimizer)
+
+    def _tnt_serial_weights(self) -> list[np.ndarray]:
+        """Every stage's weights joined in the serial order, on every rank (collective:
+        an allgather over the pipeline; the replicas hold the same)."""
+        by_layer = {}
+        for payload in self.transport.pipeline_allgather_object(self._tnt_stage_payload(False)):
+            by_layer.update(payload["weights"])
+        return [w for name in self.plan.graph.layer_order for w in by_layer.get(name, [])]
+
+    def _tnt_serial_layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        if getattr(self, "_tnt_serial_keys", None) is None:
+            self._tnt_serial_keys = serial_weight_keys(self)
+        return self._tnt_serial_keys
+
+    def _tnt_serial_shapes(self) -> list[tuple[int, ...]]:
+        return [shape for _, shape in self._tnt_serial_layout()]
+
+    def _tnt_part(self, layer, variable, value: np.ndarray) -> np.ndarray:
+        """What ``variable`` of the stage's ``layer`` holds of the serial ``value``: all of it."""
+        return value
+
+    def _tnt_assign_serial(self, weights) -> None:
+        """This stage's layers take their weights from the serial list (matched by layer
+        name and weight index); other stages' weights are ignored."""
+        by_key = {key: w for (key, _), w in zip(self._tnt_serial_layout(), weights)}
+        for layer in self.stage_model.layers:
+            for j, variable in enumerate(layer.weights):
+                variable.assign(self._tnt_part(layer, variable, by_key[f"{layer.name}/{j}"]))
+        self._tnt_synced = False
 
     def _tnt_check_same_plan(self, transport) -> None:
         mine = (self.plan.split_after, [(b.tensor, b.shape, b.dtype, b.producer, b.consumers)
@@ -181,15 +220,24 @@ class PipelinedModel(DistributedModel):
                 f"({mine} vs {first}); every rank must build the same model.")
 
     # -- compile -------------------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, metrics=None, loss_weights=None,
-                weighted_metrics=None, run_eagerly=False, steps_per_execution=1,
-                jit_compile="auto", auto_scale_loss=True, **kwargs) -> None:
-        """Each stage gets a clone of ``optimizer``; the last stage the loss and metrics.
+    def _tnt_own_compile_arguments(self, args: tuple, kwargs: dict) -> dict:
+        """``keras.Model.compile``'s arguments as the user's model's own ``compile`` passes
+        them on (a model with shapes only is built for a class that has one)."""
+        return own_compile_arguments(self._tnt_serial_config[0],
+                                     lambda: serial_model_from_config(self, deferred=True), args, kwargs)
+
+    def compile(self, *args, **kwargs) -> None:
+        """Each stage gets a clone of the optimizer; the last stage the loss and metrics —
+        those the user's model's own ``compile`` passes on (its defaults: keras-hub's metrics).
 
         Like Keras' ``compile``, a ``mixed_float16`` model (its policy when it was built)
-        gets ``optimizer`` wrapped in a ``LossScaleOptimizer`` unless ``auto_scale_loss``
+        gets the optimizer wrapped in a ``LossScaleOptimizer`` unless ``auto_scale_loss``
         is False; its skip decision is taken over all stages (``StageRuntime``).
         """
+        resolved = self._tnt_own_compile_arguments(args, kwargs)
+        optimizer, loss, metrics, loss_weights, weighted_metrics, steps_per_execution, auto_scale_loss = (
+            resolved[k] for k in ("optimizer", "loss", "metrics", "loss_weights", "weighted_metrics",
+                                  "steps_per_execution", "auto_scale_loss"))
         optimizer = keras.optimizers.get(optimizer)
         if auto_scale_loss and self._tnt_mixed_float16 and \
                 not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):

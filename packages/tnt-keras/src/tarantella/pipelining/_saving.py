@@ -36,6 +36,7 @@ from .._core.serial_files import (
     optimizer_keys,
     optimizer_state,
     serial_optimizer_keys,
+    variable_keys,
 )
 
 #: Header "step" of save messages (never a training step number).
@@ -55,19 +56,31 @@ def _recv_object(transport, stage: int, tag: int):
     return pickle.loads(data.tobytes())
 
 
-def _stage_payload(pm) -> dict:
+def stage_payload(pm, with_optimizer: bool = True) -> dict:
+    """This stage's weights by layer name (and optimizer state by key, if asked)."""
     model = pm.stage_model
     return {
         "weights": {layer.name: layer.get_weights() for layer in model.layers
                     if not isinstance(layer, keras.layers.InputLayer)},
-        "optimizer": optimizer_state(pm._tnt_stage.optimizer, model),
+        "optimizer": optimizer_state(pm._tnt_stage.optimizer, model) if with_optimizer else {},
     }
 
 
-def serial_model_from_config(pm) -> keras.Model:
+def serial_weight_keys(pm) -> list[tuple[str, tuple[int, ...]]]:
+    """("<layer>/<weight index>", shape) of each of the serial model's weights, in its
+    ``get_weights()`` order (from its config, with deferred variables: no memory)."""
+    full = serial_model_from_config(pm, deferred=True)
+    keys = variable_keys(full)
+    return [(keys[id(w)], tuple(int(d) for d in w.shape)) for w in full.weights]
+
+
+def serial_model_from_config(pm, deferred: bool = False) -> keras.Model:
     """A new serial model from the config kept at construction (Keras' from_config consumes
-    the dict it is given, so it gets a copy)."""
+    the dict it is given, so it gets a copy); ``deferred``: shapes only, no memory."""
     cls, config = pm._tnt_serial_config
+    if deferred:
+        with deferred_variables():
+            return cls.from_config(copy.deepcopy(config))
     return cls.from_config(copy.deepcopy(config))
 
 
@@ -76,7 +89,7 @@ def gather_serial_model(pm, with_optimizer: bool = True) -> keras.Model | None:
     transport = pm._tnt_stage.transport
     if transport.replica != 0:
         return None
-    payload = _stage_payload(pm)
+    payload = stage_payload(pm)
     if transport.stage != 0:
         for request in _send_object(transport, payload, 0, transport.stage):
             request.wait()

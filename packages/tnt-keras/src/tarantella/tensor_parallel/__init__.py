@@ -26,8 +26,7 @@ from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabE
 from ._layout_map import from_layout_map
 from ._model import TensorParallelModel
 from ._plan import KINDS, SUPPORTED, LayerSplit, Plan, plan, plan_from_kinds
-from ._stages import TensorPipelinedModel
-from ._strategy import load_model  # also registers TENSOR and ALL (tarantella._core.strategy)
+from ._strategy import load_model  # also registers TENSOR (ALL: tnt.hybrid)
 from ._xla import allow_cpu_clusters as _allow_cpu_clusters
 
 _allow_cpu_clusters()  # TF_XLA_FLAGS is read when the first function runs (see _xla)
@@ -45,7 +44,6 @@ __all__ = [
     "TensorGroup",
     "TensorParallelError",
     "TensorParallelModel",
-    "TensorPipelinedModel",
     "VocabEmbedding",
     "check_layout",
     "copy_to_group",

@@ -13,7 +13,7 @@ between them, ``_xla``).
 ``TENSOR`` runs one group of N == t ranks; ``ALL`` with ``tensor_parallel_size=t`` runs
 N / t data replicas of such groups (``_replicas``: each replica reads its slice of the
 global batch, gradients are summed over the replica group only), or, with pipeline
-stages, pipelining's model whose stages are tensor groups (``_stages``).
+stages, pipelining's model whose stages are tensor groups (``tarantella.hybrid``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .._core import inputs as _inputs
 from .._core import internals as _internals
 from .._core import runtime as _runtime
 from .._core import sync as _sync
+from .._core.compile_args import own_compile_arguments
 from .._core.deferred import current_or_initial, has_deferred, is_deferred, materialise
 from .._core.distributed import DistributedModel
 from .._core.errors import TensorParallelError
@@ -206,17 +207,19 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         """The local model's forward pass (outputs identical on every rank of the group)."""
         return self.local_model(inputs, training=training)
 
-    def get_weights(self) -> list[np.ndarray]:
-        """The serial model's weights, serial-shaped, in its order (collective on the group)."""
+    # get_weights / set_weights: the base's (serial-shaped; the master's values win).
+    def _tnt_serial_weights(self) -> list[np.ndarray]:
+        """The serial model's weights, shards joined over the group (collective on the group)."""
         gathered = {id(s): self._gather(local, axis) for s, local, axis in self._split_variables()}
         return [gathered[id(w)] if id(w) in gathered else np.asarray(w.numpy()) for w in self._serial.weights]
 
-    def set_weights(self, weights) -> None:
-        """Set the serial-shaped weights (rank 0's values win); shards take their slices."""
+    def _tnt_serial_shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(w.shape) for w in self._serial.weights]
+
+    def _tnt_assign_serial(self, weights) -> None:
+        """The serial layers take the list; each shard its slices of the split ones."""
         materialise(self._serial)  # a loaded model's serial split layers hold no values
         self._serial.set_weights(weights)
-        if _runtime.get_size() > 1:
-            _sync.broadcast_from_master(self._serial.weights)
         self._assign_shards()
 
     def replicated_checksum(self) -> str:
@@ -247,18 +250,22 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         self.plan.summary()
 
     # -- compile / run ---------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, *, jit_compile="auto", **kwargs):
-        """Keras' compile of the local model's wrapper. The group collectives are ops XLA
-        cannot hold, so the step is never one XLA cluster; ``jit_compile=True`` has XLA
-        compile the segments between them instead (``_xla``)."""
-        optimizer = keras.optimizers.get(optimizer)
+    def compile(self, *args, **kwargs):
+        """Keras' compile of the local model's wrapper, with the arguments the user's
+        model's own ``compile`` passes on (its defaults: keras-hub's metrics). The group
+        collectives are ops XLA cannot hold, so the step is never one XLA cluster;
+        ``jit_compile=True`` has XLA compile the segments between them instead (``_xla``)."""
+        serial = self._serial
+        kwargs = own_compile_arguments(type(serial), lambda: serial, args, kwargs)
+        optimizer = keras.optimizers.get(kwargs.pop("optimizer"))
+        jit_compile = kwargs.pop("jit_compile")
         if self.plan.split_layers() and (getattr(optimizer, "clipnorm", None) or
                                          getattr(optimizer, "global_clipnorm", None)):
             raise TensorParallelError(
                 "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards "
                 "of the split layers' gradients. Use clipvalue=, or train with ParallelStrategy.DATA.")
         self._tnt_xla_segments = jit_compile is True
-        super().compile(optimizer=optimizer, loss=loss, jit_compile=False, **kwargs)
+        super().compile(optimizer=optimizer, jit_compile=False, **kwargs)
         if self._tnt_steps is not None:  # its reducers hold the old metrics' and optimizer's slots
             self._tnt_steps.close()
             self._tnt_steps = self._replica_steps()

@@ -34,9 +34,18 @@ from .._core.mesh import groups
 from .._core.serial_files import optimizer_state
 from ..pipelining import PipelinedModel, StageModel, build_stage
 from ..pipelining import Plan as PipelinePlan
-from ._collectives import TensorGroup
-from ._model import GroupMember, assign_slices, digest, shard_model, split_variables
-from ._plan import COLUMN, SPLIT_AXES, Plan, var_name
+from ..tensor_parallel.parts import (
+    COLUMN,
+    SPLIT_AXES,
+    GroupMember,
+    Plan,
+    TensorGroup,
+    assign_slices,
+    digest,
+    shard_model,
+    split_variables,
+    var_name,
+)
 
 
 def check_pairs_in_one_stage(tensor_plan: Plan, pipeline_plan: PipelinePlan) -> None:
@@ -77,7 +86,7 @@ class _StageBuilder:
 class TensorPipelinedModel(GroupMember, PipelinedModel):
     """This rank's shards of its pipeline stage (ALL with ``num_pipeline_stages`` > 1 and
     ``tensor_parallel_size`` > 1). Pipelining's model; ``get_weights`` and ``save`` give
-    the whole serial model (shards joined, stages gathered)."""
+    the whole serial model (shards joined, stages gathered), ``set_weights`` takes it."""
 
     def __init__(self, model: keras.Model, *, tensor_plan: Plan, pipeline_plan: PipelinePlan,
                  **pipeline_options) -> None:
@@ -106,7 +115,7 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
     def _split_axes(self, layer) -> dict[str, int]:
         return SPLIT_AXES[self.tensor_plan.kind(layer.name)] if layer.name in self._tnt_shards else {}
 
-    def _stage_payload(self, with_optimizer: bool) -> dict:
+    def _tnt_stage_payload(self, with_optimizer: bool) -> dict:
         """This stage's serial-shaped weights by layer (and optimizer state by pipelining's
         keys), shards joined over the tensor group (collective on the group)."""
         weights, split = {}, {}
@@ -124,16 +133,10 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
                 state[key] = self._gather(value, split.get(key.split("|", 1)[0]) if "|" in key else None)
         return {"weights": weights, "optimizer": state}
 
-    def _stage_payloads(self, with_optimizer: bool) -> list[dict]:
-        """Every stage's payload, on every rank (collective on the job)."""
-        return self.transport.pipeline_allgather_object(self._stage_payload(with_optimizer))
-
-    def get_weights(self) -> list[np.ndarray]:
-        """The whole serial model's weights in its order, on every rank (collective on the job)."""
-        by_layer = {}
-        for payload in self._stage_payloads(with_optimizer=False):
-            by_layer.update(payload["weights"])
-        return [w for name in self.plan.graph.layer_order for w in by_layer[name]]
+    def _tnt_part(self, layer, variable, value: np.ndarray) -> np.ndarray:
+        """This rank's slice of a split layer's serial ``value`` (all of it elsewhere)."""
+        axis = self._split_axes(layer).get(var_name(variable, layer))
+        return value if axis is None else np.split(value, self.group.size, axis=axis)[self.group.rank]
 
     def replicated_checksum(self) -> str:
         """A digest of this rank's replicated variables (equal on the ranks of a tensor group)."""
@@ -141,16 +144,17 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
                        for v in layer.weights])
 
     # -- compile ---------------------------------------------------------------------------------
-    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs) -> None:
+    def compile(self, *args, **kwargs) -> None:
         """Pipelining's compile; norms of whole gradients and loss scaling are refused (a
         rank holds only shards of the split layers' gradients)."""
-        optimizer = keras.optimizers.get(optimizer)
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        resolved = self._tnt_own_compile_arguments(args, kwargs)
+        resolved["optimizer"] = keras.optimizers.get(resolved["optimizer"])
+        inner = getattr(resolved["optimizer"], "inner_optimizer", resolved["optimizer"])
         if getattr(inner, "clipnorm", None) or getattr(inner, "global_clipnorm", None):
             raise TensorParallelError(
                 "clipnorm/global_clipnorm compute norms of whole gradients, but a rank holds only shards of "
                 "the split layers' gradients. Use clipvalue=, or tensor_parallel_size=1 (pipelining alone).")
-        super().compile(optimizer, loss, *args, **kwargs)
+        super().compile(**resolved)
         if self.loss_scaled:
             raise TensorParallelError(
                 "a LossScaleOptimizer (mixed_float16) decides whether to skip a step from finite gradients, "
@@ -162,7 +166,7 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
     def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The whole serial model (with optimizer state) on the master, None elsewhere;
         every rank calls it."""
-        payloads = self._stage_payloads(with_optimizer)
+        payloads = self.transport.pipeline_allgather_object(self._tnt_stage_payload(with_optimizer))
         if not _runtime.is_master_rank():
             return None
         with tnt_comm.long_local_work():
