@@ -29,6 +29,7 @@ import tnt_comm
 
 from .._core import internals as _internals
 from .._core.deferred import deferred_variables
+from .._core.graph import leaf_layers
 from .._core.serial_files import (
     assign_optimizer_state,
     clone_optimizer,
@@ -91,7 +92,7 @@ def fill_serial_model(pm, payloads: list[dict], with_optimizer: bool) -> keras.M
     weights = {}
     for p in payloads:
         weights.update(p["weights"])
-    for layer in full.layers:
+    for layer in leaf_layers(full):  # nested models' layers too; a tied layer once
         if layer.name in weights:
             layer.set_weights(weights[layer.name])
     args = pm._tnt_compile_args
