@@ -31,6 +31,7 @@ from real_models import BATCH, EPOCHS, LENGTH, VOCAB, bert, data, gpt2, llama
 import tarantella as tnt
 import tnt_comm
 from tarantella._core.graph import leaf_layers
+from tarantella.pipelining._stages import held_layers
 
 
 def gpt2_causal_lm() -> keras.Model:
@@ -60,7 +61,7 @@ def compile_(model, name: str) -> None:
 def stage_weights(model) -> dict[int, list]:
     """This rank's layers' weights keyed by the layer's position in the serial weights order."""
     order = {name: k for k, name in enumerate(model.plan.graph.layer_order)}
-    return {order[layer.name]: layer.get_weights() for layer in model.stage_model.layers
+    return {order[layer.name]: layer.get_weights() for layer in held_layers(model.stage_model)
             if layer.name in order}
 
 

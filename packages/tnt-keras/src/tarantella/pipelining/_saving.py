@@ -38,6 +38,7 @@ from .._core.serial_files import (
     optimizer_state,
     serial_optimizer_keys,
 )
+from ._stages import held_layers
 
 #: Header "step" of save messages (never a training step number).
 _SAVE_STEP = 2**30
@@ -59,7 +60,7 @@ def _recv_object(transport, stage: int, tag: int):
 def _stage_payload(pm) -> dict:
     model = pm.stage_model
     return {
-        "weights": {layer.name: layer.get_weights() for layer in model.layers
+        "weights": {layer.name: layer.get_weights() for layer in held_layers(model)
                     if not isinstance(layer, keras.layers.InputLayer)},
         "optimizer": optimizer_state(pm._tnt_stage.optimizer, model),
     }
@@ -125,7 +126,7 @@ def read_stage_state(pm, full: keras.Model, full_optimizer, store) -> None:
     stage's layers and the optimizer variables of its weights are read.
     """
     paths = _internals.saved_layer_paths(full)
-    for layer in pm.stage_model.layers:
+    for layer in held_layers(pm.stage_model):
         if layer.weights:
             _internals.load_layer_state(layer, store, paths[layer.name])
     optimizer = pm._tnt_stage.optimizer

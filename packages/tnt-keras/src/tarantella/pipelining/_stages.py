@@ -115,6 +115,11 @@ def build_stage(plan: Plan, s: int, *, copy_weights: bool = True) -> StageModel:
     else:
         outputs = [resolve(plan.boundaries[b].tensor) for b in stage.outputs]
     model = keras.Model(inputs=inputs, outputs=outputs, name=f"{graph.model_name}_stage{s}")
+    # Layers whose outputs reach no output (BERT's pooler under a head reading the sequence
+    # output) are not in the functional model; held as an attribute their weights are still
+    # the stage's (trained with zero gradient, as serial Keras leaves them; saved).
+    model.tnt_unused_layers = [c for c in clones.values() if isinstance(c, keras.layers.Layer)
+                               and c.weights and all(c is not m for m in model.layers)]
     if copy_weights:  # deferred originals (deferred_variables) give their initial values
         for key, clone in clones.items():
             if clone is originals[key]:  # an op node, or a layer that runs as itself
@@ -124,11 +129,16 @@ def build_stage(plan: Plan, s: int, *, copy_weights: bool = True) -> StageModel:
     return StageModel(s, model, stage.data_inputs, stage.inputs, stage.outputs, last)
 
 
+def held_layers(model: keras.Model) -> list:
+    """A stage model's layers, those whose outputs reach none of its outputs included."""
+    return [*model.layers, *getattr(model, "tnt_unused_layers", ())]
+
+
 def serial_weights(plan: Plan, stage_models) -> list:
     """The weights of all stages (layer by layer) in the serial model's get_weights() order."""
     owner = {}
     for model in stage_models:
-        for layer in model.layers:
+        for layer in held_layers(model):
             owner[layer.name] = layer
     out = []
     for name in plan.graph.layer_order:

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from .._core import sparse as _sparse
 from ._plan import Plan
+from ._stages import held_layers
 from ._transport import Transport
 
 #: Header "micro-batch" field of tie messages (beyond any micro-batch index).
@@ -33,7 +34,7 @@ class TiedGradients:
         self.transport = transport
         stage = transport.stage
         position = {id(v): i for i, v in enumerate(model.trainable_variables)}
-        layers = {layer.name: layer for layer in model.layers}
+        layers = {layer.name: layer for layer in held_layers(model)}
         # (running index over all tied variables, holders, position in this stage's variables)
         self.entries: list[tuple[int, tuple[int, ...], int]] = []
         self.replica_positions: set[int] = set()  # variables this stage holds as a replica
