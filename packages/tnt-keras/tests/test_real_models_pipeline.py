@@ -67,3 +67,5 @@ def test_saved_causal_lm_opens_in_plain_keras_as_serial(report):
     saved, serial = c["saved_weights"]
     assert saved == serial, c  # the tied embedding once
     assert c["saved_predict_diff"] <= TOL_WEIGHTS, c
+    assert c["saved_optimizer_diff"] <= TOL_WEIGHTS, c  # Adam's moments, gathered from both stages
+

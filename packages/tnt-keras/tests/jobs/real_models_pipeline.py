@@ -18,10 +18,13 @@ share of the parameters; for GPT2CausalLM a save opened in plain Keras.
 
 from __future__ import annotations
 
+import io
 import tempfile
+import zipfile
 from pathlib import Path
 
 import _job
+import h5py
 import keras
 import keras_hub
 import numpy as np
@@ -63,6 +66,19 @@ def stage_weights(model) -> dict[int, list]:
     order = {name: k for k, name in enumerate(model.plan.graph.layer_order)}
     return {order[layer.name]: layer.get_weights() for layer in held_layers(model.stage_model)
             if layer.name in order}
+
+
+def _saved_optimizer_diff(path: Path, serial: keras.Model) -> float:
+    """Largest difference between the optimizer variables in the file and the serial
+    model's (Adam's moments of every weight, the tied one once), in the file's order."""
+    with zipfile.ZipFile(path) as archive:
+        with h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as f:
+            group = f["optimizer"]["vars"]
+            saved = [np.asarray(group[str(k)]) for k in range(len(group))]
+    mine = [np.asarray(v.numpy()) for v in serial.optimizer.variables]
+    if len(saved) != len(mine):
+        return float("inf")
+    return _job.max_abs_diff(mine, saved)
 
 
 def run_case(name: str, tmp: Path) -> dict:
@@ -112,6 +128,7 @@ def run_case(name: str, tmp: Path) -> dict:
             out["saved_weights"] = [len(plain.get_weights()), len(serial.get_weights())]
             out["saved_predict_diff"] = _job.max_abs_diff(ref["predict"],
                                                           plain.predict(x, batch_size=BATCH, verbose=0))
+            out["saved_optimizer_diff"] = _saved_optimizer_diff(path, serial)
     return out or {}
 
 
