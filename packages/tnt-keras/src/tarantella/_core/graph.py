@@ -143,7 +143,7 @@ def leaf_layers(model: keras.Model) -> list:
     """The layers holding weights, nested models' layers in their place, in the order of
     ``model.weights`` (each once): what a flattened graph's stages are made of."""
     owner: dict[int, object] = {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _internals.all_sublayers(model):
         if isinstance(layer, keras.Model) or not layer.weights:
             continue
         for v in layer.weights:

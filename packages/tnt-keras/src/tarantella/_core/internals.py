@@ -198,6 +198,15 @@ def model_from_saved_config(config_json: str, custom_objects, compile: bool, saf
     return saving_lib._model_from_config(config_json, custom_objects, compile, safe_mode)
 
 
+def all_sublayers(model: keras.Model) -> list:
+    """Every layer inside ``model``, nested models' and layers' own sublayers included, each
+    once, parents before their children (Layer._flatten_layers)."""
+    try:
+        return list(model._flatten_layers(include_self=False, recursive=True))
+    except AttributeError as err:  # pragma: no cover
+        raise _missing("Layer._flatten_layers", err) from err
+
+
 def saved_layer_paths(model: keras.Model, prefix: str = "") -> dict[str, str]:
     """Layer name -> the group holding its variables in a file Keras saved of ``model``.
 

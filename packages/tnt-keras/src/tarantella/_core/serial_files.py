@@ -37,7 +37,7 @@ def variable_keys(model: keras.Model) -> dict[int, str]:
     that is no model: a nested model's layers name their own variables, so a pipeline
     stage (nested models flattened) and the serial model agree."""
     keys = {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):  # parents first
+    for layer in _internals.all_sublayers(model):  # parents first
         if isinstance(layer, keras.Model):
             continue
         for j, var in enumerate(layer.weights):
