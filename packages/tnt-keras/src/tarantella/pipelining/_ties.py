@@ -38,9 +38,10 @@ class TiedGradients:
         # (running index over all tied variables, holders, position in this stage's variables)
         self.entries: list[tuple[int, tuple[int, ...], int]] = []
         self.replica_positions: set[int] = set()  # variables this stage holds as a replica
+        originals = {c.layer.name: c.layer for c in plan.graph.calls}
         j = 0
         for tie in plan.ties:
-            count = sum(1 for _ in _tied_variables(tie, plan))
+            count = len(originals[tie.layer].trainable_weights)  # the same on every stage
             if stage in tie.stages:
                 for k, v in enumerate(layers[tie.layer].trainable_weights):
                     self.entries.append((j + k, tie.stages, position[id(v)]))
@@ -95,13 +96,6 @@ class TiedGradients:
         for request in sends:
             request.wait()
         return grads
-
-
-def _tied_variables(tie, plan: Plan):
-    for call in plan.graph.calls:
-        if call.layer.name == tie.layer:
-            return iter(call.layer.trainable_weights)
-    return iter(())
 
 
 def _as_arrays(g) -> list[np.ndarray]:
