@@ -186,3 +186,45 @@ def test_a_deferred_model_on_one_rank_is_materialised_and_trains_as_serial():
     hist = model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0).history
     assert max_diff([hist[k] for k in sorted(hist)], [ref_hist[k] for k in sorted(hist)]) <= 2e-6
     assert max_diff(model.get_weights(), ref.get_weights()) <= 5e-6
+
+
+def tied_nested_model() -> keras.Model:
+    """What real models bring (issue 27): a backbone model nested in the task model with a
+    stage cut inside it (SplitLayer), a dynamic sequence axis crossing the cut, keras op
+    nodes (x[:, 0], ops.mean), a layer called on both stages (tied), and a layer whose
+    output reaches no model output (its weights get no gradient)."""
+    keras.utils.set_random_seed(6)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    tied = keras.layers.Dense(8, activation="tanh", name="tied")
+    h = tied(keras.layers.Embedding(10, 8, name="emb")(tokens))
+    h = SplitLayer(name="cut")(keras.layers.Dense(8, activation="relu", name="inner")(h))
+    h = keras.layers.Dense(8, name="after_cut")(h)
+    pooled = keras.layers.Dense(4, name="unused_pooler")(h[:, 0, :])
+    backbone = keras.Model(tokens, {"seq": h, "pooled": pooled}, name="backbone")
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    x = tied(keras.ops.mean(backbone(ids)["seq"], axis=1))
+    return keras.Model(ids, keras.layers.Dense(3, activation="softmax", name="head")(x), name="task")
+
+
+@pytest.mark.filterwarnings("ignore:Gradients do not exist")  # serial Keras on unused_pooler
+def test_nested_tied_op_nodes_dynamic_axis_and_unused_layers_train_as_serial():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 10, size=(N, 5)).astype("int32")
+    y = (x[:, 0] % 3).astype("int32")
+    ref, ref_hist = serial(tied_nested_model, keras.optimizers.Adam(0.01), x, y)
+    pipe, hist = pipelined(tied_nested_model, keras.optimizers.Adam(0.01), x, y, m=4)
+    assert [(t.layer, t.stages) for t in pipe.plan.ties] == [("tied", (0, 1))]
+    assert pipe.plan.boundaries[0].shape == (None, 8)  # the sequence axis is dynamic
+    assert sorted(hist) == sorted(ref_hist)
+    hd = max_diff([hist[k] for k in sorted(hist)], [ref_hist[k] for k in sorted(hist)])
+    wd = max_diff(pipe.get_weights(), ref.get_weights())
+    assert len(pipe.get_weights()) == len(ref.get_weights())  # the tied layer once
+    print(f"nested/tied/dynamic: history {hd:.1e} weights {wd:.1e}")
+    assert hd <= 2e-6 and wd <= 5e-6
+    copies = [[w.numpy() for w in st.model.trainable_weights if w.path.startswith("tied/")]
+              for st in pipe.stages]
+    assert all(np.array_equal(a, b) for a, b in zip(*copies))  # master and replica never drift
+    unused = pipe.stages[0].model.tnt_unused_layers + pipe.stages[1].model.tnt_unused_layers
+    assert [layer.name for layer in unused] == ["unused_pooler"]
+    predicted = pipe.predict_step(tf.constant(x[:9]))
+    np.testing.assert_allclose(np.asarray(predicted), ref.predict(x[:9], verbose=0), atol=5e-6)

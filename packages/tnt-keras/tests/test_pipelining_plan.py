@@ -131,14 +131,68 @@ def test_split_layer_is_a_serialisable_identity():
 
 
 # -- errors ----------------------------------------------------------------------------------------
-def test_layer_used_in_two_stages_is_refused_by_name():
+def test_layer_used_in_two_stages_is_tied_master_first_replica_after():
     keras.utils.set_random_seed(0)
     inp = keras.Input((4,))
     shared = keras.layers.Dense(4, name="shared")
     x = SplitLayer()(shared(inp))
     out = shared(keras.layers.Dense(4)(x))
-    with pytest.raises(PipelineError, match="layer 'shared' is called in stages 0 and 1"):
+    p = plan(keras.Model(inp, out))
+    assert [(t.layer, t.stages) for t in p.ties] == [("shared", (0, 1))]
+    assert "shared" in p.stages[0].layer_names and p.stages[1].replicas == ("shared",)
+    assert "replicas of tied layers: shared" in p.summary(print_fn=None)
+    stage1 = build_stage(p, 1).model
+    assert [v.path for v in stage1.trainable_weights if v.path.startswith("shared")] == \
+        ["shared/kernel", "shared/bias"]
+
+
+def test_layer_with_moving_statistics_on_two_stages_is_refused_by_name():
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4,))
+    norm = keras.layers.BatchNormalization(name="norm")
+    x = SplitLayer()(norm(inp))
+    out = norm(keras.layers.Dense(4)(x))
+    with pytest.raises(PipelineError, match="layer 'norm' is called in stages 0 and 1 and holds non-trainable"):
         plan(keras.Model(inp, out))
+
+
+def nested_model(marker: bool = False) -> keras.Model:
+    """A backbone model nested in a task model, with keras op nodes (x[:, 0], ops.mean,
+    ops.transpose) and a dynamic sequence axis."""
+    keras.utils.set_random_seed(4)
+    tokens = keras.Input((None,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(10, 8, name="emb")(tokens)
+    for k in range(3):
+        h = keras.layers.Dense(8, activation="tanh", name=f"inner{k}")(h)
+        if marker and k == 1:
+            h = SplitLayer(name="cut")(h)
+    backbone = keras.Model(tokens, {"seq": h, "first": h[:, 0, :]}, name="backbone")
+    ids = keras.Input((None,), dtype="int32", name="ids")
+    out = backbone(ids)
+    x = keras.ops.mean(out["seq"], axis=1) + out["first"]
+    x = keras.layers.Reshape((2, 4))(x)
+    x = keras.layers.Flatten()(keras.ops.transpose(x, (0, 2, 1)))
+    return keras.Model(ids, keras.layers.Dense(3, name="head")(x), name="task")
+
+
+def test_nested_models_are_flattened_and_the_partition_cuts_through_them():
+    p = plan(nested_model(), 2)
+    names = [c.layer.name for c in p.graph.calls]
+    assert "backbone" not in names and {"emb", "inner0", "inner2", "head"} <= set(names)
+    assert any(n.startswith("get_item") for n in names)  # x[:, 0, :], an op node
+    inner = {s for c in p.graph.calls if c.layer.name.startswith("inner") for s in [p.stage_of_call[c.index]]}
+    assert inner == {0, 1}  # the cut falls inside the backbone
+    assert p.graph.layer_order == ["emb", "inner0", "inner1", "inner2", "head"]
+    assert all(b.tensor.startswith("backbone/") for b in p.boundaries)
+
+
+def test_dynamic_boundary_shapes_follow_each_steps_inputs():
+    from tarantella.pipelining._shapes import BoundaryShapes
+
+    p = plan(nested_model(marker=True))
+    assert p.boundaries[0].shape == (None, 8)
+    shapes = BoundaryShapes(p)
+    assert shapes.shapes([(5, 7)]) == [(7, 8)] and shapes.shapes([(2, 3)]) == [(3, 8)]
 
 
 def test_auto_partition_never_splits_a_shared_layer():

@@ -105,32 +105,108 @@ def _functional_of(model: keras.Model):
     return model
 
 
-def model_graph(model: keras.Model) -> ModelGraph:
-    """Analyse ``model`` (functional or built Sequential); subclassed models are refused."""
+def _is_graph_model(op) -> bool:
+    """A nested model whose layer graph can be walked (functional, or a built Sequential)."""
+    if isinstance(op, keras.Sequential):
+        return getattr(op, "_functional", None) is not None
+    return isinstance(op, keras.Model) and hasattr(op, "_nodes_by_depth") \
+        and getattr(op, "_inputs_struct", None) is not None
+
+
+def _nested_inputs(node, functional) -> list | None:
+    """The outer tensors a nested model's call feeds to its flattened inputs, in order; None
+    when the call does something Keras would adapt (masks, extra arguments, a cast, another
+    rank or structure): the model is then kept as one call."""
+    args, kwargs = node.arguments.args, node.arguments.kwargs
+    if len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):  # mask={...: None}
+        return None
+    given, struct = args[0], functional._inputs_struct
+    if isinstance(given, dict) and not isinstance(struct, dict):
+        flat_struct = keras.tree.flatten(struct)
+        if not all(t.name in given for t in flat_struct):
+            return None
+        outer = [given[t.name] for t in flat_struct]
+    else:
+        outer = keras.tree.flatten(given)
+        flat_struct = keras.tree.flatten(struct)
+        if isinstance(given, dict) and isinstance(struct, dict) and sorted(given) != sorted(struct):
+            return None
+    if len(outer) != len(flat_struct):
+        return None
+    for o, i in zip(outer, flat_struct):
+        if not hasattr(o, "_keras_history") or len(o.shape) != len(i.shape) or str(o.dtype) != str(i.dtype):
+            return None
+    return outer
+
+
+def leaf_layers(model: keras.Model) -> list:
+    """The layers holding weights, nested models' layers in their place, in the order of
+    ``model.weights`` (each once): what a flattened graph's stages are made of."""
+    owner: dict[int, object] = {}
+    for layer in _internals.all_sublayers(model):
+        if isinstance(layer, keras.Model) or not layer.weights:
+            continue
+        for v in layer.weights:
+            owner.setdefault(id(v), layer)
+    out: dict[int, object] = {}
+    for v in model.weights:
+        layer = owner.get(id(v))
+        if layer is not None:
+            out.setdefault(id(layer), layer)
+    return list(out.values())
+
+
+def model_graph(model: keras.Model, flatten_nested: bool = False) -> ModelGraph:
+    """Analyse ``model`` (functional or built Sequential); subclassed models are refused.
+
+    ``flatten_nested``: the calls of a nested functional model (a keras-hub backbone inside
+    a task model) become calls of the graph, named ``"<nested model>/<layer>:<node>:<i>"``,
+    so a partition can cut through it; its inputs and outputs are the outer tensors.
+    """
     if not isinstance(model, keras.Model):
         raise PipelineError(f"pipelining needs a keras.Model, got {type(model).__name__}.")
     functional = _functional_of(model)
     tensors: dict[str, TensorInfo] = {}
     keras_tensors: dict[str, object] = {}
+    alias: dict[int, str] = {}  # id(KerasTensor) -> name (a nested model's inputs/outputs: the outer one)
 
-    def note(t) -> str:
-        name = _tensor_name(t)
+    def note(t, prefix: str = "") -> str:
+        if id(t) in alias:
+            return alias[id(t)]
+        name = prefix + _tensor_name(t)
         if name not in tensors:
             tensors[name] = TensorInfo(name, tuple(t.shape[1:]), str(np.dtype(t.dtype).name)
                                        if t.dtype != "string" else "object")
             keras_tensors[name] = t
+        alias[id(t)] = name
         return name
 
     inputs_struct, outputs_struct, nodes_by_depth, input_layer_names = _internals.functional_structure(functional)
     inputs = [note(t) for t in keras.tree.flatten(inputs_struct)]
     calls: list[Call] = []
-    for depth in sorted(nodes_by_depth.keys(), reverse=True):
-        for node in nodes_by_depth[depth]:
-            if not node.operation or node.is_input:
-                continue
-            ins = [note(t) for t in node.arguments.keras_tensors]
-            outs = [note(t) for t in node.outputs]
-            calls.append(Call(len(calls), node.operation, node, ins, outs))
+
+    def walk(nodes_by_depth, prefix: str) -> None:
+        for depth in sorted(nodes_by_depth.keys(), reverse=True):
+            for node in nodes_by_depth[depth]:
+                if not node.operation or node.is_input:
+                    continue
+                op = node.operation
+                if flatten_nested and _is_graph_model(op):
+                    inner = _functional_of(op)
+                    outer = _nested_inputs(node, inner)
+                    if outer is not None:
+                        ins, outs, inner_nodes, _ = _internals.functional_structure(inner)
+                        for o, i in zip(outer, keras.tree.flatten(ins)):
+                            alias[id(i)] = note(o, prefix)
+                        walk(inner_nodes, f"{prefix}{op.name}/")
+                        for o, i in zip(node.outputs, keras.tree.flatten(outs)):
+                            alias[id(o)] = note(i, f"{prefix}{op.name}/")
+                        continue
+                ins = [note(t, prefix) for t in node.arguments.keras_tensors]
+                outs = [note(t, prefix) for t in node.outputs]
+                calls.append(Call(len(calls), op, node, ins, outs))
+
+    walk(nodes_by_depth, "")
     output_struct = keras.tree.map_structure(note, outputs_struct)
     outputs = [note(t) for t in keras.tree.flatten(outputs_struct)]
     for c in calls:
@@ -139,6 +215,17 @@ def model_graph(model: keras.Model) -> ModelGraph:
                 f"SplitLayer {c.layer.name!r} takes {len(c.inputs)} tensors; a SplitLayer marks "
                 "one tensor. Put one SplitLayer on each tensor that crosses the cut."
             )
-    layer_order = [layer.name for layer in model.layers if layer.weights]
+    if flatten_nested:
+        layer_order = [layer.name for layer in leaf_layers(model)]
+        called = {}
+        for c in calls:
+            other = called.setdefault(c.layer.name, c.layer)
+            if other is not c.layer:
+                raise PipelineError(
+                    f"model {model.name!r} holds two different layers named {c.layer.name!r} "
+                    "(in nested models): stages match layers by name. Give the layers unique "
+                    "names (name=...).")
+    else:
+        layer_order = [layer.name for layer in model.layers if layer.weights]
     return ModelGraph(model.name, calls, tensors, inputs, input_layer_names, outputs,
                       output_struct, keras_tensors, layer_order)

@@ -207,18 +207,29 @@ def model_from_saved_config(config_json: str, custom_objects, compile: bool, saf
     return saving_lib._model_from_config(config_json, custom_objects, compile, safe_mode)
 
 
-def saved_layer_paths(model: keras.Model) -> dict[str, str]:
+def all_sublayers(model: keras.Model) -> list:
+    """Every layer inside ``model``, nested models' and layers' own sublayers included, each
+    once, parents before their children (Layer._flatten_layers)."""
+    try:
+        return list(model._flatten_layers(include_self=False, recursive=True))
+    except AttributeError as err:  # pragma: no cover
+        raise _missing("Layer._flatten_layers", err) from err
+
+
+def saved_layer_paths(model: keras.Model, prefix: str = "") -> dict[str, str]:
     """Layer name -> the group holding its variables in a file Keras saved of ``model``.
 
     Keras names a layer's group after its class (``layers/dense_2``), not its name,
-    numbering repeats in ``model.layers`` order.
+    numbering repeats in ``model.layers`` order; a nested model's layers sit in its group
+    (``layers/gpt2_backbone/layers/reversible_embedding``), and a layer reached twice is
+    saved where Keras' depth-first walk meets it first.
     """
     try:
         from keras.src.utils import naming
     except ImportError as err:  # pragma: no cover
         raise _missing("keras.src.utils.naming", err) from err
     used: dict[str, int] = {}
-    out = {}
+    out: dict[str, str] = {}
     for layer in model.layers:
         name = naming.to_snake_case(layer.__class__.__name__)
         if name in used:
@@ -226,7 +237,12 @@ def saved_layer_paths(model: keras.Model) -> dict[str, str]:
             name = f"{name}_{used[name]}"
         else:
             used[name] = 0
-        out[layer.name] = f"layers/{name}"
+        if layer.name in out:
+            continue
+        out[layer.name] = f"{prefix}layers/{name}"
+        if isinstance(layer, keras.Model):
+            for inner, path in saved_layer_paths(layer, f"{prefix}layers/{name}/").items():
+                out.setdefault(inner, path)
     return out
 
 

@@ -33,8 +33,13 @@ def clone_optimizer(optimizer) -> keras.optimizers.Optimizer:
 
 
 def variable_keys(model: keras.Model) -> dict[int, str]:
+    """id(variable) -> ``"<layer>/<index>"``, named after the outermost layer holding it
+    that is no model: a nested model's layers name their own variables, so a pipeline
+    stage (nested models flattened) and the serial model agree."""
     keys = {}
-    for layer in model.layers:
+    for layer in _internals.all_sublayers(model):  # parents first
+        if isinstance(layer, keras.Model):
+            continue
         for j, var in enumerate(layer.weights):
             keys.setdefault(id(var), f"{layer.name}/{j}")
     return keys

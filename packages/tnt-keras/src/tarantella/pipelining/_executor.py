@@ -30,10 +30,10 @@ import tensorflow as tf
 from .._core import internals as _internals
 from .._core import settings as _settings
 from .._core import sparse as _sparse
-from .._core.errors import PipelineError
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead
 from ._schedule import actions
+from ._shapes import BoundaryShapes
 from ._stages import StageModel
 from ._transport import ACTIVATION, GRADIENT, Transport, message_tag
 
@@ -68,13 +68,8 @@ class StageExecutor:
         self.step = 0
         self._fns: dict = {}
         self._sparse_as_dense = _settings.sparse_as_dense()
-        for b in stage.inputs + stage.outputs:
-            shape = plan.boundaries[b].shape
-            if any(d is None for d in shape):
-                raise PipelineError(
-                    f"boundary tensor {plan.boundaries[b].tensor} has shape {shape}: tensors "
-                    "crossing stages need a static shape apart from the batch axis. Give the "
-                    "model's inputs a fixed shape or cut the model elsewhere.")
+        self._shapes = BoundaryShapes(plan)  # dynamic axes: from each step's input shapes
+        self._step_shapes: list[tuple] = []
         self._regularized = any(getattr(v, "regularizer", None) is not None
                                 for v in self.model.trainable_weights) or any(
             getattr(layer, "activity_regularizer", None) is not None for layer in self.model.layers)
@@ -153,6 +148,7 @@ class StageExecutor:
         # One split per input: along axis 0 TensorFlow hands out the rows without copying
         # (a slice per micro-batch copied each, ~1 ms per 4 MiB).
         data_parts = [tf.split(x_flat[j], sizes) for j in st.data_inputs]
+        self._step_shapes = self._shapes.shapes([tuple(x.shape) for x in x_flat])
         todo = actions(plan, self.schedule, len(sizes), st.index, training=training)
         inbox = ReceiveAhead(t, [self._receive(a, step, offsets) for a in todo
                                  if a.kind in ("RECV_ACT", "RECV_GRAD")])
@@ -213,7 +209,7 @@ class StageExecutor:
         kind = ACTIVATION if a.kind == "RECV_ACT" else GRADIENT
         rows = offsets[a.micro_batch + 1] - offsets[a.micro_batch]
         return Receive(a.peer, (step, a.micro_batch, message_tag(a.boundary, kind)), bd.dtype,
-                       (rows, *bd.shape))
+                       (rows, *self._step_shapes[a.boundary]))
 
     def _run_forward(self, mode, i, inputs, y, sample_weight, lo, hi, total, result, outputs_np):
         st = self.stage
@@ -259,8 +255,14 @@ class StageExecutor:
             output_gradients = [received[self.stage.outputs[k]] for k in self._grad_outputs]
             if self._regularized:
                 output_gradients.append(tf.ones((), targets[-1].dtype))
-        grads = tape.gradient(targets, [*watched, *variables], output_gradients=output_gradients,
-                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        sources = [*watched, *variables]
+        grads = tape.gradient(targets, sources, output_gradients=output_gradients)
+        # A source without a path to the targets (an untied output embedding the model never
+        # calls) gets zeros: Keras' optimizers leave it as serial Keras does (no gradient
+        # moves no weight under Adam/SGD), and every stage/replica sends a tensor for it.
+        # (UnconnectedGradients.ZERO fails on Keras variables: their dtype is a string.)
+        grads = [tf.zeros(tuple(src.shape), tf.as_dtype(str(src.dtype))) if g is None else g
+                 for g, src in zip(grads, sources)]
         weight_grads = grads[len(watched):]
         if self._sparse_as_dense:
             weight_grads = [_sparse.to_dense(g) for g in weight_grads]

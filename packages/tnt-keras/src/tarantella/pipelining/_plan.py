@@ -9,6 +9,12 @@ rank computes the same plan without talking.
 A tensor produced on stage s and used on stages t > s is a *boundary*: it is sent from s
 to every consumer stage (skip connections may cross several stages), and its gradient
 comes back from each of them. Model inputs are read by every stage that uses them.
+
+Nested functional models (a keras-hub backbone inside a task model) are flattened into
+their layers' calls, so stages cut through them; keras op nodes (``x[:, 0]``, reshapes,
+``keras.ops`` calls) are weightless calls. A layer called on several stages (a tied
+embedding) is held by each of them: the first stage's copy is the master, the others
+replicas whose gradients are summed with the master's every step (``ties``).
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ class Boundary:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """A layer with weights called on several stages: one logical set of variables."""
+
+    layer: str
+    stages: tuple[int, ...]  # the first holds the master copy, the others replicas
+
+
+@dataclass(frozen=True)
 class Stage:
     """One stage: its calls (execution order), inputs, outputs and sizes."""
 
@@ -56,6 +70,7 @@ class Stage:
     weight_bytes: int
     trainable_bytes: int
     has_regularizer: bool
+    replicas: tuple[str, ...] = ()  # tied layers whose master copy is on an earlier stage
 
     def training_bytes(self, optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS) -> int:
         """Weights + gradients + optimizer slots this stage holds while training."""
@@ -63,8 +78,10 @@ class Stage:
 
 
 def _layer_bytes(layer) -> tuple[int, int]:
-    total = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in layer.weights)
-    trainable = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in layer.trainable_weights)
+    """(all, trainable) weight bytes; keras op nodes (GetItem, ...) hold none."""
+    total = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in getattr(layer, "weights", ()))
+    trainable = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+                    for v in getattr(layer, "trainable_weights", ()))
     return total, trainable
 
 
@@ -83,30 +100,40 @@ class Plan:
         self.optimizer_slots = optimizer_slots
         self.stage_of_call = list(stage_of_call)
         self.num_stages = max(self.stage_of_call) + 1 if self.stage_of_call else 1
-        self._check_layers_in_one_stage()
+        self.ties = self._check_layers_in_one_stage()
         self.boundaries = self._boundaries()
         self.stages = self._stages()
 
     # -- construction --------------------------------------------------------------------
-    def _check_layers_in_one_stage(self) -> None:
-        stages_of_layer: dict[int, set[int]] = {}
+    def _check_layers_in_one_stage(self) -> list[Tie]:
+        """The layers with weights called on several stages (tied); each must hold only
+        trainable weights (a replica of a moving statistic would drift from its master)."""
+        stages_of_layer: dict[int, list[int]] = {}
         for call in self.graph.calls:
-            stages_of_layer.setdefault(id(call.layer), set()).add(self.stage_of_call[call.index])
+            used = stages_of_layer.setdefault(id(call.layer), [])
+            if self.stage_of_call[call.index] not in used:
+                used.append(self.stage_of_call[call.index])
+        ties, seen = [], set()
         for call in self.graph.calls:
             used = stages_of_layer[id(call.layer)]
-            if len(used) > 1:
+            if len(used) < 2 or id(call.layer) in seen or not getattr(call.layer, "weights", None):
+                continue
+            seen.add(id(call.layer))
+            if call.layer.non_trainable_weights:
                 where = " and ".join(str(s) for s in sorted(used))
                 raise PipelineError(
-                    f"layer {call.layer.name!r} is called in stages {where}: a layer's weights "
-                    "live on one stage only. Move the SplitLayer (or the split point) so that "
-                    "every call of this layer falls into one stage, or use separate layers."
-                )
+                    f"layer {call.layer.name!r} is called in stages {where} and holds non-trainable "
+                    "weights, which its copies would update apart. Move the SplitLayer (or the "
+                    "split point) so that every call of this layer falls into one stage, or use "
+                    "separate layers.")
+            ties.append(Tie(call.layer.name, tuple(sorted(used))))
         for s in range(self.num_stages):
             if not any(self.stage_of_call[c.index] == s and not c.is_split for c in self.graph.calls):
                 raise PipelineError(
                     f"pipeline stage {s} of {self.num_stages} holds no layer. Put at least one "
                     "layer between consecutive SplitLayers / split points, or use fewer stages."
                 )
+        return ties
 
     def _root(self) -> dict[str, str]:
         """SplitLayer outputs are their inputs: tensor name -> name of the real tensor."""
@@ -154,16 +181,21 @@ class Plan:
                            for t in c.inputs if root.get(t, t) in input_pos})
             weight = trainable = 0
             reg = False
-            names = []
+            names, replicas, mine = [], [], set()
             for c in calls:
-                if c.is_split or id(c.layer) in seen_layers:
+                if c.is_split or id(c.layer) in mine:
                     continue
-                seen_layers.add(id(c.layer))
-                names.append(c.layer.name)
+                mine.add(id(c.layer))
+                if id(c.layer) in seen_layers:  # a tied layer's replica
+                    replicas.append(c.layer.name)
+                else:
+                    seen_layers.add(id(c.layer))
+                    names.append(c.layer.name)
                 w, tw = _layer_bytes(c.layer)
                 weight += w
                 trainable += tw
-                reg = reg or any(getattr(v, "regularizer", None) is not None for v in c.layer.trainable_weights)
+                reg = reg or any(getattr(v, "regularizer", None) is not None
+                                 for v in getattr(c.layer, "trainable_weights", ()))
             stages.append(Stage(
                 index=s,
                 calls=tuple(c.index for c in calls),
@@ -174,6 +206,7 @@ class Plan:
                 weight_bytes=weight,
                 trainable_bytes=trainable,
                 has_regularizer=reg,
+                replicas=tuple(replicas),
             ))
         return stages
 
@@ -213,6 +246,8 @@ class Plan:
             buf.write(f"stage {st.index}: {len(st.layer_names)} layers, weights {st.weight_bytes} B, "
                       f"weights+grads+slots {tb} B ({tb / total:.0%})\n")
             buf.write(f"  layers: {', '.join(st.layer_names)}\n")
+            if st.replicas:
+                buf.write(f"  replicas of tied layers: {', '.join(st.replicas)}\n")
             if st.data_inputs:
                 buf.write(f"  reads model inputs: {', '.join(self.graph.input_layer_names[j] for j in st.data_inputs)}\n")
             for b in st.inputs:
@@ -302,7 +337,21 @@ def _allowed_cuts(graph: ModelGraph) -> list[bool]:
 
 
 def _auto_stages(graph: ModelGraph, p: int, optimizer_slots: int) -> list[int]:
-    """Contiguous stages minimising the largest stage's training bytes, then the bytes cut."""
+    """Contiguous stages minimising the largest stage's training bytes, then the bytes cut.
+
+    The calls of a shared layer stay in one stage where that partition exists; otherwise (a
+    tied embedding used by the first and the last call) the layer is tied across stages.
+    """
+    try:
+        return _auto_stages_within(graph, p, optimizer_slots, _allowed_cuts(graph))
+    except PipelineError:
+        if p > len(graph.calls):
+            raise
+        return _auto_stages_within(graph, p, optimizer_slots, [True] * (len(graph.calls) + 1))
+
+
+def _auto_stages_within(graph: ModelGraph, p: int, optimizer_slots: int, allowed: list[bool]) -> list[int]:
+    """The partition of ``_auto_stages`` with stages starting only where ``allowed``."""
     n = len(graph.calls)
     if p > n:
         raise PipelineError(f"num_pipeline_stages={p} but model {graph.model_name!r} has only {n} "
@@ -317,7 +366,6 @@ def _auto_stages(graph: ModelGraph, p: int, optimizer_slots: int) -> list[int]:
         w, tw = _layer_bytes(call.layer)
         cost.append(w + tw * (1 + optimizer_slots))
     prefix = np.concatenate([[0], np.cumsum(cost, dtype=np.int64)]).tolist()
-    allowed = _allowed_cuts(graph)
     # Bytes per sample crossing a cut before call i (what pipelining sends per micro-batch).
     producer = graph.producer()
     last_use: dict[str, int] = {}
@@ -388,7 +436,7 @@ def plan(model, num_pipeline_stages: int | None = None, *, split_after: Sequence
     if num_pipeline_stages is not None and (
             not isinstance(num_pipeline_stages, int | np.integer) or num_pipeline_stages < 1):
         raise PipelineError(f"num_pipeline_stages must be a positive integer, got {num_pipeline_stages!r}.")
-    graph = model_graph(model)
+    graph = model_graph(model, flatten_nested=True)
     markers = [c.layer.name for c in graph.calls if c.is_split] if use_markers else []
     if split_after is not None:
         stage_of_call = _stages_from_split_after(graph, list(split_after))

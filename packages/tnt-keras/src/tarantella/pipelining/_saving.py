@@ -29,6 +29,7 @@ import tnt_comm
 
 from .._core import internals as _internals
 from .._core.deferred import deferred_variables
+from .._core.graph import leaf_layers
 from .._core.serial_files import (
     assign_optimizer_state,
     clone_optimizer,
@@ -38,6 +39,7 @@ from .._core.serial_files import (
     serial_optimizer_keys,
     variable_keys,
 )
+from ._stages import held_layers
 
 #: Header "step" of save messages (never a training step number).
 _SAVE_STEP = 2**30
@@ -60,7 +62,7 @@ def stage_payload(pm, with_optimizer: bool = True) -> dict:
     """This stage's weights by layer name (and optimizer state by key, if asked)."""
     model = pm.stage_model
     return {
-        "weights": {layer.name: layer.get_weights() for layer in model.layers
+        "weights": {layer.name: layer.get_weights() for layer in held_layers(model)
                     if not isinstance(layer, keras.layers.InputLayer)},
         "optimizer": optimizer_state(pm._tnt_stage.optimizer, model) if with_optimizer else {},
     }
@@ -104,7 +106,7 @@ def fill_serial_model(pm, payloads: list[dict], with_optimizer: bool) -> keras.M
     weights = {}
     for p in payloads:
         weights.update(p["weights"])
-    for layer in full.layers:
+    for layer in leaf_layers(full):  # nested models' layers too; a tied layer once
         if layer.name in weights:
             layer.set_weights(weights[layer.name])
     args = pm._tnt_compile_args
@@ -137,7 +139,7 @@ def read_stage_state(pm, full: keras.Model, full_optimizer, store) -> None:
     stage's layers and the optimizer variables of its weights are read.
     """
     paths = _internals.saved_layer_paths(full)
-    for layer in pm.stage_model.layers:
+    for layer in held_layers(pm.stage_model):
         if layer.weights:
             _internals.load_layer_state(layer, store, paths[layer.name])
     optimizer = pm._tnt_stage.optimizer

@@ -40,6 +40,7 @@ from ._executor import PREDICT, TEST, TRAIN, StageExecutor
 from ._plan import Plan
 from ._schedule import micro_batch_sizes
 from ._stages import StageModel, build_stage
+from ._ties import TiedGradients
 from ._transport import Transport
 
 
@@ -55,6 +56,7 @@ class StageRuntime:
         self.model = self.stage.model
         self.is_last = self.stage.is_last
         self.executor = StageExecutor(self.stage, plan, transport, schedule)
+        self.ties = TiedGradients(plan, self.model, transport)  # layers held on several stages
         self.optimizer: keras.optimizers.Optimizer | None = None
         self.global_clipnorm: float | None = None
         self.peak_live = 0
@@ -138,6 +140,8 @@ class StageRuntime:
                      for i, v in enumerate(variables)]
         self._add_other_stages_regularization(n)
         grads = self._reduce_over_replicas(grads)
+        if self.ties:  # the stages holding a tied layer add their gradients: copies stay equal
+            grads = self.ties.sum(grads, self.executor.step)
         finite = True
         if self.loss_scaled:
             finite = self._finite_over_pipeline(grads)
@@ -216,7 +220,8 @@ class StageRuntime:
         """Keras' ``clip_by_global_norm`` with the norm of all stages' unscaled gradients."""
         scale = self._loss_scale()
         unscaled = grads if scale is None else [_sparse.divide(g, scale) for g in grads]
-        local = float(tf.add_n([_sparse.squared_sum(g) for g in unscaled])) if grads else 0.0
+        own = [g for i, g in enumerate(unscaled) if i not in self.ties.replica_positions]  # a tie once
+        local = float(tf.add_n([_sparse.squared_sum(g) for g in own])) if own else 0.0
         norm = np.float32(np.sqrt(self.transport.pipeline_allreduce(np.array([local], np.float64))[0]))
         clip = np.float32(self.global_clipnorm)
         scale = clip * np.minimum(np.float32(1.0) / norm, np.float32(1.0) / clip) + (norm - norm)
