@@ -85,7 +85,7 @@ def _markers_agree(model, num_pipeline_stages) -> bool:
     """Use the file's SplitLayers unless the caller asks for another number of stages."""
     if num_pipeline_stages is None:
         return True
-    graph = model_graph(model)
+    graph = model_graph(model, flatten_nested=True)  # markers inside a nested backbone count
     if not any(isinstance(c.layer, SplitLayer) for c in graph.calls):
         return True
     return max(stages_from_markers(graph)) + 1 == num_pipeline_stages
