@@ -34,12 +34,29 @@ def own_compile_arguments(model_class: type, make_model: Callable[[], keras.Mode
         out = dict(bound.arguments)
         out.pop("self")
         return out
-    model = make_model()
-    model.compile(*args, **kwargs)
+    try:
+        model = _empty_model_of(model_class)
+        model.compile(*args, **kwargs)
+    except Exception:  # a compile that reads what the class's __init__ set: the real thing
+        model = make_model()
+        model.compile(*args, **kwargs)
     out = _internals.compile_arguments(model)
     # What Keras does not record: its default, or the caller's choice.
     out.setdefault("auto_scale_loss", kwargs.get("auto_scale_loss", True))
     return {name: out[name] for name in signature.parameters if name != "self" and name in out}
+
+
+def _empty_model_of(model_class: type) -> keras.Model:
+    """A model of ``model_class`` without its layers (its ``__init__`` skipped): enough to
+    run its ``compile``, never the whole model. keras-hub's tasks compile themselves in
+    ``__init__`` with a fresh optimizer, which a deferred build cannot create (Keras makes
+    no variable with a value inside a stateless scope)."""
+
+    def empty_init(self) -> None:
+        keras.Model.__init__(self)
+
+    probe_class = type(f"CompileProbe{model_class.__name__}", (model_class,), {"__init__": empty_init})
+    return probe_class()
 
 
 __all__ = ["own_compile_arguments"]
