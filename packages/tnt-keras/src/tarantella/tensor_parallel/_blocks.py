@@ -1,0 +1,44 @@
+"""The shard of a keras-hub Transformer block (``TransformerEncoder``/``TransformerDecoder``).
+
+A block is a subclassed layer whose ``call`` is Python code: its sub-layers cannot be
+replaced in a graph. The shard is a fresh instance of the block's own class (so its
+``call``, residuals, masks and layer norms are keras-hub's, unchanged) whose attention is
+the heads shard and whose feed-forward pair is column/row split, Megatron's block: one
+SUM-allreduce after the attention output projection and one after the second Dense,
+forward; one each before the attention and the first Dense, backward. Every other
+sub-layer (layer norms, dropouts) is the serial block's own object, so its variables and
+dropout seeds are the serial ones and are not held twice.
+"""
+
+from __future__ import annotations
+
+import keras
+
+from ._collectives import TensorGroup
+from ._layers import ColumnDense, RowDense, heads_attention
+
+#: sub-layer attributes of keras-hub's blocks that the shard replaces
+_ATTENTION = "_self_attention_layer"
+_FFN_IN = "_feedforward_intermediate_dense"
+_FFN_OUT = "_feedforward_output_dense"
+
+
+def block_shard(serial: keras.layers.Layer, group: TensorGroup) -> keras.layers.Layer:
+    """This rank's shard of the built block ``serial`` (the plan checked it can be split)."""
+    shard = type(serial).from_config(serial.get_config())
+    replaced = {
+        _ATTENTION: heads_attention(getattr(serial, _ATTENTION), group),
+        _FFN_IN: ColumnDense(getattr(serial, _FFN_IN), group, gather=False),
+        _FFN_OUT: RowDense(getattr(serial, _FFN_OUT), group),
+    }
+    # What the serial block's build() made, in its order (its weights' order): the replaced
+    # sub-layers as shards (built on the first call, under the block's name scope), the
+    # others shared with the serial block.
+    for key, value in serial.__dict__.items():
+        if key not in shard.__dict__:
+            setattr(shard, key, replaced.get(key, value))
+    shard.built = True
+    return shard
+
+
+__all__ = ["block_shard"]
