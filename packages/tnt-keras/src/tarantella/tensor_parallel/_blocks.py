@@ -35,8 +35,16 @@ def block_shard(serial: keras.layers.Layer, group: TensorGroup) -> keras.layers.
     # sub-layers as shards (built on the first call, under the block's name scope), the
     # others shared with the serial block.
     for key, value in serial.__dict__.items():
-        if key not in shard.__dict__:
-            setattr(shard, key, replaced.get(key, value))
+        if key not in shard.__dict__ and (isinstance(value, keras.layers.Layer) or not key.startswith("_self_")):
+            setattr(shard, key, replaced.get(key, value))  # ("_self_..." are TensorFlow's tracking lists)
+    # Built now, under the block's name scope (so variable paths are the serial ones): a
+    # block with its own compute_output_shape is never traced symbolically.
+    attention, ffn_in = getattr(serial, _ATTENTION), getattr(serial, _FFN_IN)
+    with keras.name_scope(serial.name):
+        width = [int(getattr(attention, p).kernel.shape[0]) for p in ("_query_dense", "_value_dense", "_key_dense")]
+        replaced[_ATTENTION].build((None, None, width[0]), (None, None, width[1]), (None, None, width[2]))
+        replaced[_FFN_IN].build((None, int(ffn_in.kernel.shape[0])))
+        replaced[_FFN_OUT].build((None, ffn_in.units // group.size))
     shard.built = True
     return shard
 

@@ -273,3 +273,7 @@ class VocabReversibleEmbedding(VocabEmbedding):
         if reverse:
             return (*input_shape[:-1], self.rows * self.group.size)
         return (*input_shape, self.output_dim)
+
+    def compute_output_spec(self, inputs, reverse=False):
+        """As ReversibleEmbedding's (two call arguments, one output)."""
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape, reverse), dtype=self.compute_dtype)

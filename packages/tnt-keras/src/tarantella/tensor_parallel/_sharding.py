@@ -65,8 +65,8 @@ def _splits_inside(model, plan) -> bool:
 
 def _inline_inputs(inner: ModelGraph, args: tuple, kwargs: dict) -> list | None:
     """The outer values for ``inner``'s flattened inputs, if the call passes exactly its inputs."""
-    if len(args) != 1 or kwargs:
-        return None
+    if len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):
+        return None  # Keras passes mask=None leaves for a nested model's inputs
     given = keras.tree.flatten(args[0])  # a dict flattens by sorted key, as the model's own inputs
     return given if len(given) == len(inner.inputs) else None
 
