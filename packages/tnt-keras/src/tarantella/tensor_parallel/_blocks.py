@@ -25,7 +25,10 @@ _FFN_OUT = "_feedforward_output_dense"
 
 def block_shard(serial: keras.layers.Layer, group: TensorGroup) -> keras.layers.Layer:
     """This rank's shard of the built block ``serial`` (the plan checked it can be split)."""
-    shard = type(serial).from_config(serial.get_config())
+    config = serial.get_config()
+    for key in ("decoder_sequence_shape", "encoder_sequence_shape"):  # the decoder would build at once
+        config.pop(key, None)
+    shard = type(serial).from_config(config)
     replaced = {
         _ATTENTION: heads_attention(getattr(serial, _ATTENTION), group),
         _FFN_IN: ColumnDense(getattr(serial, _FFN_IN), group, gather=False),
@@ -35,7 +38,8 @@ def block_shard(serial: keras.layers.Layer, group: TensorGroup) -> keras.layers.
     # sub-layers as shards (built on the first call, under the block's name scope), the
     # others shared with the serial block.
     for key, value in serial.__dict__.items():
-        if key not in shard.__dict__ and (isinstance(value, keras.layers.Layer) or not key.startswith("_self_")):
+        missing = key not in shard.__dict__ or (shard.__dict__[key] is None and value is not None)
+        if key in replaced or (missing and (isinstance(value, keras.layers.Layer) or not key.startswith("_self_"))):
             setattr(shard, key, replaced.get(key, value))  # ("_self_..." are TensorFlow's tracking lists)
     # Built now, under the block's name scope (so variable paths are the serial ones): a
     # block with its own compute_output_shape is never traced symbolically.
