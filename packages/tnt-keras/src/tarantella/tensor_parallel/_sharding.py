@@ -3,15 +3,16 @@
 ``shard_model`` replays the serial model's graph on new inputs, calling each split
 layer's shard (``shard_layer``) in its place and every other layer as it is (the serial
 layer object: its variables are the local model's). A nested functional model (a
-keras-hub backbone inside a task model) whose layers the plan splits is replayed inline,
-its calls in the outer graph's place, so the local model is flat; one the plan keeps
-whole is called as it is.
+keras-hub backbone inside a task model) whose layers the plan splits is replayed too,
+as a nested model of the same name and structure (its variables keep their serial
+places); one the plan keeps whole is called as it is.
 """
 
 from __future__ import annotations
 
 import keras
 
+from .._core import internals as _internals
 from .._core.errors import TensorParallelError
 from .._core.graph import ModelGraph, model_graph
 from ._blocks import block_shard
@@ -63,7 +64,7 @@ def _splits_inside(model, plan) -> bool:
     return any(layer.name in names or (_nested(layer) and _splits_inside(layer, plan)) for layer in model.layers)
 
 
-def _inline_inputs(inner: ModelGraph, args: tuple, kwargs: dict) -> list | None:
+def _passes_inputs(inner: ModelGraph, args: tuple, kwargs: dict) -> list | None:
     """The outer values for ``inner``'s flattened inputs, if the call passes exactly its inputs."""
     if len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):
         return None  # Keras passes mask=None leaves for a nested model's inputs
@@ -76,43 +77,45 @@ def _replay(graph: ModelGraph, values: dict, plan, group: TensorGroup, shards: d
         layer = call.layer
         args, kwargs = call.node.arguments.fill_in(values)
         if _nested(layer) and _splits_inside(layer, plan):
-            inner = model_graph(layer)
-            given = _inline_inputs(inner, args, kwargs)
-            if given is None:
+            if _passes_inputs(model_graph(layer), args, kwargs) is None:
                 raise TensorParallelError(
                     f"the nested model {layer.name!r} is called with other arguments than its inputs; its "
                     "layers cannot be split. plan.replicate(...) its layers, or call it on its inputs only.")
-            for name, value in zip(inner.inputs, given):
-                values[id(inner.keras_tensors[name])] = value
-            _replay(inner, values, plan, group, shards)
-            outs = [values[id(inner.keras_tensors[n])] for n in inner.outputs]
-        else:
-            if layer.name in plan.split_dropouts:
-                layer = SliceDropout(layer, group)
-            elif plan.kind(layer.name) != REPLICATED:
-                if layer.name not in shards:
-                    shards[layer.name] = shard_layer(layer, plan.kind(layer.name), group)
-                layer = shards[layer.name]
-            outs = keras.tree.flatten(layer(*args, **kwargs))
-        for name, new in zip(call.outputs, outs):
+            layer = _sharded(layer, plan, group, shards, name=layer.name)
+            kwargs = {}
+        elif layer.name in plan.split_dropouts:
+            layer = SliceDropout(layer, group)
+        elif plan.kind(layer.name) != REPLICATED:
+            if layer.name not in shards:
+                shards[layer.name] = shard_layer(layer, plan.kind(layer.name), group)
+            layer = shards[layer.name]
+        for name, new in zip(call.outputs, keras.tree.flatten(layer(*args, **kwargs))):
             values[id(graph.keras_tensors[name])] = new
 
 
-def shard_model(model: keras.Model, plan, group: TensorGroup, shards: dict) -> keras.Model:
-    """``model``'s functional graph with each layer ``plan`` splits replaced by its shard
-    layer on this rank of ``group`` (made once per layer, kept in ``shards`` by name) and
-    every other layer reused as it is; nested models with split layers replayed inline."""
+def _sharded(model: keras.Model, plan, group: TensorGroup, shards: dict, name: str) -> keras.Model:
     graph = model_graph(model)
     values: dict[int, object] = {}
     inputs = []
-    for j, name in enumerate(graph.inputs):
-        kt = graph.keras_tensors[name]
+    for j, tensor in enumerate(graph.inputs):
+        kt = graph.keras_tensors[tensor]
         new = keras.Input(shape=kt.shape[1:], dtype=kt.dtype, name=graph.input_layer_names[j])
         values[id(kt)] = new
         inputs.append(new)
     _replay(graph, values, plan, group, shards)
     outputs = keras.tree.map_structure(lambda n: values[id(graph.keras_tensors[n])], graph.output_struct)
-    return keras.Model(inputs=inputs, outputs=outputs, name=f"{model.name}_tp{group.rank}")
+    functional = model._functional if isinstance(model, keras.Sequential) else model
+    structure = _internals.functional_structure(functional)[0]
+    return keras.Model(inputs=keras.tree.pack_sequence_as(structure, inputs), outputs=outputs, name=name)
+
+
+def shard_model(model: keras.Model, plan, group: TensorGroup, shards: dict) -> keras.Model:
+    """``model``'s functional graph with each layer ``plan`` splits replaced by its shard
+    layer on this rank of ``group`` (made once per layer, kept in ``shards`` by name) and
+    every other layer reused as it is; a nested model with split layers becomes a nested
+    model of the same name and input structure whose layers are replaced the same way, so
+    every variable keeps its serial place (``<layer>/<index>`` of the top-level layers)."""
+    return _sharded(model, plan, group, shards, name=f"{model.name}_tp{group.rank}")
 
 
 def split_variables(model: keras.Model, shards: dict, plan):
