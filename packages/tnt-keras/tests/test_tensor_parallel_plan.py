@@ -130,7 +130,7 @@ def test_layout_map_column_without_row_is_allgathered_and_unmatched_is_replicate
 
 @pytest.mark.parametrize(("key", "layout", "words"), [
     ("up1/kernel", ("model", "model"), ["'up1'", "one dimension only", "'model'"]),
-    ("up1/kernel", ("batch", None), ["'up1'", "'batch'", "tensor axis 'model'"]),
+    ("up1/kernel", ("seq", None), ["'up1'", "'seq'", "tensor axis 'model'", "data axes ['batch']"]),
     ("up1/kernel", (None,), ["'up1'", "2 dimensions", "one entry"]),
     ("down1/bias", ("model",), ["'down1'", "not a supported pattern", SUPPORTED]),
 ])
@@ -346,3 +346,30 @@ def test_plans_compare_by_position_not_by_auto_generated_names():
     assert [s.name for s in a.layers] != [s.name for s in b.layers]  # Keras numbered them apart
     assert first_difference([plan_signature(a), plan_signature(b)]) is None
     assert first_difference([plan_signature(a), plan_signature(b), plan_signature(plan(unnamed(12), 2))]) == (2, 0)
+
+
+def test_keras_hub_layout_map_is_accepted_with_its_batch_axis_as_replicas():
+    import keras_hub  # a test dependency (issue 27)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=24, num_layers=2, num_query_heads=2,
+                                              num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+    model = _hub_head(backbone, ["token_ids", "padding_mask"])
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)  # token embedding ("model", "batch")
+    p = from_layout_map(layout_map, model, 2)
+    assert p.split_layers() == {"token_embedding": "vocab"}
+    notes = {s.name: s.note for s in p.layers}
+    assert notes["transformer_layer_0"].startswith("the LayoutMap splits ['feedforward_gate_dense/kernel'")
+    assert notes["transformer_layer_0"].endswith("no split for a LlamaTransformerDecoder: kept whole")
+    assert "stay replicated on every rank" in p.replicated_warning()
+    m = keras.distribution.LayoutMap(None)  # "batch" without a mesh: data replicas too
+    m["up1/kernel"] = ("batch", None)
+    assert from_layout_map(m, mlp(), 2).split_layers() == {}
+
+
+def test_layout_map_splits_keras_hub_blocks():
+    m = keras.distribution.LayoutMap(None)
+    m["transformer_layer_1/feedforward_intermediate_dense/kernel"] = (None, "model")
+    m["token_embedding/embeddings"] = ("model", None)
+    p = from_layout_map(m, gpt2_head(), 2)
+    assert p.split_layers() == {"token_embedding": "vocab", "transformer_layer_1": "block"}
