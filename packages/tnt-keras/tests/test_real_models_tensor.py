@@ -2,7 +2,7 @@
 (jobs/real_models_tensor.py, one launch of 2 ranks): GPT-2 and BERT backbones with a head,
 their Transformer blocks split Megatron-style (attention by heads, FFN column/row); GPT-2's
 causal LM with its tied token embedding split by vocabulary (lookup and reverse
-projection); ranks whose Keras auto-generated names differ; ranks that built different
+projection); Llama with keras-hub's own LayoutMap; ranks whose Keras auto-generated names differ; ranks that built different
 models all failing together.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from conftest import launch
 
 HUB_CASES = ["gpt2", "bert", "gpt2_causal_lm_vocab"]
-TRAINED = [*HUB_CASES, "names_differ"]
+TRAINED = [*HUB_CASES, "llama_layout_map", "names_differ"]
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 MAX_SHARE = 0.65  # issue 27: each rank holds at most 65 % of a keras-hub model's weights at t = 2
 
@@ -45,7 +45,7 @@ def test_history_weights_and_predictions_equal_serial(report, name):
     assert c["predict_diff"] <= TOL_WEIGHTS, c
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "names_differ"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama_layout_map", "names_differ"])
 def test_history_keys_are_serial(report, name):
     serial_keys, tnt_keys = report[name]["history_keys"]
     assert tnt_keys == serial_keys
@@ -62,6 +62,11 @@ def test_blocks_split_and_share_at_most_065(report, name):
 
 def test_tied_embedding_split_by_vocabulary(report):
     assert report["gpt2_causal_lm_vocab"]["splits"]["token_embedding"] == "vocab"
+
+
+def test_keras_hub_layout_map_trains_with_its_token_embedding_split(report):
+    assert report["llama_layout_map"]["splits"] == {"token_embedding": "vocab"}
+    assert all(s < 1 for s in report["llama_layout_map"]["local_shares"])
 
 
 def test_saved_file_opens_in_keras_and_predicts_as_serial(report):

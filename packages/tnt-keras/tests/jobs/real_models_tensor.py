@@ -5,7 +5,7 @@ Each case trains serially (plain Keras, on the master) and with tnt.Model(TENSOR
 tensor_parallel_size=2) from the same initial weights on the same global batches, with
 Adam, and records: the largest differences to serial (History, gathered weights,
 predict), History keys, the share of the serial weights each rank holds, the plan's
-splits. Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
+splits. Llama trains with the plan of keras-hub's own LayoutMap. Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
 models first) train correctly; ranks that built different models all fail together with
 the same error (no hang).
 """
@@ -99,6 +99,16 @@ def gpt2_causal_lm_vocab() -> dict:
     return _hub_case("gpt2_causal_lm", plan_edit=lambda p: p.split("token_embedding", "vocab"))
 
 
+def llama_layout_map() -> dict:
+    """keras-hub's own LayoutMap (LlamaBackbone.get_layout_map, data axis "batch"): its token
+    embedding split by vocabulary, its decoder blocks (no tnt split) kept whole and listed."""
+    import keras_hub
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    return _hub_case("llama", plan_edit=lambda _: layout_map)  # passed as tensor_parallel_plan=
+
+
 def _mlp(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     x = keras.Input((6,))
@@ -141,7 +151,8 @@ def plan_mismatch() -> dict:
     return {"errors": tnt_comm.allgather_object(outcome)}
 
 
-CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_vocab, "names_differ": names_differ,
+CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_vocab, "llama_layout_map": llama_layout_map,
+         "names_differ": names_differ,
          "plan_mismatch": plan_mismatch}
 
 
