@@ -85,3 +85,11 @@ def test_different_models_fail_on_every_rank_with_one_error(report):
     for err in errors:
         assert "rank 1 computed another tensor-parallel plan than rank 0" in err, err
         assert "('Dense', 'column', 84) on rank 1 but ('Dense', 'column', 56) on rank 0" in err, err
+
+
+def test_loading_into_a_split_nested_backbone_is_refused_on_every_rank_naming_the_fix(report):
+    errors = report["gpt2"]["load_errors"]
+    assert len(errors) == 2
+    for err in errors:
+        assert "inside a nested model (transformer_layer_0, transformer_layer_1) is not supported" in err, err
+        assert "wrap that with tnt.Model" in err, err

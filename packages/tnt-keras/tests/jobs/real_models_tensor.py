@@ -61,6 +61,12 @@ def _train(build, x, y, ds, compile_, plan_edit=None, save=False) -> dict:
         model.save(path)
         if tnt.is_master_rank():
             saved_predict = keras.saving.load_model(path, compile=False).predict(x, batch_size=rm.BATCH, verbose=0)
+        try:
+            model.load_weights(path)
+            load_error = "no error"
+        except tnt.tensor_parallel.TensorParallelError as err:
+            load_error = str(err)
+        load_errors = tnt_comm.allgather_object(load_error)
     if ref is None:
         return {}
     out = {
@@ -76,6 +82,7 @@ def _train(build, x, y, ds, compile_, plan_edit=None, save=False) -> dict:
     }
     if saved_predict is not None:
         out["saved_predict_diff"] = _job.max_abs_diff(ref["predict"], saved_predict)
+        out["load_errors"] = load_errors
     return out
 
 
