@@ -6,6 +6,8 @@ and the layout and option checks run before any communication.
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import pytest
 
@@ -373,3 +375,21 @@ def test_layout_map_splits_keras_hub_blocks():
     m["token_embedding/embeddings"] = ("model", None)
     p = from_layout_map(m, gpt2_head(), 2)
     assert p.split_layers() == {"token_embedding": "vocab", "transformer_layer_1": "block"}
+
+
+def test_a_plan_keeping_most_bytes_whole_is_logged_when_the_model_is_wrapped(caplog):
+    from tarantella.tensor_parallel._layout_map import as_plan
+
+    x = keras.Input((6,))
+    h = keras.layers.LayerNormalization(name="norm")(keras.layers.Dense(100, name="wide")(x))
+    small = keras.Model(x, keras.layers.Dense(4, name="out")(h))  # nothing split: 100 % whole
+    logger = logging.getLogger("tarantella")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tarantella"):
+            as_plan(None, small, 2)
+            as_plan(None, mlp(), 2)  # everything split: no warning
+    finally:
+        logger.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if "stay replicated" in r.getMessage()]
+    assert len(warnings) == 1 and "100%" in warnings[0] and "wide (Dense, 2800 B" in warnings[0], warnings

@@ -31,6 +31,7 @@ from __future__ import annotations
 import keras
 
 from .._core.errors import TensorParallelError
+from .._core.log import logger
 from ._plan import (
     BLOCK,
     COLUMN,
@@ -160,7 +161,15 @@ def from_layout_map(layout_map, model: keras.Model, tensor_parallel_size: int) -
 
 def as_plan(value, model: keras.Model, tensor_parallel_size: int) -> Plan:
     """``tensor_parallel_plan=`` as a Plan checked against ``model``: None (automatic),
-    a Plan (automatic or edited) or a ``keras.distribution.LayoutMap``."""
+    a Plan (automatic or edited) or a ``keras.distribution.LayoutMap``. Logs the plan's
+    warning when more than 20 % of the bytes stay replicated."""
+    made = _as_plan(value, model, tensor_parallel_size)
+    if made.replicated_warning():
+        logger.warning("tensor-parallel plan: %s", made.replicated_warning())
+    return made
+
+
+def _as_plan(value, model: keras.Model, tensor_parallel_size: int) -> Plan:
     t = tensor_parallel_size
     if value is None:
         return plan(model, t)
