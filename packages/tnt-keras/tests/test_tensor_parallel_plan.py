@@ -359,11 +359,11 @@ def test_keras_hub_layout_map_is_accepted_with_its_batch_axis_as_replicas():
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
     layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)  # token embedding ("model", "batch")
     p = from_layout_map(layout_map, model, 2)
-    assert p.split_layers() == {"token_embedding": "vocab"}
-    notes = {s.name: s.note for s in p.layers}
-    assert notes["transformer_layer_0"].startswith("the LayoutMap splits ['feedforward_gate_dense/kernel'")
-    assert notes["transformer_layer_0"].endswith("no split for a LlamaTransformerDecoder: kept whole")
-    assert "stay replicated on every rank" in p.replicated_warning()
+    assert p.split_layers() == {"token_embedding": "vocab", "transformer_layer_0": "ffn", "transformer_layer_1": "ffn"}
+    assert p.split_layers() == plan(model, 2, min_split_params=0).split_layers()
+    block0 = next(s for s in p.layers if s.name == "transformer_layer_0")
+    assert block0.split_params == 3 * 16 * 32  # gate, intermediate, output kernels; attention whole (GQA)
+    assert p.replicated_warning() == ""
     m = keras.distribution.LayoutMap(None)  # "batch" without a mesh: data replicas too
     m["up1/kernel"] = ("batch", None)
     assert from_layout_map(m, mlp(), 2).split_layers() == {}
@@ -393,3 +393,16 @@ def test_a_plan_keeping_most_bytes_whole_is_logged_when_the_model_is_wrapped(cap
         logger.removeHandler(caplog.handler)
     warnings = [r.getMessage() for r in caplog.records if "stay replicated" in r.getMessage()]
     assert len(warnings) == 1 and "100%" in warnings[0] and "wide (Dense, 2800 B" in warnings[0], warnings
+
+
+def test_a_keras_hub_layer_without_a_tnt_split_is_kept_whole_from_a_layout_map_and_noted():
+    import keras_hub  # a test dependency (issue 27)
+    x = keras.Input((6, 8))
+    model = keras.Model(x, keras_hub.layers.PositionEmbedding(6, name="pos")(x))
+    m = keras.distribution.LayoutMap(None)
+    m["pos/embeddings"] = ("model", None)
+    p = from_layout_map(m, model, 2)
+    assert p.split_layers() == {}
+    note = p.layers[0].note
+    assert note == "the LayoutMap splits ['embeddings'], but tnt has no split for a PositionEmbedding: kept whole"
+    assert "stay replicated on every rank" in p.replicated_warning()

@@ -108,7 +108,8 @@ def gpt2_causal_lm_vocab() -> dict:
 
 def llama_layout_map() -> dict:
     """keras-hub's own LayoutMap (LlamaBackbone.get_layout_map, data axis "batch"): its token
-    embedding split by vocabulary, its decoder blocks (no tnt split) kept whole and listed."""
+    embedding split by vocabulary (untied: its reverse table too), its decoder blocks' gated
+    FFNs column/row (their grouped-query attention stays whole)."""
     import keras_hub
 
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])

@@ -36,6 +36,7 @@ from ._plan import (
     BLOCK,
     COLUMN,
     COLUMN_GATHER,
+    FFN,
     HEADS,
     REPLICATED,
     ROW,
@@ -47,6 +48,7 @@ from ._plan import (
     flatten,
     is_attention,
     is_block,
+    is_ffn_block,
     is_vocab_embedding,
     plan,
     plan_from_kinds,
@@ -107,6 +109,8 @@ def _kind_of(layer, split: dict[str, int]) -> str:
         return REPLICATED
     if is_block(layer):  # any of its variables on "model": the block is split as tnt splits one
         return BLOCK
+    if is_ffn_block(layer):
+        return FFN
     kinds = _CLASS_KINDS.get(type(layer).__name__, ())
     if is_vocab_embedding(layer):
         kinds = (VOCAB,)

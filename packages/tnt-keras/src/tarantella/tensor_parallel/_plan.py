@@ -41,8 +41,9 @@ COLUMN_GATHER = "column+allgather"
 VOCAB = "vocab"
 HEADS = "heads"
 BLOCK = "block"              # a keras-hub Transformer block: attention by heads, FFN column/row
+FFN = "ffn"                  # a keras-hub Llama block: its gated FFN column/row, its attention whole
 REPLICATED = "replicated"
-KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, BLOCK, REPLICATED)
+KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, BLOCK, FFN, REPLICATED)
 
 #: More than this share of the weights' bytes left replicated is worth a warning.
 REPLICATED_WARNING = 0.20
@@ -63,11 +64,13 @@ SPLIT_AXES: dict[str, dict[str, int]] = {
                for k, v in _ATTENTION_AXES.items()},
             "feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
             "feedforward_output_dense/kernel": 0},
+    FFN: {"feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
+          "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0, "feedforward_output_dense/kernel": 0},
     REPLICATED: {},
 }
 #: kind -> (SUM-allreduce or allgather forward, allreduce backward) per step.
 COLLECTIVES: dict[str, tuple[int, int]] = {
-    COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), HEADS: (1, 1), BLOCK: (2, 2),
+    COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), HEADS: (1, 1), BLOCK: (2, 2), FFN: (1, 2),
     REPLICATED: (0, 0),
 }
 
@@ -78,11 +81,13 @@ SUPPORTED = (
     "'vocab' (rows; a tied reverse projection by vocabulary columns); a MultiHeadAttention or keras-hub "
     "CachedMultiHeadAttention 'heads' (Q/K/V by heads, output projection by rows); a keras-hub "
     "TransformerEncoder/TransformerDecoder without cross-attention 'block' (its attention by heads, its "
-    "feed-forward Dense pair column/row); any layer 'replicated'")
+    "feed-forward Dense pair column/row); a keras-hub LlamaTransformerDecoder 'ffn' (its gated feed-forward "
+    "column/row, its attention whole); any layer 'replicated'")
 _LAYER_CLASS = {COLUMN: "keras.layers.Dense", ROW: "keras.layers.Dense", COLUMN_GATHER: "keras.layers.Dense",
                 VOCAB: "keras.layers.Embedding or a ReversibleEmbedding",
                 HEADS: "keras.layers.MultiHeadAttention or keras-hub's CachedMultiHeadAttention",
-                BLOCK: "keras-hub TransformerEncoder or TransformerDecoder"}
+                BLOCK: "keras-hub TransformerEncoder or TransformerDecoder",
+                FFN: "keras-hub LlamaTransformerDecoder"}
 _HUB = "keras_hub."
 
 
@@ -109,6 +114,11 @@ def is_block(layer) -> bool:
     return _hub(layer, "TransformerEncoder", "TransformerDecoder")
 
 
+def is_ffn_block(layer) -> bool:
+    """keras-hub's Llama decoder block (gated FFN; its grouped-query attention is not split)."""
+    return _hub(layer, "LlamaTransformerDecoder")
+
+
 def _accepts(kind: str, layer) -> bool:
     if kind in (COLUMN, ROW, COLUMN_GATHER):
         return type(layer) is keras.layers.Dense
@@ -116,6 +126,8 @@ def _accepts(kind: str, layer) -> bool:
         return is_vocab_embedding(layer)
     if kind == HEADS:
         return is_attention(layer)
+    if kind == FFN:
+        return is_ffn_block(layer)
     return is_block(layer) if kind == BLOCK else True
 
 
@@ -444,6 +456,14 @@ def _block_refusal(layer, t: int, input_shape: tuple) -> str:
             or _refusal(ffn[1], ffn[0].units, t))
 
 
+def _ffn_refusal(layer, t: int) -> str:
+    """Why a Llama block's gated FFN cannot be split (empty: it can)."""
+    dense = [getattr(layer, f"_feedforward_{n}_dense", None) for n in ("intermediate", "gate", "output")]
+    if None in dense:
+        return "not built"
+    return next(filter(None, (_refusal(d, dense[0].units, t) for d in dense)), "")
+
+
 def _vocab_refusal(layer, t: int, uses: int) -> str:
     """Why an Embedding cannot be split by vocabulary rows (empty: it can). A
     ReversibleEmbedding may be called twice: lookup and (tied) reverse projection."""
@@ -492,6 +512,10 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
             elif is_block(layer):
                 why = _block_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
                 kinds[layer.name] = (REPLICATED, why) if why else (BLOCK, "attention by heads, FFN column/row")
+            elif is_ffn_block(layer):
+                why = _ffn_refusal(layer, t)
+                kinds[layer.name] = (REPLICATED, why) if why else (
+                    FFN, "gated FFN column/row; attention whole (grouped-query attention is not split)")
             elif type(layer) is keras.layers.Dense:
                 why = _refusal(layer, layer.units, t)
                 partner, _ = _row_partner(graph, call.index, uses) \
@@ -538,6 +562,8 @@ def _split_refusal(layer, kind: str, t: int, graph: ModelGraph, call, uses: int)
         return _refusal(layer, int(layer.kernel.shape[0]), t)
     if kind == BLOCK:
         return _block_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
+    if kind == FFN:
+        return _ffn_refusal(layer, t)
     return _attention_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
 
 

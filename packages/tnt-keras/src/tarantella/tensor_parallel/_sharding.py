@@ -29,6 +29,7 @@ from ._plan import (
     BLOCK,
     COLUMN,
     COLUMN_GATHER,
+    FFN,
     HEADS,
     REPLICATED,
     ROW,
@@ -56,6 +57,8 @@ def shard_layer(layer, kind: str, group: TensorGroup):
         return heads_attention(layer, group)
     if kind == BLOCK:
         return block_shard(layer, group)
+    if kind == FFN:
+        return block_shard(layer, group, attention=False)
     raise TensorParallelError(f"layer {layer.name!r}: unknown split {kind!r}")
 
 
