@@ -8,8 +8,16 @@ computes the same one without talking. Rules (docs/architecture.md, "Layer paral
   first), and the activations between them stay split.
 - a lone ``Dense`` with at least ``min_split_params`` weights: column-split, outputs
   joined by an allgather before the activation.
-- ``Embedding``: vocabulary rows per rank, masked lookup, SUM-allreduce.
-- anything else: replicated (same inputs on every rank, so same gradients).
+- ``Embedding`` / ``ReversibleEmbedding``: vocabulary rows per rank, masked lookup,
+  SUM-allreduce (a reverse projection: vocabulary columns, allgather).
+- ``MultiHeadAttention`` / keras-hub ``CachedMultiHeadAttention``: by heads.
+- keras-hub ``TransformerEncoder``/``TransformerDecoder``: Megatron's block (attention by
+  heads, FFN column/row); ``LlamaTransformerDecoder``: its gated FFN only.
+- anything else: replicated (same inputs on every rank, so same gradients), listed with
+  its bytes; more than 20 % of the bytes replicated is warned about.
+
+Nested functional models (a keras-hub backbone inside a task model) are opened: their
+layers are planned one by one (``flatten``).
 
 A layer is replicated, with a note saying why, when its split dimension does not divide
 by t, when it is called more than once, when it has a regulariser or constraint (their
@@ -159,7 +167,7 @@ class LayerSplit:
 
 @dataclass
 class Plan:
-    """The split of every layer with weights, in ``model.layers`` order."""
+    """The split of every layer with weights, in weights order (nested models opened)."""
 
     model_name: str
     tensor_parallel_size: int
