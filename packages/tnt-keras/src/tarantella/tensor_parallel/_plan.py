@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
+from .._core import internals as _internals
 from .._core.errors import TensorParallelError
 from .._core.graph import ModelGraph, model_graph
 
@@ -429,26 +430,43 @@ def flatten(model: keras.Model) -> Flat:
         graph = model_graph(m)
         flat.graphs.append(graph)
         calls: dict[int, int] = {}
+        passing: dict[int, bool] = {}
         for call in graph.calls:
             calls[id(call.layer)] = calls.get(id(call.layer), 0) + 1
+            if _nested(call.layer):
+                passing[id(call.layer)] = passes_inputs(call.layer, call.node.arguments.args,
+                                                        call.node.arguments.kwargs)
             flat.uses[id(call.layer)] = flat.uses.get(id(call.layer), 0) + 1
             flat.first_call.setdefault(call.layer.name, (graph, call))
         for layer in m.layers:
             if _nested(layer) and _has_weights(layer):
                 clash = [sub.name for sub in layer.layers if names.get(sub.name, id(sub)) != id(sub)]
-                if calls.get(id(layer), 0) == 1 and not clash:
+                if calls.get(id(layer), 0) == 1 and not clash and passing.get(id(layer)):
                     flat.opened.add(id(layer))
                     visit(layer)
                     continue
-                flat.whole[id(layer)] = (f"nested model called {calls.get(id(layer), 0)} times" if not clash else
-                                         f"nested model whose layer names {clash[:3]} are used twice") + \
-                    "; kept whole"
+                flat.whole[id(layer)] = (
+                    f"nested model whose layer names {clash[:3]} are used twice" if clash else
+                    f"nested model called {calls.get(id(layer), 0)} times" if calls.get(id(layer), 0) != 1 else
+                    "nested model called with other arguments than its inputs") + "; kept whole"
             if _has_weights(layer) and names.setdefault(layer.name, id(layer)) == id(layer) and \
                     all(x is not layer for x in flat.layers):
                 flat.layers.append(layer)
 
     visit(model)
     return flat
+
+
+def passes_inputs(inner: keras.Model, args: tuple, kwargs: dict) -> bool:
+    """Whether a nested model's call passes exactly its inputs, in their own structure (then
+    the shard model, built with that structure, takes the same arguments)."""
+    if len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):
+        return False  # Keras passes mask=None leaves for a nested model's inputs
+    functional = inner._functional if isinstance(inner, keras.Sequential) else inner
+    struct = _internals.functional_structure(functional)[0]
+    if isinstance(args[0], dict) or isinstance(struct, dict):
+        return isinstance(args[0], dict) and isinstance(struct, dict) and sorted(args[0]) == sorted(struct)
+    return len(keras.tree.flatten(args[0])) == len(keras.tree.flatten(struct))
 
 
 def _block_refusal(layer, t: int, input_shape: tuple) -> str:

@@ -37,6 +37,7 @@ from ._plan import (
     VOCAB,
     _nested,
     flatten,
+    passes_inputs,
     var_name,
 )
 
@@ -67,20 +68,12 @@ def _splits_inside(model, plan) -> bool:
     return any(layer.name in names or (_nested(layer) and _splits_inside(layer, plan)) for layer in model.layers)
 
 
-def _passes_inputs(inner: ModelGraph, args: tuple, kwargs: dict) -> list | None:
-    """The outer values for ``inner``'s flattened inputs, if the call passes exactly its inputs."""
-    if len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):
-        return None  # Keras passes mask=None leaves for a nested model's inputs
-    given = keras.tree.flatten(args[0])  # a dict flattens by sorted key, as the model's own inputs
-    return given if len(given) == len(inner.inputs) else None
-
-
 def _replay(graph: ModelGraph, values: dict, plan, group: TensorGroup, shards: dict) -> None:
     for call in graph.calls:
         layer = call.layer
         args, kwargs = call.node.arguments.fill_in(values)
         if _nested(layer) and _splits_inside(layer, plan):
-            if _passes_inputs(model_graph(layer), args, kwargs) is None:
+            if not passes_inputs(layer, args, kwargs):
                 raise TensorParallelError(
                     f"the nested model {layer.name!r} is called with other arguments than its inputs; its "
                     "layers cannot be split. plan.replicate(...) its layers, or call it on its inputs only.")
