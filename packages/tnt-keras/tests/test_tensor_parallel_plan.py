@@ -6,6 +6,8 @@ and the layout and option checks run before any communication.
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import pytest
 
@@ -130,7 +132,7 @@ def test_layout_map_column_without_row_is_allgathered_and_unmatched_is_replicate
 
 @pytest.mark.parametrize(("key", "layout", "words"), [
     ("up1/kernel", ("model", "model"), ["'up1'", "one dimension only", "'model'"]),
-    ("up1/kernel", ("batch", None), ["'up1'", "'batch'", "tensor axis 'model'"]),
+    ("up1/kernel", ("seq", None), ["'up1'", "'seq'", "tensor axis 'model'", "data axes ['batch']"]),
     ("up1/kernel", (None,), ["'up1'", "2 dimensions", "one entry"]),
     ("down1/bias", ("model",), ["'down1'", "not a supported pattern", SUPPORTED]),
 ])
@@ -247,3 +249,160 @@ def test_plan_for_another_t_or_model_is_refused():
         as_plan(p, block(), 2)
     with pytest.raises(TensorParallelError, match=r"a tnt\.tensor_parallel\.Plan or a keras\.distribution\.LayoutMap"):
         as_plan({"up1": "column"}, mlp(), 2)
+
+
+# -- real models: keras-hub layers (issue 27) ---------------------------------------------------
+def _hub_head(backbone, names: list[str]) -> keras.Model:
+    """As jobs/real_models.py: the backbone's sequence output, mean-pooled, into a softmax."""
+    inputs = {n: keras.Input((8,), dtype="int32", name=n) for n in names}
+    out = backbone(inputs)
+    x = keras.layers.GlobalAveragePooling1D()(out["sequence_output"] if isinstance(out, dict) else out)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(x))
+
+
+def gpt2_head() -> keras.Model:
+    import keras_hub  # a test dependency (issue 27)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=24, num_layers=2, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+    return _hub_head(backbone, ["token_ids", "padding_mask"])
+
+
+def test_keras_hub_gpt2_blocks_split_inside_the_nested_backbone():
+    p = plan(gpt2_head(), 2)
+    assert [(s.name, s.kind) for s in p.layers][:5] == [
+        ("token_embedding", "replicated"), ("position_embedding", "replicated"), ("transformer_layer_0", "block"),
+        ("transformer_layer_1", "block"), ("layer_norm", "replicated")]
+    assert [(s.class_name, s.kind) for s in p.layers][5:] == [("Dense", "replicated")]  # the head: 3 columns
+    block0 = next(s for s in p.layers if s.name == "transformer_layer_0")
+    # q/k/v kernels + biases (3 * 272), attention output kernel (256), FFN in (16*32 + 32), FFN out kernel (512)
+    assert block0.split_params == 3 * 272 + 256 + 544 + 512
+    serial = sum(s.params for s in p.layers)
+    assert serial == 5043 and p.params_per_rank() == 2915  # 0.578 of the weights on each rank
+    assert p.collectives_per_step() == (4, 4)
+
+
+def test_keras_hub_bert_with_keras_op_nodes_is_planned():
+    import keras_hub  # a test dependency (issue 27)
+    backbone = keras_hub.models.BertBackbone(vocabulary_size=24, num_layers=1, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+    p = plan(_hub_head(backbone, ["token_ids", "segment_ids", "padding_mask"]), 2)  # x[:, 0] is a GetItem op
+    assert p.split_layers() == {"transformer_layer_0": "block"}
+    assert p.kind("pooled_dense") == "replicated"
+
+
+def test_reversible_embedding_splits_by_vocabulary_and_its_tied_reverse_call_counts_once():
+    import keras_hub  # a test dependency (issue 27)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=24, num_layers=1, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, max_sequence_length=8, dropout=0.0)
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)  # token_embedding called twice
+    auto = plan(lm, 2)
+    assert auto.kind("token_embedding") == "replicated" and "min_split_params" in \
+        next(s.note for s in auto.layers if s.name == "token_embedding")
+    assert plan(lm, 2, min_split_params=0).kind("token_embedding") == "vocab"
+    edited = auto.split("token_embedding", "vocab")
+    assert edited.split_layers() == {"token_embedding": "vocab", "transformer_layer_0": "block"}
+    with pytest.raises(TensorParallelError, match="'block' split needs a keras-hub TransformerEncoder"):
+        auto.split("layer_norm", "block")
+
+
+def test_top_level_cached_attention_splits_by_heads_and_cross_attention_blocks_stay_whole():
+    import keras_hub  # a test dependency (issue 27)
+    x = keras.Input((6, 8))
+    memory = keras.Input((5, 8))
+    a = keras_hub.layers.CachedMultiHeadAttention(2, 4, name="cached")(x, x)
+    d = keras_hub.layers.TransformerDecoder(16, 2, name="cross")(a, memory)
+    p = plan(keras.Model([x, memory], d), 2)
+    assert p.kind("cached") == "heads"
+    assert p.kind("cross") == "replicated"
+    assert "cross-attention" in next(s.note for s in p.layers if s.name == "cross")
+
+
+def test_summary_lists_bytes_and_warns_when_most_bytes_stay_replicated():
+    text = plan(gpt2_head(), 2).summary(print_fn=lambda s: None)
+    assert "bytes" in text.splitlines()[1]
+    assert "position_embedding       PositionEmbedding    replicated               128        128        512" in text
+    assert "replicated (whole on every rank): 2380 of 20172 bytes (0.12)" in text
+    assert "WARNING" not in text  # 12 % stays replicated
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = keras.layers.LayerNormalization(name="norm")(keras.layers.Dense(100, name="wide")(x))
+    small = keras.Model(x, keras.layers.Dense(4, name="out")(h))
+    p = plan(small, 2)
+    assert p.split_layers() == {}
+    assert p.replicated_bytes() == p.total_bytes() == 4 * (7 * 100 + 200 + 404)
+    warning = p.replicated_warning()
+    assert warning.startswith("100% of the weights' bytes") and "wide (Dense, 2800 B: smaller than" in warning
+    assert "WARNING: 100%" in p.summary(print_fn=lambda s: None)
+
+
+def test_plans_compare_by_position_not_by_auto_generated_names():
+    from tarantella.tensor_parallel._agreement import first_difference, plan_signature
+
+    def unnamed(width: int) -> keras.Model:
+        x = keras.Input((6,))
+        h = keras.layers.Dense(width, activation="relu")(x)
+        return keras.Model(x, keras.layers.Dense(6)(h))
+
+    a, b = plan(unnamed(8), 2), plan(unnamed(8), 2)
+    assert [s.name for s in a.layers] != [s.name for s in b.layers]  # Keras numbered them apart
+    assert first_difference([plan_signature(a), plan_signature(b)]) is None
+    assert first_difference([plan_signature(a), plan_signature(b), plan_signature(plan(unnamed(12), 2))]) == (2, 0)
+
+
+def test_keras_hub_layout_map_is_accepted_with_its_batch_axis_as_replicas():
+    import keras_hub  # a test dependency (issue 27)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=24, num_layers=2, num_query_heads=2,
+                                              num_key_value_heads=1, hidden_dim=16, intermediate_dim=32)
+    model = _hub_head(backbone, ["token_ids", "padding_mask"])
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)  # token embedding ("model", "batch")
+    p = from_layout_map(layout_map, model, 2)
+    assert p.split_layers() == {"token_embedding": "vocab", "transformer_layer_0": "ffn", "transformer_layer_1": "ffn"}
+    assert p.split_layers() == plan(model, 2, min_split_params=0).split_layers()
+    block0 = next(s for s in p.layers if s.name == "transformer_layer_0")
+    assert block0.split_params == 3 * 16 * 32  # gate, intermediate, output kernels; attention whole (GQA)
+    assert p.replicated_warning() == ""
+    m = keras.distribution.LayoutMap(None)  # "batch" without a mesh: data replicas too
+    m["up1/kernel"] = ("batch", None)
+    assert from_layout_map(m, mlp(), 2).split_layers() == {}
+
+
+def test_layout_map_splits_keras_hub_blocks():
+    m = keras.distribution.LayoutMap(None)
+    m["transformer_layer_1/feedforward_intermediate_dense/kernel"] = (None, "model")
+    m["token_embedding/embeddings"] = ("model", None)
+    p = from_layout_map(m, gpt2_head(), 2)
+    assert p.split_layers() == {"token_embedding": "vocab", "transformer_layer_1": "block"}
+
+
+def test_a_plan_keeping_most_bytes_whole_is_logged_when_the_model_is_wrapped(caplog):
+    from tarantella.tensor_parallel._layout_map import as_plan
+
+    x = keras.Input((6,))
+    h = keras.layers.LayerNormalization(name="norm")(keras.layers.Dense(100, name="wide")(x))
+    small = keras.Model(x, keras.layers.Dense(4, name="out")(h))  # nothing split: 100 % whole
+    logger = logging.getLogger("tarantella")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tarantella"):
+            as_plan(None, small, 2)
+            as_plan(None, mlp(), 2)  # everything split: no warning
+    finally:
+        logger.removeHandler(caplog.handler)
+    warnings = [r.getMessage() for r in caplog.records if "stay replicated" in r.getMessage()]
+    assert len(warnings) == 1 and "100%" in warnings[0] and "wide (Dense, 2800 B" in warnings[0], warnings
+
+
+def test_a_keras_hub_layer_without_a_tnt_split_is_kept_whole_from_a_layout_map_and_noted():
+    import keras_hub  # a test dependency (issue 27)
+    x = keras.Input((6, 8))
+    model = keras.Model(x, keras_hub.layers.PositionEmbedding(6, name="pos")(x))
+    m = keras.distribution.LayoutMap(None)
+    m["pos/embeddings"] = ("model", None)
+    p = from_layout_map(m, model, 2)
+    assert p.split_layers() == {}
+    note = p.layers[0].note
+    assert note == "the LayoutMap splits ['embeddings'], but tnt has no split for a PositionEmbedding: kept whole"
+    assert "stay replicated on every rank" in p.replicated_warning()

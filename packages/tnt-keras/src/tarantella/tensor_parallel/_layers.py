@@ -181,9 +181,10 @@ class _RowEinsumDense(keras.layers.EinsumDense):
         return self.activation(x) if self.activation is not None else x
 
 
-class HeadsAttention(keras.layers.MultiHeadAttention):
-    """Heads ``[rank*h, (rank+1)*h)`` of a MultiHeadAttention layer: Q/K/V projections of
-    those heads, attention per head (dropout: the slice of the serial mask), the output
+class _Heads:
+    """Heads ``[rank*h, (rank+1)*h)`` of a MultiHeadAttention layer (or a subclass with the
+    same projections, keras-hub's CachedMultiHeadAttention): Q/K/V projections of those
+    heads, attention per head (dropout: the slice of the serial mask), the output
     projection's rows of those heads, SUM-allreduced, then the bias."""
 
     def __init__(self, serial: keras.layers.MultiHeadAttention, group: TensorGroup) -> None:
@@ -204,9 +205,75 @@ class HeadsAttention(keras.layers.MultiHeadAttention):
             self._dropout_layer = SliceDropout(self._tnt_serial._dropout_layer, self.group, axis=1)
 
     def call(self, query, value, key=None, training=None, **kwargs):
-        """Keras' attention on this rank's heads; the inputs pass through f first."""
+        """The serial class's attention on this rank's heads; the inputs pass through f first."""
         q = _copy_keeping_mask(query, self.group)
         v = q if value is query else _copy_keeping_mask(value, self.group)
         k = None if key is None else q if key is query else v if key is value else \
             _copy_keeping_mask(key, self.group)
         return super().call(q, v, key=k, training=training, **kwargs)
+
+
+class HeadsAttention(_Heads, keras.layers.MultiHeadAttention):
+    __doc__ = _Heads.__doc__
+
+
+_HEADS_CLASSES: dict[type, type] = {keras.layers.MultiHeadAttention: HeadsAttention}
+
+
+def heads_attention(serial: keras.layers.MultiHeadAttention, group: TensorGroup) -> keras.layers.Layer:
+    """The heads shard of ``serial``, of a subclass of ``serial``'s own class (its call)."""
+    cls = type(serial)
+    if cls not in _HEADS_CLASSES:
+        _HEADS_CLASSES[cls] = type(f"Heads{cls.__name__}", (_Heads, cls), {"__doc__": _Heads.__doc__})
+    return _HEADS_CLASSES[cls](serial, group)
+
+
+class VocabReversibleEmbedding(VocabEmbedding):
+    """A ReversibleEmbedding's vocabulary rows ``[rank*v, (rank+1)*v)``: the lookup as
+    ``VocabEmbedding``; the reverse projection (``reverse=True``: hidden states to logits)
+    computes this rank's vocabulary columns (its rows of the tied table, transposed, or its
+    columns of ``reverse_embeddings``) and joins the group's columns by an allgather."""
+
+    def __init__(self, serial, group: TensorGroup) -> None:
+        super().__init__(serial, group)
+        self.tie_weights = serial.tie_weights
+        self.reverse_dtype = serial.reverse_dtype
+        self.logit_soft_cap = serial.logit_soft_cap
+
+    def build(self, input_shape=None) -> None:
+        """This rank's rows of the table (and columns of an untied reverse table), zero."""
+        super().build(input_shape)
+        if not self.tie_weights:
+            self.reverse_embeddings = self.add_weight(name="reverse_embeddings",
+                                                      shape=(self.output_dim, self.rows), initializer="zeros")
+
+    def call(self, inputs, reverse=False):
+        """The lookup, or the reverse projection onto the whole vocabulary (allgathered)."""
+        if not reverse:
+            out = super().call(inputs)
+            if self.mask_zero:  # as ReversibleEmbedding: the mask is set in call
+                _internals.set_keras_mask(out, ops.not_equal(inputs, 0))
+            return out
+        kernel = ops.transpose(self.embeddings) if self.tie_weights else self.reverse_embeddings
+        inputs = copy_to_group(inputs, self.group)
+        if self.reverse_dtype is not None:
+            inputs, kernel = ops.cast(inputs, self.reverse_dtype), ops.cast(kernel, self.reverse_dtype)
+        logits = gather_last_axis(ops.matmul(inputs, kernel), self.group)
+        if self.logit_soft_cap is not None:
+            soft_cap = self.logit_soft_cap
+            logits = ops.multiply(ops.tanh(ops.divide(logits, soft_cap)), soft_cap)
+        return logits
+
+    def compute_mask(self, inputs, mask=None):
+        """ReversibleEmbedding's: no mask."""
+        return None
+
+    def compute_output_shape(self, input_shape, reverse=False):
+        """The serial layer's output shape (logits over the whole vocabulary when reversed)."""
+        if reverse:
+            return (*input_shape[:-1], self.rows * self.group.size)
+        return (*input_shape, self.output_dim)
+
+    def compute_output_spec(self, inputs, reverse=False):
+        """As ReversibleEmbedding's (two call arguments, one output)."""
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape, reverse), dtype=self.compute_dtype)

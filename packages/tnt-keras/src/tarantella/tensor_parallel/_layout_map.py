@@ -11,7 +11,15 @@ whole. Each layer's layouts must be one of the patterns the shard layers impleme
     MultiHeadAttention  query/key/value kernel (None, "model", None), their biases
                         ("model", None) or whole, attention_output kernel
                         ("model", None, None), its bias whole             -> heads
+    ReversibleEmbedding embeddings ("model", None), any reverse_embeddings   -> vocab
+    CachedMultiHeadAttention  as MultiHeadAttention                        -> heads
+    keras-hub TransformerEncoder/Decoder  any variable on "model"          -> block
+    other keras-hub layers  any variable on "model": kept whole, noted in the plan
     any layer           every variable whole                              -> replicated
+
+The mesh's other axes (keras-hub's ``get_layout_map`` names its data axis "batch"; without
+a mesh, "batch") are data parallelism: tnt runs them as data replicas, so a dimension on
+them is whole on a rank.
 
 A column Dense whose output reaches a row Dense through elementwise layers becomes the
 "column" half of that pair; any other column Dense "column+allgather". The resulting kinds
@@ -23,10 +31,12 @@ from __future__ import annotations
 import keras
 
 from .._core.errors import TensorParallelError
-from .._core.graph import model_graph
+from .._core.log import logger
 from ._plan import (
+    BLOCK,
     COLUMN,
     COLUMN_GATHER,
+    FFN,
     HEADS,
     REPLICATED,
     ROW,
@@ -35,13 +45,18 @@ from ._plan import (
     VOCAB,
     Plan,
     _row_partner,
-    _uses,
+    flatten,
+    is_attention,
+    is_block,
+    is_ffn_block,
+    is_vocab_embedding,
     plan,
     plan_from_kinds,
     var_name,
 )
 
 MODEL_AXIS = "model"
+DATA_AXIS = "batch"  # keras-hub's get_layout_map(..., data_parallel_dim_name="batch")
 
 #: kind -> (variables that must be split on the axis given, variables that may be)
 _PATTERNS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
@@ -54,9 +69,17 @@ _PATTERNS: dict[str, tuple[dict[str, int], dict[str, int]]] = {
 _CLASS_KINDS = {"Dense": (COLUMN, ROW), "Embedding": (VOCAB,), "MultiHeadAttention": (HEADS,)}
 
 
+def _data_axes(layout_map) -> set[str]:
+    """The axes of the LayoutMap's mesh other than "model" (keras-hub's "batch"): data
+    parallelism, which tnt runs as replicas (a variable is whole along them on a rank)."""
+    mesh = getattr(layout_map, "device_mesh", None)
+    return {a for a in mesh.axis_names if a != MODEL_AXIS} if mesh is not None else {DATA_AXIS}
+
+
 def _split_axes(layer, layout_map) -> dict[str, int]:
     """{variable name in ``layer``: dimension on the "model" axis} from ``layout_map``."""
     out = {}
+    data = _data_axes(layout_map)
     for w in layer.weights:
         try:
             layout = layout_map[w.path]
@@ -67,12 +90,14 @@ def _split_axes(layer, layout_map) -> dict[str, int]:
             raise TensorParallelError(
                 f"layer {layer.name!r}: the LayoutMap gives {w.path} the layout {axes}, but the variable has "
                 f"{len(w.shape)} dimensions {tuple(w.shape)}; give one entry (an axis name or None) per dimension.")
+        axes = tuple(None if a in data else a for a in axes)  # data axes: whole on a rank (replicas)
         unknown = [a for a in axes if a not in (None, MODEL_AXIS)]
         if unknown or axes.count(MODEL_AXIS) > 1:
             raise TensorParallelError(
                 f"layer {layer.name!r}: the LayoutMap gives {w.path} the layout {axes}; a variable may be split "
                 f"along one dimension only, on the tensor axis {MODEL_AXIS!r} (None keeps a dimension whole). "
-                "Data-parallel axes ('batch') are not part of a variable's layout.")
+                f"The data axes {sorted(data)} (tnt's data replicas: the variable is whole on each) are the "
+                "mesh's other axes, or 'batch' without a mesh.")
         if MODEL_AXIS in axes:
             out[var_name(w, layer)] = axes.index(MODEL_AXIS)
     return out
@@ -82,8 +107,19 @@ def _kind_of(layer, split: dict[str, int]) -> str:
     """The kind whose pattern ``split`` is, or a TensorParallelError naming the layer."""
     if not split:
         return REPLICATED
-    for kind in _CLASS_KINDS.get(type(layer).__name__, ()):
-        if type(layer) is not getattr(keras.layers, type(layer).__name__):
+    if is_block(layer):  # any of its variables on "model": the block is split as tnt splits one
+        return BLOCK
+    if is_ffn_block(layer):
+        return FFN
+    kinds = _CLASS_KINDS.get(type(layer).__name__, ())
+    if is_vocab_embedding(layer):
+        kinds = (VOCAB,)
+    elif is_attention(layer):
+        kinds = (HEADS,)
+    elif type(layer).__module__.startswith("keras_hub."):
+        return REPLICATED  # a keras-hub layer tnt cannot split (noted by from_layout_map)
+    for kind in kinds:
+        if type(layer) is not getattr(keras.layers, type(layer).__name__, None) and kind in (COLUMN, ROW):
             break  # a subclass of a Keras layer: its call may differ
         required, optional = _PATTERNS[kind]
         if all(split.get(k) == a for k, a in required.items()) and \
@@ -105,26 +141,39 @@ def from_layout_map(layout_map, model: keras.Model, tensor_parallel_size: int) -
             raise TensorParallelError(
                 f"the LayoutMap's DeviceMesh has {size} devices on the {MODEL_AXIS!r} axis but "
                 f"tensor_parallel_size={tensor_parallel_size}; make them agree.")
-    kinds = {}
-    for layer in model.layers:
-        kind = _kind_of(layer, _split_axes(layer, layout_map)) if layer.weights else REPLICATED
+    kinds, notes = {}, {}
+    flat = flatten(model)
+    for layer in flat.layers:
+        split = _split_axes(layer, layout_map)
+        kind = _kind_of(layer, split)
         if kind != REPLICATED:
             kinds[layer.name] = kind
-    graph = model_graph(model)
-    uses = _uses(graph)
-    for call in graph.calls:  # a column Dense is a pair's first half only if a row Dense follows
-        name = call.layer.name
-        if kinds.get(name) == COLUMN:
-            row, _ = _row_partner(graph, call.index, uses)
-            if row is None or kinds.get(graph.calls[row].layer.name) != ROW:
-                kinds[name] = COLUMN_GATHER
-    return plan_from_kinds(model, tensor_parallel_size, kinds,
-                           {name: "from the LayoutMap" for name in kinds})
+            notes[layer.name] = "from the LayoutMap" + (" (a Transformer block: attention by heads, FFN "
+                                                        "column/row)" if kind == BLOCK else "")
+        elif split:
+            notes[layer.name] = (f"the LayoutMap splits {sorted(split)}, but tnt has no split for a "
+                                 f"{type(layer).__name__}: kept whole")
+    for graph in flat.graphs:  # a column Dense is a pair's first half only if a row Dense follows
+        for call in graph.calls:
+            name = call.layer.name
+            if kinds.get(name) == COLUMN:
+                row, _ = _row_partner(graph, call.index, flat.uses)
+                if row is None or kinds.get(graph.calls[row].layer.name) != ROW:
+                    kinds[name] = COLUMN_GATHER
+    return plan_from_kinds(model, tensor_parallel_size, kinds, notes)
 
 
 def as_plan(value, model: keras.Model, tensor_parallel_size: int) -> Plan:
     """``tensor_parallel_plan=`` as a Plan checked against ``model``: None (automatic),
-    a Plan (automatic or edited) or a ``keras.distribution.LayoutMap``."""
+    a Plan (automatic or edited) or a ``keras.distribution.LayoutMap``. Logs the plan's
+    warning when more than 20 % of the bytes stay replicated."""
+    made = _as_plan(value, model, tensor_parallel_size)
+    if made.replicated_warning():
+        logger.warning("tensor-parallel plan: %s", made.replicated_warning())
+    return made
+
+
+def _as_plan(value, model: keras.Model, tensor_parallel_size: int) -> Plan:
     t = tensor_parallel_size
     if value is None:
         return plan(model, t)

@@ -35,40 +35,18 @@ from .._core.compile_args import own_compile_arguments
 from .._core.deferred import current_or_initial, has_deferred, is_deferred, materialise
 from .._core.distributed import DistributedModel
 from .._core.errors import TensorParallelError
-from .._core.graph import model_graph
 from .._core.mesh import check_layout, groups
 from . import _saving
+from ._agreement import check_same_plan
 from ._collectives import TensorGroup
-from ._layers import ColumnDense, HeadsAttention, RowDense, SliceDropout, VocabEmbedding
 from ._layout_map import as_plan
 from ._plan import (
-    COLUMN,
-    COLUMN_GATHER,
-    HEADS,
-    REPLICATED,
-    ROW,
-    SPLIT_AXES,
-    VOCAB,
     check_model,
     check_size,
-    var_name,
 )
 from ._replicas import ReplicaLoops
+from ._sharding import shard_model, split_variables
 from ._xla import compiled_segments
-
-
-def _shard_layer(layer, kind: str, group: TensorGroup):
-    if kind == COLUMN:
-        return ColumnDense(layer, group, gather=False)
-    if kind == COLUMN_GATHER:
-        return ColumnDense(layer, group, gather=True)
-    if kind == ROW:
-        return RowDense(layer, group)
-    if kind == VOCAB:
-        return VocabEmbedding(layer, group)
-    if kind == HEADS:
-        return HeadsAttention(layer, group)
-    raise TensorParallelError(f"layer {layer.name!r}: unknown split {kind!r}")
 
 
 def digest(variables) -> str:
@@ -159,11 +137,7 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
 
     # -- building ----------------------------------------------------------------------
     def _tnt_check_same_plan(self) -> None:
-        mine = [(s.name, s.kind) for s in self.plan.layers]
-        if _runtime.get_size() > 1 and tnt_comm.broadcast_object(mine, 0) != mine:
-            raise TensorParallelError(
-                f"rank {_runtime.get_rank()} computed another tensor-parallel plan than rank 0; every "
-                "rank must build the same model with the same plan.")
+        check_same_plan(self.plan)
 
     def _build_local(self, model: keras.Model) -> keras.Model:
         return shard_model(model, self.plan, self.group, self._tnt_shards)
@@ -340,46 +314,6 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         """The serial model with optimizer state on the master (None elsewhere); all ranks
         call it (BackupAndRestore writes it)."""
         return _saving.gather_serial_model(self, with_optimizer)
-
-
-def shard_model(model: keras.Model, plan, group: TensorGroup, shards: dict) -> keras.Model:
-    """``model``'s functional graph with each layer ``plan`` splits replaced by its shard
-    layer on this rank of ``group`` (made once per layer, kept in ``shards`` by name) and
-    every other layer reused as it is."""
-    graph = model_graph(model)
-    values: dict[int, object] = {}
-    inputs = []
-    for j, name in enumerate(graph.inputs):
-        kt = graph.keras_tensors[name]
-        new = keras.Input(shape=kt.shape[1:], dtype=kt.dtype, name=graph.input_layer_names[j])
-        values[id(kt)] = new
-        inputs.append(new)
-    for call in graph.calls:
-        kind = plan.kind(call.layer.name)
-        layer = call.layer
-        if layer.name in plan.split_dropouts:
-            layer = SliceDropout(layer, group)
-        elif kind != REPLICATED:
-            if layer.name not in shards:
-                shards[layer.name] = _shard_layer(layer, kind, group)
-            layer = shards[layer.name]
-        args, kwargs = call.node.arguments.fill_in(values)
-        for name, new in zip(call.outputs, keras.tree.flatten(layer(*args, **kwargs))):
-            values[id(graph.keras_tensors[name])] = new
-    outputs = keras.tree.map_structure(lambda n: values[id(graph.keras_tensors[n])], graph.output_struct)
-    return keras.Model(inputs=inputs, outputs=outputs, name=f"{model.name}_tp{group.rank}")
-
-
-def split_variables(model: keras.Model, shards: dict, plan):
-    """(variable of ``model``, shard layer's variable, split axis or None) for every weight
-    of the layers of ``model`` that ``shards`` replaces."""
-    layers = {layer.name: layer for layer in model.layers}
-    for name, shard in shards.items():
-        axes = SPLIT_AXES[plan.kind(name)]
-        local = {var_name(w, shard): w for w in shard.weights}
-        whole = layers[name]
-        for w in whole.weights:
-            yield w, local[var_name(w, whole)], axes.get(var_name(w, whole))
 
 
 def assign_slices(pairs, group: TensorGroup) -> None:

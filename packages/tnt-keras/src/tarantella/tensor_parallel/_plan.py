@@ -8,8 +8,16 @@ computes the same one without talking. Rules (docs/architecture.md, "Layer paral
   first), and the activations between them stay split.
 - a lone ``Dense`` with at least ``min_split_params`` weights: column-split, outputs
   joined by an allgather before the activation.
-- ``Embedding``: vocabulary rows per rank, masked lookup, SUM-allreduce.
-- anything else: replicated (same inputs on every rank, so same gradients).
+- ``Embedding`` / ``ReversibleEmbedding``: vocabulary rows per rank, masked lookup,
+  SUM-allreduce (a reverse projection: vocabulary columns, allgather).
+- ``MultiHeadAttention`` / keras-hub ``CachedMultiHeadAttention``: by heads.
+- keras-hub ``TransformerEncoder``/``TransformerDecoder``: Megatron's block (attention by
+  heads, FFN column/row); ``LlamaTransformerDecoder``: its gated FFN only.
+- anything else: replicated (same inputs on every rank, so same gradients), listed with
+  its bytes; more than 20 % of the bytes replicated is warned about.
+
+Nested functional models (a keras-hub backbone inside a task model) are opened: their
+layers are planned one by one (``flatten``).
 
 A layer is replicated, with a note saying why, when its split dimension does not divide
 by t, when it is called more than once, when it has a regulariser or constraint (their
@@ -29,6 +37,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
+from .._core import internals as _internals
 from .._core.errors import TensorParallelError
 from .._core.graph import ModelGraph, model_graph
 
@@ -40,31 +49,104 @@ ROW = "row"                  # split inputs, SUM-allreduce of the outputs
 COLUMN_GATHER = "column+allgather"
 VOCAB = "vocab"
 HEADS = "heads"
+BLOCK = "block"              # a keras-hub Transformer block: attention by heads, FFN column/row
+FFN = "ffn"                  # a keras-hub Llama block: its gated FFN column/row, its attention whole
 REPLICATED = "replicated"
-KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, REPLICATED)
+KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, BLOCK, FFN, REPLICATED)
+
+#: More than this share of the weights' bytes left replicated is worth a warning.
+REPLICATED_WARNING = 0.20
+
+_ATTENTION_AXES = {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
+                   "value/kernel": 1, "value/bias": 0, "attention_output/kernel": 0}
 
 #: kind -> {variable path inside the layer: axis it is split along}; others are replicated.
 SPLIT_AXES: dict[str, dict[str, int]] = {
     COLUMN: {"kernel": 1, "bias": 0},
     COLUMN_GATHER: {"kernel": 1, "bias": 0},
     ROW: {"kernel": 0},
-    VOCAB: {"embeddings": 0},
-    HEADS: {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
-            "value/kernel": 1, "value/bias": 0, "attention_output/kernel": 0},
+    VOCAB: {"embeddings": 0, "reverse_embeddings": 1},
+    HEADS: dict(_ATTENTION_AXES),
+    # keras-hub's TransformerDecoder names its attention "self_attention", the encoder
+    # "self_attention_layer"; both name their FFN "feedforward_intermediate/output_dense".
+    BLOCK: {**{f"{a}/{k}": v for a in ("self_attention", "self_attention_layer")
+               for k, v in _ATTENTION_AXES.items()},
+            "feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
+            "feedforward_output_dense/kernel": 0},
+    FFN: {"feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
+          "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0, "feedforward_output_dense/kernel": 0},
     REPLICATED: {},
 }
 #: kind -> (SUM-allreduce or allgather forward, allreduce backward) per step.
 COLLECTIVES: dict[str, tuple[int, int]] = {
-    COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), HEADS: (1, 1), REPLICATED: (0, 0),
+    COLUMN: (0, 1), ROW: (1, 0), COLUMN_GATHER: (1, 1), VOCAB: (1, 0), HEADS: (1, 1), BLOCK: (2, 2), FFN: (1, 2),
+    REPLICATED: (0, 0),
 }
 
 #: The patterns a split must follow (named in every error about an unsupported split).
 SUPPORTED = (
     "supported splits: a Dense 'column' feeding a Dense 'row' through elementwise layers only "
-    "(activations, Dropout); a lone Dense 'column+allgather'; an Embedding 'vocab' (rows); a "
-    "MultiHeadAttention 'heads' (Q/K/V by heads, output projection by rows); any layer 'replicated'")
-_LAYER_CLASS = {COLUMN: "Dense", ROW: "Dense", COLUMN_GATHER: "Dense", VOCAB: "Embedding",
-                HEADS: "MultiHeadAttention"}
+    "(activations, Dropout); a lone Dense 'column+allgather'; an Embedding or ReversibleEmbedding "
+    "'vocab' (rows; a tied reverse projection by vocabulary columns); a MultiHeadAttention or keras-hub "
+    "CachedMultiHeadAttention 'heads' (Q/K/V by heads, output projection by rows); a keras-hub "
+    "TransformerEncoder/TransformerDecoder without cross-attention 'block' (its attention by heads, its "
+    "feed-forward Dense pair column/row); a keras-hub LlamaTransformerDecoder 'ffn' (its gated feed-forward "
+    "column/row, its attention whole); any layer 'replicated'")
+_LAYER_CLASS = {COLUMN: "keras.layers.Dense", ROW: "keras.layers.Dense", COLUMN_GATHER: "keras.layers.Dense",
+                VOCAB: "keras.layers.Embedding or a ReversibleEmbedding",
+                HEADS: "keras.layers.MultiHeadAttention or keras-hub's CachedMultiHeadAttention",
+                BLOCK: "keras-hub TransformerEncoder or TransformerDecoder",
+                FFN: "keras-hub LlamaTransformerDecoder"}
+_HUB = "keras_hub."
+
+
+def _hub(layer, *names: str) -> bool:
+    """``layer`` is exactly one of keras-hub's classes ``names`` (a subclass's call may differ)."""
+    cls = type(layer)
+    return cls.__name__ in names and cls.__module__.startswith(_HUB)
+
+
+def is_attention(layer) -> bool:
+    """Keras' MultiHeadAttention or keras-hub's CachedMultiHeadAttention (the same projections)."""
+    return type(layer) is keras.layers.MultiHeadAttention or _hub(layer, "CachedMultiHeadAttention")
+
+
+def is_vocab_embedding(layer) -> bool:
+    """An Embedding, or a ReversibleEmbedding (Keras' or keras-hub's, whose reverse call is known)."""
+    reversible = getattr(keras.layers, "ReversibleEmbedding", None)
+    return type(layer) is keras.layers.Embedding or (reversible is not None and type(layer) is reversible) \
+        or _hub(layer, "ReversibleEmbedding")
+
+
+def is_block(layer) -> bool:
+    """keras-hub's TransformerEncoder or TransformerDecoder."""
+    return _hub(layer, "TransformerEncoder", "TransformerDecoder")
+
+
+def is_ffn_block(layer) -> bool:
+    """keras-hub's Llama decoder block (gated FFN; its grouped-query attention is not split)."""
+    return _hub(layer, "LlamaTransformerDecoder")
+
+
+def _accepts(kind: str, layer) -> bool:
+    if kind in (COLUMN, ROW, COLUMN_GATHER):
+        return type(layer) is keras.layers.Dense
+    if kind == VOCAB:
+        return is_vocab_embedding(layer)
+    if kind == HEADS:
+        return is_attention(layer)
+    if kind == FFN:
+        return is_ffn_block(layer)
+    return is_block(layer) if kind == BLOCK else True
+
+
+def _has_weights(layer) -> bool:
+    """Keras ops in a functional graph (``x[:, 0]``) are operations without weights."""
+    return bool(getattr(layer, "weights", None))
+
+
+def _nbytes(layer) -> int:
+    return int(sum(np.prod(w.shape) * np.dtype(w.dtype).itemsize for w in layer.weights))
 
 _ELEMENTWISE_ACTIVATION_LAYERS = (keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.ELU)
 _NOT_ELEMENTWISE = {"softmax", "log_softmax"}
@@ -81,11 +163,12 @@ class LayerSplit:
     split_params: int = 0  # of ``params``, those in variables split over the group
     note: str = ""
     partner: str = ""  # the row-split Dense of a column-split one, and the other way round
+    nbytes: int = 0  # the layer's weights' bytes, serial
 
 
 @dataclass
 class Plan:
-    """The split of every layer with weights, in ``model.layers`` order."""
+    """The split of every layer with weights, in weights order (nested models opened)."""
 
     model_name: str
     tensor_parallel_size: int
@@ -158,22 +241,48 @@ class Plan:
         bwd = sum(COLLECTIVES[s.kind][1] for s in self.layers)
         return fwd, bwd
 
+    def total_bytes(self) -> int:
+        """Bytes of every weight of the serial model."""
+        return sum(s.nbytes for s in self.layers)
+
+    def replicated_bytes(self) -> int:
+        """Bytes of the layers kept whole on every rank (``t > 1``)."""
+        return sum(s.nbytes for s in self.layers if s.kind == REPLICATED)
+
+    def replicated_warning(self) -> str:
+        """A warning (empty if none) when more than 20 % of the bytes stay replicated at t > 1."""
+        total = self.total_bytes()
+        if self.tensor_parallel_size == 1 or not total or self.replicated_bytes() <= REPLICATED_WARNING * total:
+            return ""
+        largest = sorted((s for s in self.layers if s.kind == REPLICATED), key=lambda s: -s.nbytes)[:3]
+        named = ", ".join(f"{s.name} ({s.class_name}, {s.nbytes} B" + (f": {s.note})" if s.note else ")")
+                          for s in largest)
+        return (f"{self.replicated_bytes() / total:.0%} of the weights' bytes of {self.model_name!r} stay "
+                f"replicated on every rank (largest: {named}); "
+                "see plan.summary() for why, and plan.split(...) to split them.")
+
     def summary(self, print_fn=print) -> str:
         """A table: per layer its split, weights serial and per rank, and notes."""
         t = self.tensor_parallel_size
         rows = [f"Tensor-parallel plan of {self.model_name!r}, tensor_parallel_size={t}",
-                f"{'layer':24} {'class':20} {'split':17} {'params':>10} {'per rank':>10}  note"]
+                f"{'layer':24} {'class':20} {'split':17} {'params':>10} {'per rank':>10} {'bytes':>10}  note"]
         for s in self.layers:
             rows.append(f"{s.name:24} {s.class_name:20} {s.kind:17} {s.params:>10} "
-                        f"{_local_params(s, t):>10}  {s.note}")
+                        f"{_local_params(s, t):>10} {s.nbytes:>10}  {s.note}")
         for name in self.split_dropouts:
-            rows.append(f"{name:24} {'Dropout':20} {'mask slice':17} {0:>10} {0:>10}  "
+            rows.append(f"{name:24} {'Dropout':20} {'mask slice':17} {0:>10} {0:>10} {0:>10}  "
                         "draws the serial mask, keeps this rank's columns")
         serial = sum(s.params for s in self.layers)
         fwd, bwd = self.collectives_per_step()
         rows.append(f"weights per rank: {self.params_per_rank()} of {serial} "
                     f"({self.params_per_rank() / max(serial, 1):.2f}); collectives per training step: "
                     f"{fwd} forward, at most {bwd} backward (each a blocking call on the group)")
+        kept = self.replicated_bytes()
+        rows.append(f"replicated (whole on every rank): {kept} of {self.total_bytes()} bytes "
+                    f"({kept / max(self.total_bytes(), 1):.2f})")
+        warning = self.replicated_warning()
+        if warning:
+            rows.append(f"WARNING: {warning}")
         text = "\n".join(rows)
         print_fn(text)
         return text
@@ -289,56 +398,171 @@ def check_size(tensor_parallel_size) -> int:
     return int(tensor_parallel_size)
 
 
+def _nested(layer) -> bool:
+    """A functional (or built Sequential) model used as a layer: its layers are planned too."""
+    if not isinstance(layer, keras.Model):
+        return False
+    if isinstance(layer, keras.Sequential):
+        return getattr(layer, "_functional", None) is not None
+    return hasattr(layer, "_nodes_by_depth") and getattr(layer, "_inputs_struct", None) is not None
+
+
+@dataclass
+class Flat:
+    """A model with its nested functional models opened: every graph, the layers with
+    weights in weights order (nested models replaced by their layers), how often each layer
+    is called over all graphs, and each layer's first call with its graph."""
+
+    graphs: list[ModelGraph]
+    layers: list
+    uses: dict[int, int]
+    first_call: dict[str, tuple[ModelGraph, object]]
+    opened: set[int]  # ids of the nested models whose layers are planned one by one
+    whole: dict[int, str]  # ids of nested models kept whole -> why
+
+
+def flatten(model: keras.Model) -> Flat:
+    """``model`` with every nested functional model called once opened (``Flat``)."""
+    flat = Flat([], [], {}, {}, set(), {})
+    names: dict[str, int] = {}
+
+    def visit(m) -> None:
+        graph = model_graph(m)
+        flat.graphs.append(graph)
+        calls: dict[int, int] = {}
+        passing: dict[int, bool] = {}
+        for call in graph.calls:
+            calls[id(call.layer)] = calls.get(id(call.layer), 0) + 1
+            if _nested(call.layer):
+                passing[id(call.layer)] = passes_inputs(call.layer, call.node.arguments.args,
+                                                        call.node.arguments.kwargs)
+            flat.uses[id(call.layer)] = flat.uses.get(id(call.layer), 0) + 1
+            flat.first_call.setdefault(call.layer.name, (graph, call))
+        for layer in m.layers:
+            if _nested(layer) and _has_weights(layer):
+                clash = [sub.name for sub in layer.layers if names.get(sub.name, id(sub)) != id(sub)]
+                if calls.get(id(layer), 0) == 1 and not clash and passing.get(id(layer)):
+                    flat.opened.add(id(layer))
+                    visit(layer)
+                    continue
+                flat.whole[id(layer)] = (
+                    f"nested model whose layer names {clash[:3]} are used twice" if clash else
+                    f"nested model called {calls.get(id(layer), 0)} times" if calls.get(id(layer), 0) != 1 else
+                    "nested model called with other arguments than its inputs") + "; kept whole"
+            if _has_weights(layer) and names.setdefault(layer.name, id(layer)) == id(layer) and \
+                    all(x is not layer for x in flat.layers):
+                flat.layers.append(layer)
+
+    visit(model)
+    return flat
+
+
+def passes_inputs(inner: keras.Model, args: tuple, kwargs: dict) -> bool:
+    """Whether a nested model's call passes exactly its inputs, in their own structure (then
+    the shard model, built with that structure, takes the same arguments)."""
+    if len(args) != 1 or any(v is not None for v in keras.tree.flatten(kwargs)):
+        return False  # Keras passes mask=None leaves for a nested model's inputs
+    functional = inner._functional if isinstance(inner, keras.Sequential) else inner
+    struct = _internals.functional_structure(functional)[0]
+    if isinstance(args[0], dict) or isinstance(struct, dict):
+        return isinstance(args[0], dict) and isinstance(struct, dict) and sorted(args[0]) == sorted(struct)
+    return len(keras.tree.flatten(args[0])) == len(keras.tree.flatten(struct))
+
+
+def _block_refusal(layer, t: int, input_shape: tuple) -> str:
+    """Why a keras-hub Transformer block cannot be split (empty: it can)."""
+    if getattr(layer, "_cross_attention_layer", None) is not None:
+        return "cross-attention blocks are not split"
+    attention = getattr(layer, "_self_attention_layer", None)
+    ffn = [getattr(layer, "_feedforward_intermediate_dense", None),
+           getattr(layer, "_feedforward_output_dense", None)]
+    if attention is None or None in ffn:
+        return "not built"
+    return (_attention_refusal(attention, t, input_shape) or _refusal(ffn[0], ffn[0].units, t)
+            or _refusal(ffn[1], ffn[0].units, t))
+
+
+def _ffn_refusal(layer, t: int) -> str:
+    """Why a Llama block's gated FFN cannot be split (empty: it can)."""
+    dense = [getattr(layer, f"_feedforward_{n}_dense", None) for n in ("intermediate", "gate", "output")]
+    if None in dense:
+        return "not built"
+    return next(filter(None, (_refusal(d, dense[0].units, t) for d in dense)), "")
+
+
+def _vocab_refusal(layer, t: int, uses: int) -> str:
+    """Why an Embedding cannot be split by vocabulary rows (empty: it can). A
+    ReversibleEmbedding may be called twice: lookup and (tied) reverse projection."""
+    limit = 2 if type(layer) is not keras.layers.Embedding else 1
+    if uses > limit:
+        return "called more than once"
+    return _refusal(layer, layer.input_dim, t)
+
+
 def plan(model: keras.Model, tensor_parallel_size: int, *,
          min_split_params: int = DEFAULT_MIN_SPLIT_PARAMS) -> Plan:
     """The automatic tensor-parallel plan of a functional or built Sequential model.
 
-    ``min_split_params``: a lone Dense or an Embedding with fewer weights stays replicated
-    (a collective per step costs more than it saves); Dense pairs split regardless.
+    Nested functional models (a keras-hub backbone inside a task model) are planned layer
+    by layer. ``min_split_params``: a lone Dense or an Embedding with fewer weights stays
+    replicated (a collective per step costs more than it saves); Dense pairs, attention
+    layers and Transformer blocks split regardless.
     """
     t = check_size(tensor_parallel_size)
     check_model(model)
-    graph = model_graph(model)
-    uses = _uses(graph)
+    flat = flatten(model)
+    uses = flat.uses
     kinds: dict[str, tuple[str, str]] = {}
-    split_dropouts: list[str] = []
-    for call in graph.calls:
-        layer = call.layer
-        if layer.name in kinds or not layer.weights:
-            continue
-        if t == 1:
-            kinds[layer.name] = (REPLICATED, "t=1")
-            continue
-        if uses[id(layer)] > 1:
-            kinds[layer.name] = (REPLICATED, "called more than once")
-            continue
-        if type(layer) is keras.layers.MultiHeadAttention:
-            why = _attention_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
-            kinds[layer.name] = (REPLICATED, why) if why else (HEADS, "")
-        elif type(layer) is keras.layers.Embedding:
-            why = _refusal(layer, layer.input_dim, t) or (
-                f"smaller than min_split_params={min_split_params}" if _params(layer) < min_split_params else "")
-            kinds[layer.name] = (REPLICATED, why) if why else (VOCAB, "")
-        elif type(layer) is keras.layers.Dense:
-            why = _refusal(layer, layer.units, t)
-            partner, dropouts = _row_partner(graph, call.index, uses) \
-                if _dense_activation_elementwise(layer) else (None, [])
-            if not why and partner is not None:
-                row = graph.calls[partner].layer
-                row_why = _refusal(row, layer.units, t)
-                if not row_why:
-                    kinds[layer.name] = (COLUMN, f"feeds {row.name}")
-                    kinds[row.name] = (ROW, f"fed by {layer.name}")
-                    split_dropouts.extend(dropouts)
-                    continue
-                why = f"{row.name} cannot be row-split: {row_why}"
-            if not why and _params(layer) < min_split_params:
-                why = f"smaller than min_split_params={min_split_params}"
-            kinds[layer.name] = (REPLICATED, why) if why else (COLUMN_GATHER, "")
-        else:
-            kinds[layer.name] = (REPLICATED, "")
-    return plan_from_kinds(model, t, {n: k for n, (k, _) in kinds.items() if k != REPLICATED},
-                           {n: note for n, (_, note) in kinds.items()})
+    for graph in flat.graphs:
+        for call in graph.calls:
+            layer = call.layer
+            if layer.name in kinds or not _has_weights(layer) or id(layer) in flat.opened:
+                continue
+            if id(layer) in flat.whole:
+                kinds[layer.name] = (REPLICATED, flat.whole[id(layer)])
+                continue
+            if t == 1:
+                kinds[layer.name] = (REPLICATED, "t=1")
+                continue
+            if is_vocab_embedding(layer):
+                why = _vocab_refusal(layer, t, uses[id(layer)]) or (
+                    f"smaller than min_split_params={min_split_params}" if _params(layer) < min_split_params else "")
+                kinds[layer.name] = (REPLICATED, why) if why else (VOCAB, "")
+                continue
+            if uses[id(layer)] > 1:
+                kinds[layer.name] = (REPLICATED, "called more than once")
+                continue
+            if is_attention(layer):
+                why = _attention_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
+                kinds[layer.name] = (REPLICATED, why) if why else (HEADS, "")
+            elif is_block(layer):
+                why = _block_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
+                kinds[layer.name] = (REPLICATED, why) if why else (BLOCK, "attention by heads, FFN column/row")
+            elif is_ffn_block(layer):
+                why = _ffn_refusal(layer, t)
+                kinds[layer.name] = (REPLICATED, why) if why else (
+                    FFN, "gated FFN column/row; attention whole (grouped-query attention is not split)")
+            elif type(layer) is keras.layers.Dense:
+                why = _refusal(layer, layer.units, t)
+                partner, _ = _row_partner(graph, call.index, uses) \
+                    if _dense_activation_elementwise(layer) else (None, [])
+                if not why and partner is not None:
+                    row = graph.calls[partner].layer
+                    row_why = _refusal(row, layer.units, t)
+                    if not row_why:
+                        kinds[layer.name] = (COLUMN, f"feeds {row.name}")
+                        kinds[row.name] = (ROW, f"fed by {layer.name}")
+                        continue
+                    why = f"{row.name} cannot be row-split: {row_why}"
+                if not why and _params(layer) < min_split_params:
+                    why = f"smaller than min_split_params={min_split_params}"
+                kinds[layer.name] = (REPLICATED, why) if why else (COLUMN_GATHER, "")
+            elif type(layer).__name__ == "PositionEmbedding":
+                kinds[layer.name] = (REPLICATED, "position table: small, kept whole")
+            else:
+                kinds[layer.name] = (REPLICATED, f"no split for {type(layer).__name__}")
+    return _made(model, t, {n: k for n, (k, _) in kinds.items() if k != REPLICATED},
+                 {n: note for n, (_, note) in kinds.items()}, flat)
 
 
 def _unsupported(name: str, kind: str, why: str) -> TensorParallelError:
@@ -352,14 +576,20 @@ def _uses(graph: ModelGraph) -> dict[int, int]:
     return uses
 
 
-def _split_refusal(layer, kind: str, t: int, graph: ModelGraph, call) -> str:
+def _split_refusal(layer, kind: str, t: int, graph: ModelGraph, call, uses: int) -> str:
     """Why ``layer`` cannot be split as ``kind`` (empty: it can)."""
+    if kind == VOCAB:
+        return _vocab_refusal(layer, t, uses)
+    if uses > 1:
+        return "it is called more than once"
     if kind in (COLUMN, COLUMN_GATHER):
         return _refusal(layer, layer.units, t)
     if kind == ROW:
         return _refusal(layer, int(layer.kernel.shape[0]), t)
-    if kind == VOCAB:
-        return _refusal(layer, layer.input_dim, t)
+    if kind == BLOCK:
+        return _block_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
+    if kind == FFN:
+        return _ffn_refusal(layer, t)
     return _attention_refusal(layer, t, graph.tensors[call.inputs[0]].shape)
 
 
@@ -369,31 +599,31 @@ def plan_from_kinds(model: keras.Model, tensor_parallel_size: int, kinds: dict[s
     replicating the others, or a TensorParallelError naming the layer and ``SUPPORTED``."""
     t = check_size(tensor_parallel_size)
     check_model(model)
+    return _made(model, t, kinds, notes, flatten(model))
+
+
+def _made(model: keras.Model, t: int, kinds: dict[str, str], notes: dict[str, str] | None, flat: Flat) -> Plan:
     notes = dict(notes or {})
-    graph = model_graph(model)
-    uses = _uses(graph)
-    first_call = {}
-    for call in graph.calls:
-        first_call.setdefault(call.layer.name, call)
     partners: dict[str, str] = {}
     split_dropouts: list[str] = []
+    planned = {layer.name for layer in flat.layers}
     for name, kind in kinds.items():
         if kind not in KINDS:
             raise TensorParallelError(f"layer {name!r}: unknown split {kind!r}; the splits are {', '.join(KINDS)}.")
-        if name not in first_call or not first_call[name].layer.weights:
+        if name not in planned or name not in flat.first_call:
             raise TensorParallelError(f"model {model.name!r} has no layer with weights named {name!r}.")
-        call = first_call[name]
+        graph, call = flat.first_call[name]
         layer = call.layer
-        if type(layer) is not getattr(keras.layers, _LAYER_CLASS[kind]):
+        if kind == REPLICATED:
+            continue
+        if not _accepts(kind, layer):
             raise _unsupported(name, kind, f"it is a {type(layer).__name__}, a {kind!r} split needs a "
-                                           f"keras.layers.{_LAYER_CLASS[kind]}")
-        if uses[id(layer)] > 1:
-            raise _unsupported(name, kind, "it is called more than once")
-        why = _split_refusal(layer, kind, t, graph, call)
+                                           f"{_LAYER_CLASS[kind]}")
+        why = _split_refusal(layer, kind, t, graph, call, flat.uses[id(layer)])
         if why:
             raise _unsupported(name, kind, why)
         if kind == COLUMN:
-            row, dropouts = _row_partner(graph, call.index, uses) \
+            row, dropouts = _row_partner(graph, call.index, flat.uses) \
                 if _dense_activation_elementwise(layer) else (None, [])
             row_name = graph.calls[row].layer.name if row is not None else None
             if row_name is None or kinds.get(row_name) != ROW:
@@ -408,11 +638,9 @@ def plan_from_kinds(model: keras.Model, tensor_parallel_size: int, kinds: dict[s
             raise _unsupported(name, kind, "its input must come from a Dense split as 'column' through "
                                            "elementwise layers only")
     layers = []
-    for layer in model.layers:
-        if not layer.weights:
-            continue
+    for layer in flat.layers:
         kind = kinds.get(layer.name, REPLICATED)
         layers.append(LayerSplit(layer.name, type(layer).__name__, kind, _params(layer),
                                  _split_params(layer, kind), notes.get(layer.name, ""),
-                                 partners.get(layer.name, "")))
+                                 partners.get(layer.name, ""), _nbytes(layer)))
     return Plan(model.name, t, layers, split_dropouts, model)

@@ -169,6 +169,12 @@ def read_tensor_state(tpm, full: keras.Model, full_optimizer, store) -> None:
     ``full`` is the serial model (``tpm``'s own, possibly deferred: only its layout is
     used for split layers), ``full_optimizer`` its optimizer (only its configuration is used).
     """
+    nested = sorted(set(tpm._tnt_shards) - {layer.name for layer in full.layers})
+    if nested:  # the same on every rank: the plan is
+        raise TensorParallelError(
+            f"reading a file into split layers inside a nested model ({', '.join(nested[:3])}) is not supported "
+            "yet. Load it into the Keras model (keras.saving.load_model or its load_weights) and wrap that with "
+            "tnt.Model.")
     paths = _internals.saved_layer_paths(full)
     for layer in full.layers:
         if layer.weights and layer.name not in tpm._tnt_shards:

@@ -1,0 +1,174 @@
+"""Real models, TENSOR strategy (t = 2): keras-hub Transformers built from constructor
+arguments (the builders of jobs/real_models.py) train on 2 ranks as in serial Keras.
+
+Each case trains serially (plain Keras, on the master) and with tnt.Model(TENSOR,
+tensor_parallel_size=2) from the same initial weights on the same global batches, with
+Adam, and records: the largest differences to serial (History, gathered weights,
+predict), History keys, the share of the serial weights each rank holds, the plan's
+splits. Llama trains with the plan of keras-hub's own LayoutMap. Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
+models first) train correctly; ranks that built different models all fail together with
+the same error (no hang).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import _job
+import keras
+import numpy as np
+import real_models as rm
+import tensorflow as tf
+
+import tarantella as tnt
+import tnt_comm
+
+TENSOR = tnt.ParallelStrategy.TENSOR
+
+
+def _local_share(model) -> float:
+    """Weights this rank holds (its local model's variables) over the serial model's."""
+    local = sum(int(np.prod(v.shape)) for v in model.local_model.weights)
+    serial = sum(int(np.prod(v.shape)) for v in model._serial.weights)
+    return local / serial
+
+
+def _train(build, x, y, ds, compile_, plan_edit=None, save=False) -> dict:
+    """Serial Keras on the master and TENSOR t=2 from the same weights; the differences."""
+    initial = build(5).get_weights()
+    ref = None
+    if tnt.is_master_rank():
+        serial = build(5)
+        serial.set_weights(initial)
+        compile_(serial)
+        history = serial.fit(ds, epochs=rm.EPOCHS, verbose=0).history
+        ref = {"history": history, "weights": serial.get_weights(), "predict": serial.predict(x, batch_size=rm.BATCH, verbose=0)}
+    keras_model = build(100 + tnt.get_rank())  # rank 0's weights must win (set_weights below)
+    plan = None
+    if plan_edit is not None:
+        plan = plan_edit(tnt.tensor_parallel.plan(keras_model, tensor_parallel_size=2))
+    model = tnt.Model(keras_model, parallel_strategy=TENSOR, tensor_parallel_size=2, tensor_parallel_plan=plan)
+    model.set_weights(initial)
+    compile_(model)
+    history = model.fit(ds, epochs=rm.EPOCHS, verbose=0).history
+    weights = model.get_weights()
+    predicted = model.predict(x, batch_size=rm.BATCH, verbose=0)
+    shares = tnt_comm.allgather_object(_local_share(model))
+    saved_predict = None
+    if save:
+        path = tnt_comm.broadcast_object(os.path.join(tempfile.mkdtemp(), "m.keras") if tnt.is_master_rank() else None, 0)
+        model.save(path)
+        if tnt.is_master_rank():
+            saved_predict = keras.saving.load_model(path, compile=False).predict(x, batch_size=rm.BATCH, verbose=0)
+        try:
+            model.load_weights(path)
+            load_error = "no error"
+        except tnt.tensor_parallel.TensorParallelError as err:
+            load_error = str(err)
+        load_errors = tnt_comm.allgather_object(load_error)
+    if ref is None:
+        return {}
+    out = {
+        # over the keys both have (History keys are compared by the test, separately)
+        "history_diff": _job.history_diff({k: v for k, v in ref["history"].items() if k in history},
+                                          {k: v for k, v in history.items() if k in ref["history"]}),
+        "weight_diff": _job.max_abs_diff(ref["weights"], weights),
+        "predict_diff": _job.max_abs_diff(ref["predict"], predicted),
+        "history_keys": [sorted(ref["history"]), sorted(history)],
+        "local_shares": shares,
+        "splits": model.plan.split_layers(),
+        "layer_names": [layer.name for layer in keras_model.layers],
+    }
+    if saved_predict is not None:
+        out["saved_predict_diff"] = _job.max_abs_diff(ref["predict"], saved_predict)
+        out["load_errors"] = load_errors
+    return out
+
+
+def _hub_case(name: str, plan_edit=None, save=False) -> dict:
+    x, y = rm.data(name, seed=3)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
+    return _train(lambda seed: rm.build(name, seed), x, y, ds, lambda m: rm.compile_(m, name), plan_edit, save)
+
+
+def gpt2() -> dict:
+    return _hub_case("gpt2", save=True)
+
+
+def bert() -> dict:
+    return _hub_case("bert")
+
+
+def gpt2_causal_lm_vocab() -> dict:
+    """The tied token embedding split by vocabulary (an edited plan: it is below
+    min_split_params): its lookup and its reverse projection (the logits) on shards."""
+    return _hub_case("gpt2_causal_lm", plan_edit=lambda p: p.split("token_embedding", "vocab"))
+
+
+def llama_layout_map() -> dict:
+    """keras-hub's own LayoutMap (LlamaBackbone.get_layout_map, data axis "batch"): its token
+    embedding split by vocabulary (untied: its reverse table too), its decoder blocks' gated
+    FFNs column/row (their grouped-query attention stays whole)."""
+    import keras_hub
+
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    return _hub_case("llama", plan_edit=lambda _: layout_map)  # passed as tensor_parallel_plan=
+
+
+def _mlp(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(x)
+    h = keras.layers.Dense(6)(h)
+    return keras.Model(x, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def names_differ() -> dict:
+    """Rank 0 builds other Keras models before the one it wraps: auto names differ by rank."""
+    if tnt.is_master_rank():
+        for _ in range(3):
+            _mlp(0)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(rm.SAMPLES, 6)).astype("float32")
+    y = rng.integers(0, 3, size=rm.SAMPLES).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
+
+    def compile_(m):
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+
+    names = tnt_comm.allgather_object([layer.name for layer in _mlp(0).layers])
+    out = _train(_mlp, x, y, ds, compile_)
+    if out:
+        out["names_by_rank"] = names
+    return out
+
+
+def plan_mismatch() -> dict:
+    """Rank 1 builds another model (wider hidden layer): every rank raises the same error."""
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8 if tnt.get_rank() == 0 else 12, activation="relu")(x)
+    keras_model = keras.Model(x, keras.layers.Dense(6)(h))
+    try:
+        tnt.Model(keras_model, parallel_strategy=TENSOR, tensor_parallel_size=2)
+        outcome = "no error"
+    except tnt.tensor_parallel.TensorParallelError as err:
+        outcome = str(err)
+    return {"errors": tnt_comm.allgather_object(outcome)}
+
+
+CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_vocab, "llama_layout_map": llama_layout_map,
+         "names_differ": names_differ,
+         "plan_mismatch": plan_mismatch}
+
+
+def main() -> None:
+    out = _job.out_path()
+    results = {name: CASES[name]() for name in _job.only(CASES)}
+    _job.write(out, {"ranks": tnt.get_size(), "cases": results})
+
+
+if __name__ == "__main__":
+    main()
