@@ -45,7 +45,7 @@ def test_history_weights_and_predictions_equal_serial(report, name):
     assert c["predict_diff"] <= TOL_WEIGHTS, c
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "llama_layout_map", "names_differ"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "gpt2_causal_lm_vocab", "llama_layout_map", "names_differ"])
 def test_history_keys_are_serial(report, name):
     serial_keys, tnt_keys = report[name]["history_keys"]
     assert tnt_keys == serial_keys
