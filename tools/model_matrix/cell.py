@@ -130,20 +130,19 @@ def _max_diff(a, b) -> float:
 def run(name: str, strategy: str, directory: str) -> dict:
     x, y = data(name)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    initial = build(name, 5).get_weights()
+    keras_model = build(name, 5)  # before the master's serial model: Keras' auto-names agree
     ref = None
     if tnt.is_master_rank():
         serial = build(name, 5)
-        serial.set_weights(initial)
+        serial.set_weights(keras_model.get_weights())
         compile_(serial, name)
         history = serial.fit(ds, epochs=EPOCHS, verbose=0).history
         ref = {"history": history, "weights": serial.get_weights(),
                "predict": serial.predict(x, batch_size=BATCH, verbose=0)}
-    keras.utils.set_random_seed(5)
     options = dict(STRATEGIES[strategy][1])
     if name in CNNS and strategy == "DATA":  # batch normalisation over the global batch, as serial Keras
         options["sync_batch_norm"] = True
-    model = tnt.Model(build(name, 5), **options)
+    model = tnt.Model(keras_model, **options)
     compile_(model, name)
     history = model.fit(ds, epochs=EPOCHS, verbose=0).history
     predicted = model.predict(x, batch_size=BATCH, verbose=0)
@@ -175,6 +174,8 @@ def main() -> None:
         text = str(error).strip()
         line = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
         result = {"status": "error", "error": line[:300], "traceback": traceback.format_exc()[-2000:]}
+        with open(f"{args.out}.rank{tnt.get_rank()}.txt", "w") as f:  # the launcher shows one rank's error
+            f.write(result["traceback"])
         if tnt.is_master_rank():
             with open(args.out, "w") as f:
                 json.dump(result, f)

@@ -31,6 +31,7 @@ CHECKS = [
     "error_uncompiled_loaded_model",
     "error_models_differ_shape",
     "error_models_differ_layers",
+    "error_pipeline_plans_differ_by_auto_names",
     "usable_after_errors",
 ]
 

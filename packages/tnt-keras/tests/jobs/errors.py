@@ -143,6 +143,19 @@ def check_models_differ() -> None:
     expect_error("error_models_differ_layers", tnt.ReplicaMismatchError,
                  ["The model differs between ranks", f"rank {tnt.get_size() - 1} has 6 variables, rank 0 has 4"],
                  lambda: compiled(tnt.Model(keras.Sequential(layers))).fit(ds(10), verbose=0))
+    # Auto-generated names differ (the master built a serial reference first): the stages'
+    # plans differ, and every rank raises, naming the fix (before: stage 1 raised, stage 0
+    # waited in its next collective until the comm timeout).
+    if tnt.is_master_rank():
+        net(), net()
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(12)(keras.layers.Dense(12)(inputs))
+    auto_named = keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(hidden))
+    expect_error("error_pipeline_plans_differ_by_auto_names", tnt.pipelining.PipelineError,
+                 ["the pipeline stages computed different plans", "Build the model to wrap first on every rank"],
+                 lambda: tnt.Model(auto_named, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                   num_pipeline_stages=2))
     # The job goes on: collectives still match after all these errors.
     h = compiled(tnt.Model(net())).fit(ds(10), epochs=1, verbose=0).history
     check("usable_after_errors", np.isfinite(h["loss"][0]), h)

@@ -211,13 +211,22 @@ class PipelinedModel(DistributedModel):
         self._tnt_synced = False
 
     def _tnt_check_same_plan(self, transport) -> None:
+        """Every stage's plan equals stage 0's, or every stage raises (a stage raising alone
+        would leave the others waiting in their next collective)."""
         mine = (self.plan.split_after, [(b.tensor, b.shape, b.dtype, b.producer, b.consumers)
                                         for b in self.plan.boundaries])
         first = transport.pipeline_broadcast_object(mine, 0)
-        if first != mine:
+        differing = transport.pipeline_allreduce(np.array([float(first != mine)]))
+        if differing[0]:
+            mismatch = f"this stage's plan {mine} vs stage 0's {first}" if first != mine else \
+                f"{int(differing[0])} stage(s) differ from stage 0's plan {first}"
             raise PipelineError(
-                f"stage {transport.stage} computed another pipeline plan than stage 0 "
-                f"({mine} vs {first}); every rank must build the same model.")
+                f"the pipeline stages computed different plans ({mismatch}; seen on stage "
+                f"{transport.stage}). Every rank must build the same model with the same layer "
+                "names: Keras numbers auto-named layers and models per process, so a rank that "
+                "built another Keras model first (e.g. a serial reference on the master only) "
+                "names them differently. Build the model to wrap first on every rank, or give "
+                "its layers and nested models explicit names.")
 
     # -- compile -------------------------------------------------------------------------------
     def _tnt_own_compile_arguments(self, args: tuple, kwargs: dict) -> dict:
