@@ -92,10 +92,15 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
                  **pipeline_options) -> None:
         check_pairs_in_one_stage(tensor_plan, pipeline_plan)
         mine = [(s.name, s.kind) for s in tensor_plan.layers]
-        if _runtime.get_size() > 1 and tnt_comm.broadcast_object(mine, 0) != mine:
+        everyone = tnt_comm.allgather_object(mine) if _runtime.get_size() > 1 else [mine]
+        differing = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+        if differing:  # every rank sees it and raises: none is left waiting
             raise TensorParallelError(
-                f"rank {_runtime.get_rank()} computed another tensor-parallel plan than rank 0; every "
-                "rank must build the same model with the same plan.")
+                f"rank(s) {differing} computed another tensor-parallel plan than rank 0; every rank must "
+                "build the same model with the same layer names: Keras numbers auto-named layers and "
+                "models per process, so a rank that built another Keras model first (e.g. a serial "
+                "reference on the master only) names them differently. Build the model to wrap first "
+                "on every rank, or give its layers and nested models explicit names.")
         builder = _StageBuilder(tensor_plan)
         super().__init__(model, parallel_strategy="all", pipeline_plan=pipeline_plan, _stage_builder=builder,
                          **pipeline_options)
