@@ -79,6 +79,9 @@ class _StageBuilder:
                 value = np.ascontiguousarray(var.numpy())
                 var.assign(self.group.comm.broadcast(value, 0).reshape(value.shape))
         local = shard_model(whole.model, self.tensor_plan, self.group, self.shards)
+        # Layers reaching no output (BERT's pooler under a head) are held whole by the stage,
+        # as in pipelining: trained with zero gradient and saved with their own values.
+        local.tnt_unused_layers = list(getattr(whole.model, "tnt_unused_layers", ()))
         assign_slices(split_variables(whole.model, self.shards, self.tensor_plan), self.group)
         return StageModel(whole.index, local, whole.data_inputs, whole.inputs, whole.outputs, whole.is_last)
 
@@ -124,7 +127,7 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
         """This stage's serial-shaped weights by layer (and optimizer state by pipelining's
         keys), shards joined over the tensor group (collective on the group)."""
         weights, split = {}, {}
-        for layer in self.stage_model.layers:
+        for layer in self.stage_layers():
             axes = self._split_axes(layer)
             for j, w in enumerate(layer.weights):
                 if var_name(w, layer) in axes:
@@ -145,7 +148,7 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
 
     def replicated_checksum(self) -> str:
         """A digest of this rank's replicated variables (equal on the ranks of a tensor group)."""
-        return digest([v for layer in self.stage_model.layers if layer.name not in self._tnt_shards
+        return digest([v for layer in self.stage_layers() if layer.name not in self._tnt_shards
                        for v in layer.weights])
 
     # -- compile ---------------------------------------------------------------------------------

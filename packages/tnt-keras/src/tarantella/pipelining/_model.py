@@ -39,6 +39,7 @@ from ._saving import (
 )
 from ._schedule import check_schedule, schedule_grid
 from ._stage_runtime import StageRuntime
+from ._stages import held_layers
 from ._transport import CommTransport
 
 
@@ -201,11 +202,16 @@ class PipelinedModel(DistributedModel):
         """What ``variable`` of the stage's ``layer`` holds of the serial ``value``: all of it."""
         return value
 
+    def stage_layers(self) -> list:
+        """This rank's stage's layers, those whose outputs reach no output included (held
+        whole, trained with zero gradient, saved)."""
+        return held_layers(self.stage_model)
+
     def _tnt_assign_serial(self, weights) -> None:
         """This stage's layers take their weights from the serial list (matched by layer
         name and weight index); other stages' weights are ignored."""
         by_key = {key: w for (key, _), w in zip(self._tnt_serial_layout(), weights)}
-        for layer in self.stage_model.layers:
+        for layer in self.stage_layers():
             for j, variable in enumerate(layer.weights):
                 variable.assign(self._tnt_part(layer, variable, by_key[f"{layer.name}/{j}"]))
         self._tnt_synced = False
