@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,26 @@ import pytest
 
 JOBS = Path(__file__).parent / "jobs"
 JOB_TIMEOUT_S = 600
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = ROOT / "examples"
+# tests/run_scripts.py (the repository's): several scripts in one launch, TensorFlow
+# imported once per rank for all of them; `script_output` cuts one script's output.
+sys.path.insert(0, str(ROOT / "tests"))
+from run_scripts import RUNNER, script_output  # noqa: E402
+
+# The examples of examples/ that tnt-keras' tests run, each at a small size: id -> script
+# and arguments. They share one 2-rank launch (fixture `examples_run`).
+EXAMPLE_RUNS = {
+    "gan": ("custom_train_step_gan.py", "--epochs", "15", "--samples", "1024"),
+    "pipeline_mlp": ("pipeline_mlp.py", "--epochs", "6"),
+    # One block, shorter sequences, 2 epochs of 16 steps: enough to learn the task (~0.97).
+    "transformer_tensor_parallel": ("transformer_tensor_parallel.py", "--samples", "1024", "--epochs", "2",
+                                    "--blocks", "1", "--length", "12", "--save", "{workdir}/transformer.keras"),
+    "gpt2_pipelining": ("gpt2_pipeline.py", "--strategy", "pipelining", "--epochs", "2", "--samples", "512",
+                        "--batch-size", "16"),
+    "gpt2_tensor": ("gpt2_pipeline.py", "--strategy", "tensor", "--epochs", "2", "--samples", "512",
+                    "--batch-size", "16"),
+}
 
 
 def _launcher() -> str:
@@ -25,6 +46,35 @@ def _launcher() -> str:
     if found is None:
         raise RuntimeError("the `tarantella` launcher is not installed (pip install packages/tnt-cli)")
     return found
+
+
+class ExamplesRun:
+    """The finished 2-rank launch of every example in EXAMPLE_RUNS, one after another."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, workdirs: dict[str, Path]) -> None:
+        self.proc, self.workdirs = proc, workdirs
+
+    def output(self, example: str) -> str:
+        """The master's output of one example; fails naming the job's end if it did not finish."""
+        out = script_output(self.proc.stdout, example)
+        if out is None:
+            pytest.fail(f"example {example} failed or never ran (the launch exited {self.proc.returncode})\n"
+                        f"--- stdout ---\n{self.proc.stdout[-6000:]}\n--- stderr ---\n{self.proc.stderr[-6000:]}")
+        return out
+
+
+@pytest.fixture(scope="session")
+def examples_run(tmp_path_factory) -> ExamplesRun:
+    workdirs = {name: tmp_path_factory.mktemp(name) for name in EXAMPLE_RUNS}
+    specs = []
+    for name, (script, *args) in EXAMPLE_RUNS.items():
+        args = [a.format(workdir=workdirs[name]) for a in args]
+        specs.append(f"{name}=" + shlex.join([str(workdirs[name]), str(EXAMPLES / script), *args]))
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--",
+           str(RUNNER), *specs]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S + 300)
+    return ExamplesRun(proc, workdirs)
 
 
 def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIMEOUT_S) -> dict:

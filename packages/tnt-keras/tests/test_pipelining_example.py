@@ -11,24 +11,17 @@ from pathlib import Path
 
 from conftest import _launcher
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pipeline_mlp.py"
 
-
-def test_pipeline_mlp_on_two_stages():
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--", str(EXAMPLE), "--epochs", "6"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "2 stages (markers)" in proc.stdout, proc.stdout[-3000:]  # the plan summary
-    found = re.search(r"ranks: (\d+)\s+test loss: [\d.]+\s+test accuracy: ([\d.]+)", proc.stdout)
-    assert found, proc.stdout[-4000:]
+def test_pipeline_mlp_on_two_stages(examples_run):
+    out = examples_run.output("pipeline_mlp")  # the examples' shared launch (conftest.py)
+    assert "2 stages (markers)" in out, out[-3000:]  # the plan summary
+    found = re.search(r"ranks: (\d+)\s+test loss: [\d.]+\s+test accuracy: ([\d.]+)", out)
+    assert found, out[-4000:]
     assert int(found.group(1)) == 2
     # 10 digits (chance 0.1); measured 0.975-0.981 with oneDNN on/off and three seeds
     # (tools/example_margins.py): the bar sits 20 % below the smallest value seen.
-    assert float(found.group(2)) >= 0.75, proc.stdout[-2000:]
-    assert len(re.findall(r"^Epoch 1/6", proc.stdout, flags=re.M)) == 1  # progress from the master only
+    assert float(found.group(2)) >= 0.75, out[-2000:]
+    assert len(re.findall(r"^Epoch 1/6", out, flags=re.M)) == 1  # progress from the master only
 
 
 def test_a_failing_stage_ends_the_whole_job_at_once(tmp_path):

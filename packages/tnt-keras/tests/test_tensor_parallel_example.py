@@ -1,33 +1,14 @@
 """Launched: examples/transformer_tensor_parallel.py learns its task with TENSOR on 2 ranks
-and saves one serial Keras file."""
+and saves one serial Keras file (in the examples' shared launch, conftest.py)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import zipfile
-from pathlib import Path
-
-from conftest import _launcher
-
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "transformer_tensor_parallel.py"
-# One block, shorter sequences, 2 epochs of 16 steps: enough to learn the task (~0.97),
-# and the launch stays short.
-SMALL = ("--samples", "1024", "--epochs", "2", "--blocks", "1", "--length", "12")
 
 
-def test_transformer_tensor_parallel_on_two_ranks(tmp_path):
-    saved = tmp_path / "transformer.keras"
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [_launcher(), "-n", "2", "--python-interpreter", sys.executable, "--", str(EXAMPLE), "--save", str(saved),
-         *SMALL],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout
+def test_transformer_tensor_parallel_on_two_ranks(examples_run):
+    out = examples_run.output("transformer_tensor_parallel")
     assert re.search(r"^attention0\s+MultiHeadAttention\s+heads", out, flags=re.M), out[-3000:]  # the plan
     assert re.search(r"^embedding\s+Embedding\s+vocab", out, flags=re.M), out[-3000:]
     found = re.search(r"ranks: (\d+)\s+tensor_parallel_size: (\d+)\s+test loss: [\d.]+\s+test accuracy: ([\d.]+)", out)
@@ -41,5 +22,6 @@ def test_transformer_tensor_parallel_on_two_ranks(tmp_path):
 
     # The master joined the shards into one serial Keras file (plain Keras opening such a
     # file is checked in jobs/tensor_parallel.py; not repeated here to keep the test short).
+    saved = examples_run.workdirs["transformer_tensor_parallel"] / "transformer.keras"
     with zipfile.ZipFile(saved) as archive:
         assert {"config.json", "model.weights.h5"} <= set(archive.namelist())
