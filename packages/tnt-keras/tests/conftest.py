@@ -98,6 +98,16 @@ def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIM
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="session")
+def real_models_parts(tmp_path_factory) -> dict:
+    """keras-hub models under DATA, PIPELINING and TENSOR on 2 ranks: one launch for the
+    three test files (jobs/real_models_2ranks.py); {part: {case: measurements}}."""
+    out = tmp_path_factory.mktemp("real_models") / "real_models_2ranks.json"
+    result = launch(2, "real_models_2ranks.py", out, timeout=3 * JOB_TIMEOUT_S)  # three jobs' work
+    assert result["ranks"] == 2
+    return result["parts"]
+
+
 def launched_checks(ranks: int, job: str, tmp_path_factory) -> dict:
     """Run a check-registry job (see jobs/api.py) and return its {name: {ok, detail}}."""
     out = tmp_path_factory.mktemp(Path(job).stem) / f"{Path(job).stem}.json"

@@ -44,6 +44,7 @@ CHECKS = [
     "load_model_compile_false_predict",
     "evaluate_without_optimizer",
     "class_weight_equal_serial",
+    "weight_decay_skips_weights_without_gradient",
     "on_batch_equal_serial",
     "multi_output_per_output_losses",
     "export_serves_serial_outputs",

@@ -42,10 +42,10 @@ ALL_JOBS = list(JOBS)
 EXPECTED_CASES = {
     P2: ["skip_p2_adam_clip_m4_1f1b", "mlp_p2_momentum_m3_gpipe", "mlp_p2_momentum_m3_1f1b",
          "mlp_p2_adam_m1_1f1b", "cnn_p2_momentum_m3_1f1b", "emb_p2_adam_m4_gpipe", "emb_p2_adam_m4_1f1b",
-         "lso_p2_lso_spe3_m3_1f1b", "f16_p2_adam_m3_1f1b"],
+         "lso_p2_lso_spe3_m3_1f1b", "f16_p2_adam_m3_1f1b", "unused_p2_adamw_m2_1f1b"],
     P3: ["skip_p3_adam_clip_m4_1f1b", "mlp_p3_adam_m4_gpipe", "mlp_p3_adam_m4_1f1b"],
     ALL4: ["mlp_all2x2_adam_m4_gpipe", "mlp_all2x2_adam_m4_1f1b", "emb_all2x2_adam_m3_1f1b",
-           "lso_all2x2_lso_spe3_m3_1f1b", "f16_all2x2_adam_m3_1f1b"],
+           "lso_all2x2_lso_spe3_m3_1f1b", "f16_all2x2_adam_m3_1f1b", "unused_all2x2_adamw_m2_1f1b"],
 }
 #: The GPipe cases each job compares bitwise with their 1F1B twins.
 EXPECTED_SCHEDULE_PAIRS = {

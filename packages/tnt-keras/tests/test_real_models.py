@@ -10,17 +10,14 @@ them over (densified, History was off by 0.016-0.17 and weights by 0.03-0.06: is
 from __future__ import annotations
 
 import pytest
-from conftest import launch
 
 CASES = ["gpt2", "bert", "llama", "gpt2_causal_lm"]
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("real_models") / "real_models.json"
-    result = launch(2, "real_models.py", out)
-    assert result["ranks"] == 2
+def report(real_models_parts):
+    result = {"cases": real_models_parts["data"]}  # the shared 2-rank launch (conftest.py)
     print("\nkeras-hub models, DATA on 2 ranks (max abs difference to serial Keras)")
     for name, c in result["cases"].items():
         print(f"{name:16} history {c['history_diff']:.2e}  weights {c['weight_diff']:.2e}  "

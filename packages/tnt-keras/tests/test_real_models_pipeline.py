@@ -11,7 +11,6 @@ one logical variable, its copies equal, saved once, the file opens in plain Kera
 from __future__ import annotations
 
 import pytest
-from conftest import launch
 
 CASES = ["gpt2", "bert", "llama", "gpt2_causal_lm"]
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_real_models.py
@@ -19,10 +18,8 @@ MIN_SHARE = 0.2  # of the parameters, on each stage
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("real_models_pipeline") / "real_models_pipeline.json"
-    result = launch(2, "real_models_pipeline.py", out)
-    assert result["ranks"] == 2
+def report(real_models_parts):
+    result = {"cases": real_models_parts["pipelining"]}  # the shared 2-rank launch (conftest.py)
     print("\nkeras-hub models, PIPELINING 2 stages m=4 (max abs difference to serial Keras)")
     for name, c in result["cases"].items():
         print(f"{name:16} history {c['history_diff']:.2e}  weights {c['weight_diff']:.2e}  "

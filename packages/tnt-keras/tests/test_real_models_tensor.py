@@ -1,5 +1,5 @@
 """keras-hub Transformers under TENSOR (t = 2) against serial Keras in the same job
-(jobs/real_models_tensor.py, one launch of 2 ranks): GPT-2 and BERT backbones with a head,
+(jobs/real_models_tensor.py, in the 2-rank launch shared with DATA and PIPELINING): GPT-2 and BERT backbones with a head,
 their Transformer blocks split Megatron-style (attention by heads, FFN column/row); GPT-2's
 causal LM with its tied token embedding split by vocabulary (lookup and reverse
 projection); Llama with keras-hub's own LayoutMap; ranks whose Keras auto-generated names differ; ranks that built different
@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import launch
 
 HUB_CASES = ["gpt2", "bert", "gpt2_causal_lm_vocab"]
 TRAINED = [*HUB_CASES, "llama_layout_map", "names_differ"]
@@ -20,10 +19,8 @@ MAX_SHARE = 0.65  # issue 27: each rank holds at most 65 % of a keras-hub model'
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("real_models_tensor") / "real_models_tensor.json"
-    result = launch(2, "real_models_tensor.py", out)
-    assert result["ranks"] == 2
+def report(real_models_parts):
+    result = {"cases": real_models_parts["tensor"]}  # the shared 2-rank launch (conftest.py)
     print("\nTENSOR t=2 (max abs difference to serial Keras; share of the weights per rank)")
     for name in TRAINED:
         c = result["cases"].get(name, {})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -37,6 +39,15 @@ def only(names) -> list[str]:
     if unknown:
         raise SystemExit(f"--only names unknown cases {unknown}; known: {sorted(names)}")
     return wanted or list(names)
+
+
+def timed(name: str, run):
+    """``run()``, with its duration printed by the master on stderr (progress in test logs)."""
+    t0 = time.perf_counter()
+    result = run()
+    if tnt.is_master_rank():
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    return result
 
 
 def write(out: Path, results: dict) -> None:

@@ -435,6 +435,42 @@ def check_class_weight() -> None:
               _job.max_abs_diff(serial.get_weights(), model.get_weights())), TOL_WEIGHTS)
 
 
+@keras.saving.register_keras_serializable("tnt_tests")
+class WithUnusedWeight(keras.layers.Layer):
+    """A layer holding a weight its call never reads (serial Keras' optimizer skips it)."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 3), name="kernel")
+        self.unused = self.add_weight(shape=(4,), initializer="ones", name="unused")
+
+    def call(self, x):
+        return x @ self.kernel
+
+
+def check_weight_decay_without_gradient() -> None:
+    """AdamW's weight decay moves only the weights the loss reaches, as in serial Keras
+    (tnt exchanged a zero gradient for the unread weight and the decay moved it by 8e-3)."""
+    x, y = rng_data(33, 10, 12)
+
+    def build():
+        keras.utils.set_random_seed(6)
+        inp = keras.Input((10,))
+        out = WithUnusedWeight()(keras.layers.Dense(8, activation="relu")(inp))
+        return keras.Model(inp, keras.layers.Activation("softmax")(out))
+
+    with recorded("weight_decay_skips_weights_without_gradient"):
+        serial = build()
+        serial.compile(keras.optimizers.AdamW(0.01, weight_decay=0.1), "sparse_categorical_crossentropy")
+        serial.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+        model = tnt.Model(build())
+        model.compile(keras.optimizers.AdamW(0.01, weight_decay=0.1), "sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=7, epochs=2, shuffle=False, verbose=0)
+        unused = float(np.max(np.abs(model.get_weights()[3] - 1.0)))  # the unread weight, initially ones
+        check("weight_decay_skips_weights_without_gradient",
+              _job.max_abs_diff(serial.get_weights(), model.get_weights()) <= TOL_WEIGHTS and unused == 0.0,
+              f"unread weight moved by {unused}", _job.max_abs_diff(serial.get_weights(), model.get_weights()))
+
+
 def check_on_batch() -> None:
     x, y = rng_data(11, 10, 11)
     with recorded("on_batch_equal_serial"):
@@ -604,6 +640,7 @@ def main() -> None:
             "unseeded_shuffle": check_unseeded_shuffle_uses_each_sample_once,
             "uncompiled": lambda: check_uncompiled_inference(tmp),
             "class_weight": check_class_weight, "on_batch": check_on_batch,
+            "weight_decay": check_weight_decay_without_gradient,
             "multi_output": check_multi_output, "export": lambda: check_export(tmp),
             "batch_norm": lambda: check_batch_norm(tmp), "errors": check_errors,
             "unknown_cardinality": check_unknown_cardinality,

@@ -41,6 +41,7 @@ OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adam_clip": lambda: keras.optimizers.Adam(0.02, global_clipnorm=0.05),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
     # Dynamic loss scaling that overflows: the first steps are skipped and the scale goes
     # down, then up every 2 finite steps until it overflows again (see lso_mlp).
     "lso": lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=LSO_SCALE,
@@ -135,6 +136,28 @@ def embedding_model() -> keras.Model:
     x = keras.layers.Dense(16, activation="tanh", name="d0")(x)
     x = keras.layers.Dense(16, activation="tanh", name="d1")(SplitLayer(name="cut")(x))
     return keras.Model(inp, keras.layers.Dense(3, activation="softmax", name="out")(x), name="emb")
+
+
+@keras.saving.register_keras_serializable("tnt_tests")
+class WithUnusedWeight(keras.layers.Layer):
+    """A Dense-like layer holding a weight its call never reads: serial Keras' optimizer
+    leaves such a weight alone; under AdamW a zero gradient would still decay it."""
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 16), name="kernel")
+        self.unused = self.add_weight(shape=(5,), initializer="ones", name="unused")
+
+    def call(self, x):
+        return keras.ops.tanh(x @ self.kernel)
+
+
+def unused_weight_model() -> keras.Model:
+    """An MLP with an unread weight on each stage (AdamW, weight decay)."""
+    keras.utils.set_random_seed(4)
+    x = inp = keras.Input((10,), name="x")
+    x = WithUnusedWeight(name="u0")(keras.layers.Dense(16, activation="tanh", name="d0")(x))
+    x = WithUnusedWeight(name="u1")(SplitLayer(name="cut")(x))
+    return keras.Model(inp, keras.layers.Dense(3, activation="softmax", name="out")(x), name="unused")
 
 
 #: Stage 0's output scale in ``f16_mlp``.
@@ -538,6 +561,9 @@ def main() -> None:
             cases[f"emb_all{p}x2_adam_m3_1f1b"] = ("emb", embedding_model, "adam", 3, "1f1b", 10, 10 * 3 + 3, 2)
             cases[f"lso_all{p}x2_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
             cases[f"f16_all{p}x2_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)
+            # a weight the loss never reaches: no weight decay either (serial Keras skips it)
+            cases[f"unused_all{p}x2_adamw_m2_1f1b"] = ("unused", unused_weight_model, "adamw", 2, "1f1b", 10,
+                                                       10 * 2 + 3, 2)
     else:
         strategy, p = tnt.ParallelStrategy.PIPELINING, size
         cases = {
@@ -554,6 +580,8 @@ def main() -> None:
             cases[f"lso_p{p}_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
             # mixed_float16: compile wraps Adam in a LossScaleOptimizer; the last stage alone overflows
             cases[f"f16_p{p}_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)
+            cases[f"unused_p{p}_adamw_m2_1f1b"] = ("unused", unused_weight_model, "adamw", 2, "1f1b", 10,
+                                                   10 * 2 + 3, 2)
         else:  # Adam both schedules on 3 stages
             cases[f"mlp_p{p}_adam_m4_gpipe"] = ("mlp", mlp, "adam", 4, "gpipe", 10, 10 * 3 + 3, 2)
             cases[f"mlp_p{p}_adam_m4_1f1b"] = ("mlp", mlp, "adam", 4, "1f1b", 10, 10 * 3 + 3, 2)

@@ -116,10 +116,13 @@ def run_case(name: str) -> dict:
     }
 
 
+def run_all(names: list[str]) -> dict:
+    return {name: _job.timed(name, lambda name=name: run_case(name)) for name in names}
+
+
 def main() -> None:
     out = _job.out_path()
-    results = {name: run_case(name) for name in _job.only(MODELS)}
-    _job.write(out, {"ranks": tnt.get_size(), "cases": results})
+    _job.write(out, {"ranks": tnt.get_size(), "cases": run_all(_job.only(MODELS))})
 
 
 if __name__ == "__main__":

@@ -132,11 +132,14 @@ def run_case(name: str, tmp: Path) -> dict:
     return out or {}
 
 
+def run_all(names: list[str]) -> dict:
+    tmp = Path(tnt_comm.broadcast_object(tempfile.mkdtemp(prefix="tnt_real_pipe_"), 0))
+    return {name: _job.timed(name, lambda name=name: run_case(name, tmp)) for name in names}
+
+
 def main() -> None:
     out = _job.out_path()
-    tmp = Path(tnt_comm.broadcast_object(tempfile.mkdtemp(prefix="tnt_real_pipe_"), 0))
-    results = {name: run_case(name, tmp) for name in _job.only(MODELS)}
-    _job.write(out, {"ranks": tnt.get_size(), "cases": results})
+    _job.write(out, {"ranks": tnt.get_size(), "cases": run_all(_job.only(MODELS))})
 
 
 if __name__ == "__main__":

@@ -164,10 +164,13 @@ CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_voca
          "plan_mismatch": plan_mismatch}
 
 
+def run_all(names: list[str]) -> dict:
+    return {name: _job.timed(name, lambda name=name: CASES[name]()) for name in names}
+
+
 def main() -> None:
     out = _job.out_path()
-    results = {name: CASES[name]() for name in _job.only(CASES)}
-    _job.write(out, {"ranks": tnt.get_size(), "cases": results})
+    _job.write(out, {"ranks": tnt.get_size(), "cases": run_all(_job.only(CASES))})
 
 
 if __name__ == "__main__":

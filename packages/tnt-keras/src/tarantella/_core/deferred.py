@@ -32,7 +32,8 @@ def deferred_variables() -> Iterator[None]:
     """
     before = len(_internals.uninitialized_pending())
     try:
-        with keras.StatelessScope(initialize_variables=False):
+        # Optimizers (a model that compiles itself in its constructor) are made whole.
+        with keras.StatelessScope(initialize_variables=False), _internals.optimizers_made_with_values():
             yield
     finally:
         # Keras would initialise them at the end of its next symbolic call's scope.

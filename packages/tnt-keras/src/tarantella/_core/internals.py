@@ -188,6 +188,37 @@ def forget_uninitialized(variables) -> None:
     pending[:] = [v for v in pending if id(v) not in ours]
 
 
+@contextlib.contextmanager
+def optimizers_made_with_values():
+    """Within a ``StatelessScope``, let Keras optimizers be made (with their step counter).
+
+    Keras makes an optimizer's ``iterations`` from a value (0), which a stateless scope
+    refuses; a model whose constructor compiles itself (keras-hub's ``Task`` does, with a
+    fresh Adam) can then not be built or loaded inside :func:`deferred_variables`. An
+    optimizer's own variables are a few scalars, so it is made outside the scope.
+    """
+    try:
+        from keras.src.backend.common import global_state
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+    except ImportError as err:  # pragma: no cover - Keras moved them
+        raise _missing("keras.src.optimizers.base_optimizer.BaseOptimizer", err) from err
+    original = BaseOptimizer.__init__
+
+    def init(self, *args, **kwargs):
+        scope = global_state.get_global_attribute("stateless_scope")
+        global_state.set_global_attribute("stateless_scope", None)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            global_state.set_global_attribute("stateless_scope", scope)
+
+    BaseOptimizer.__init__ = init
+    try:
+        yield
+    finally:
+        BaseOptimizer.__init__ = original
+
+
 def is_uninitialized(variable) -> bool:
     """True for a variable created in a ``StatelessScope`` whose value was never made."""
     return getattr(variable, "_value", True) is None and getattr(variable, "_initializer", None) is not None

@@ -70,6 +70,7 @@ class DistributedSteps:
         self._size = size
         self._threshold = threshold_bytes
         self._comm = comm
+        self._no_gradient: frozenset[int] = frozenset()  # positions the loss does not reach
         self._own_steps = own_steps
         self._in_graph_collectives = in_graph_collectives
         self._sparse_as_dense = _settings.sparse_as_dense()
@@ -172,10 +173,19 @@ class DistributedSteps:
         if not variables:
             raise ValueError("The model has no trainable weights: nothing to train.")
         grads = tape.gradient(scaled_loss, variables)
+        # Structural (the same on every rank and step): see _without_gradient.
+        self._no_gradient = frozenset(i for i, g in enumerate(grads) if g is None)
         # Sparse gradients stay sparse, as Keras' own step hands them to the optimizer
         # (Note [Sparse gradients as serial]), unless the user asked for sparse_as_dense.
         densify = _sparse.to_dense if self._sparse_as_dense else (lambda g: g)
         return [tf.zeros_like(v) if g is None else densify(g) for g, v in zip(grads, variables)]
+
+    def _without_gradient(self, grads: list) -> list:
+        """``grads`` with None again where the loss does not reach the variable. The
+        exchange needs a tensor for each (zeros), but the optimizer must not see one:
+        serial Keras' ``apply_gradients`` drops such a variable, and a zero gradient would
+        still move it by weight decay (AdamW, ``weight_decay=``)."""
+        return [None if i in self._no_gradient else g for i, g in enumerate(grads)]
 
     def _local_part(self, x, y, sample_weight, sizes):
         """Everything before the exchange: returns the metric states before the step and
@@ -212,7 +222,7 @@ class DistributedSteps:
             grads = [_sparse.divide(g, global_n) for g in grads]
         grads = _grad_sync.overflow_as_serial(self._model, grads)  # Note [Float16 overflow as serial]
         with _grad_sync.already_reduced():
-            self._model.optimizer.apply_gradients(zip(grads, self._model.trainable_variables))
+            self._model.optimizer.apply_gradients(zip(self._without_gradient(grads), self._model.trainable_variables))
         return tf.constant(True)
 
     def train_step(self, data) -> dict:
@@ -225,7 +235,7 @@ class DistributedSteps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if self._size == 1:  # Keras' own step (the wrapper runs it under Keras' jit setting)
             grads = self._gradients(x, y, sample_weight, local_batch_size(x), None)
-            model.optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            model.optimizer.apply_gradients(zip(self._without_gradient(grads), model.trainable_variables))
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
         before, to_reduce, sparse, has_data = self._compiled("local", self._local_part)(

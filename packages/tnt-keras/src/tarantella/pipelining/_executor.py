@@ -66,6 +66,10 @@ class StageExecutor:
         self.transport = transport
         self.schedule = schedule
         self.step = 0
+        # Positions (in the stage's trainable variables) the loss does not reach: structural,
+        # known after the first backward pass. Their gradients travel as zeros, but the
+        # optimizer skips them, as serial Keras' does (the stage runtime's apply).
+        self.no_gradient: frozenset[int] | None = None
         self._fns: dict = {}
         self._sparse_as_dense = _settings.sparse_as_dense()
         self._shapes = BoundaryShapes(plan)  # dynamic axes: from each step's input shapes
@@ -257,6 +261,7 @@ class StageExecutor:
                 output_gradients.append(tf.ones((), targets[-1].dtype))
         sources = [*watched, *variables]
         grads = tape.gradient(targets, sources, output_gradients=output_gradients)
+        self.no_gradient = frozenset(i - len(watched) for i, g in enumerate(grads) if g is None and i >= len(watched))
         # A source without a path to the targets (an untied output embedding the model never
         # calls) gets zeros: Keras' optimizers leave it as serial Keras does (no gradient
         # moves no weight under Adam/SGD), and every stage/replica sends a tensor for it.

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import keras
 import numpy as np
@@ -150,7 +151,15 @@ def read_stage_state(pm, full: keras.Model, full_optimizer, store) -> None:
         return  # saved without optimizer state
     if not optimizer.built:
         optimizer.build(pm.stage_model.trainable_variables)
+    keys = serial_optimizer_keys(full_optimizer, full)
+    if len(group) != len(keys):
+        # The file's optimizer was never built (saved before training) or is another one:
+        # Keras' own loading skips the optimizer's state then, with this warning.
+        warnings.warn(f"Skipping variable loading for optimizer '{optimizer.name}', because it has "
+                      f"{len(keys)} variables whereas the saved optimizer has {len(group)} variables.",
+                      stacklevel=2)
+        return
     mine = dict(zip(optimizer_keys(optimizer, pm.stage_model), optimizer.variables))
-    for k, key in enumerate(serial_optimizer_keys(full_optimizer, full)):
+    for k, key in enumerate(keys):
         if key in mine:
             mine[key].assign(np.asarray(group[str(k)]))

@@ -67,6 +67,10 @@ class StageRuntime:
         self.windows: deque[tuple[float, float, float]] = deque(maxlen=10_000)
         self._others_regularized = any(st.has_regularizer for st in plan.stages[:-1])
         self._apply = None
+        # Trainable variables the loss does not reach (agreed over the replicas at the first
+        # step; tied copies excluded: another stage may reach them).
+        self._no_gradient: frozenset[int] = frozenset()
+        self._no_gradient_agreed = False
         self._reducer = None  # the step end over the replica group (EagerReducer), made at the first step
         # Trainable variables whose gradients came as IndexedSlices in the last step with
         # data (a replica without data sends none of their slices, not dense zeros).
@@ -101,8 +105,12 @@ class StageRuntime:
 
     def _apply_gradients(self, grads):
         # apply, not apply_gradients: a stage without trainable weights still moves its
-        # loss scale (LossScaleOptimizer) with the other stages.
-        self.optimizer.apply(list(grads), list(self.model.trainable_variables))
+        # loss scale (LossScaleOptimizer) with the other stages. Variables the loss does
+        # not reach are left out, as serial Keras' apply_gradients leaves them out (a zero
+        # gradient would still move them by weight decay).
+        skip = self._no_gradient
+        pairs = [(g, v) for i, (g, v) in enumerate(zip(grads, self.model.trainable_variables)) if i not in skip]
+        self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         return tf.constant(True)
 
     def sync_replicas(self) -> None:
@@ -139,6 +147,8 @@ class StageRuntime:
                      else tf.zeros_like(v)
                      for i, v in enumerate(variables)]
         self._add_other_stages_regularization(n)
+        if not self._no_gradient_agreed:
+            self._agree_no_gradient(len(variables))
         grads = self._reduce_over_replicas(grads)
         if self.ties:  # the stages holding a tied layer add their gradients: copies stay equal
             grads = self.ties.sum(grads, self.executor.step)
@@ -150,6 +160,25 @@ class StageRuntime:
             grads = self._clip_over_pipeline(grads)
         self._apply(grads)
         return self._logs()
+
+    def _agree_no_gradient(self, count: int) -> None:
+        """Fix which variables the optimizer skips, the same on every replica of the stage
+        (a replica without a micro-batch in the first step ran no backward pass)."""
+        known = self.executor.no_gradient
+        reached = np.zeros(count, np.int32)  # 1: some replica's loss reaches it
+        if known is not None:
+            reached[:] = 1
+            reached[list(known)] = 0
+        ran = np.array([int(known is not None)], np.int32)
+        if self.transport.num_replicas > 1:
+            reached = self.transport.replica_allreduce(reached)
+            ran = self.transport.replica_allreduce(ran)
+        if ran[0] == 0:
+            return  # no replica has run a backward pass yet: decide at a later step
+        tied = self.ties.positions() if self.ties else set()
+        self._no_gradient = frozenset(int(i) for i in np.flatnonzero(reached == 0) if int(i) not in tied)
+        self._no_gradient_agreed = True
+        self._apply = tf.function(self._apply_gradients, autograph=False, reduce_retracing=True)
 
     def test_step(self, x, y, sample_weight) -> dict:
         x_flat = keras.tree.flatten(x)

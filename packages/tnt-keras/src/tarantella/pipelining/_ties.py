@@ -52,6 +52,10 @@ class TiedGradients:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
+    def positions(self) -> set[int]:
+        """This stage's positions (in its trainable variables) of tied variables."""
+        return {pos for _, _, pos in self.entries}
+
     def sum(self, grads: list, step: int) -> list:
         """``grads`` with every tied variable's gradient replaced by the sum over its holders."""
         t, me = self.transport, self.transport.stage
