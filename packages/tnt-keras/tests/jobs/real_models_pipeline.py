@@ -129,6 +129,13 @@ def run_case(name: str, tmp: Path) -> dict:
             out["saved_predict_diff"] = _job.max_abs_diff(ref["predict"],
                                                           plain.predict(x, batch_size=BATCH, verbose=0))
             out["saved_optimizer_diff"] = _saved_optimizer_diff(path, serial)
+        # The task's file into 2 stages again: GPT2CausalLM.__init__ compiles itself (a
+        # fresh Adam), inside the deferred scope that loading builds the model in.
+        loaded = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                       num_pipeline_stages=2, num_micro_batches=4)
+        reloaded = loaded.predict(x, batch_size=BATCH, verbose=0)
+        if out is not None:
+            out["loaded_into_stages_predict_diff"] = _job.max_abs_diff(ref["predict"], reloaded)
     return out or {}
 
 
