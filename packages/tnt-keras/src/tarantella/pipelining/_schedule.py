@@ -345,9 +345,11 @@ def schedule_grid(schedule: str, num_stages: int, num_micro_batches: int, durati
     return str(ScheduleGrid.simulate(schedule, num_stages, num_micro_batches, durations))
 
 
-def activation_bound(num_stages: int, num_micro_batches: int) -> int:
-    """1F1B's peak of micro-batches held by one stage (its stage 0's): ``min(p, m)``."""
-    return min(num_stages, num_micro_batches)
+def activation_bound(schedule: str, num_stages: int, num_micro_batches: int) -> int:
+    """The most micro-batches' activations a stage may hold under ``schedule``: all m for
+    GPipe, 1F1B's peak (its stage 0's, ``min(p, m)``) for 1F1B and ZB-H1."""
+    check_schedule(schedule)
+    return num_micro_batches if schedule == "gpipe" else min(num_stages, num_micro_batches)
 
 
 def verify(plan, schedule: str, num_micro_batches: int, training: bool = True) -> dict[int, list[Action]]:
@@ -355,8 +357,8 @@ def verify(plan, schedule: str, num_micro_batches: int, training: bool = True) -
 
     Raises a PipelineError when a send has no receive on its peer (or a receive no send),
     when the stages deadlock (sends non-blocking, receives blocking: the run is simulated
-    action by action), or when a stage holds more micro-batches' activations than 1F1B's
-    bound (:func:`activation_bound`). Returns the action lists, by stage.
+    action by action), or when a stage holds more micro-batches' activations than its
+    schedule's bound (:func:`activation_bound`: 1F1B's for 1F1B and ZB-H1). Returns the action lists, by stage.
     """
     p, m = plan.num_stages, num_micro_batches
     lists = {s: actions(plan, schedule, m, s, training) for s in range(p)}
@@ -396,10 +398,10 @@ def verify(plan, schedule: str, num_micro_batches: int, training: bool = True) -
             stuck = "; ".join(f"stage {s} at {lists[s][pos[s]]}" for s in lists if pos[s] < len(lists[s]))
             raise PipelineError(f"schedule {schedule!r} with {m} micro-batches deadlocks: {stuck}.")
     if training:
-        bound = activation_bound(p, m)
+        bound = activation_bound(schedule, p, m)
         for s in range(p):
             peak = peak_in_flight(compute_order(schedule, p, m, s, training))
             if peak > bound:
                 raise PipelineError(f"schedule {schedule!r}: stage {s} holds {peak} micro-batches' "
-                                    f"activations, above 1F1B's bound {bound}.")
+                                    f"activations, above the bound {bound} (activation_bound).")
     return lists
