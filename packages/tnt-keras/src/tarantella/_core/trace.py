@@ -53,6 +53,12 @@ def start() -> Recorder:
     return _recorder
 
 
+def resume(rec: Recorder | None) -> None:
+    """Make ``rec`` the open recorder again (after a nested timeline closed)."""
+    global _recorder
+    _recorder = rec
+
+
 def stop() -> Recorder | None:
     """Close the open recorder and return it (None if none was open)."""
     global _recorder

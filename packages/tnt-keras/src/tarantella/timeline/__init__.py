@@ -48,11 +48,16 @@ def timeline(path: str):
     """Record every rank's events inside the block; the master writes ``path`` at its end."""
     if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
         raise TypeError(f"tnt.timeline(path): path must be a file path, got {path!r}")
+    outer = _trace.stop()  # TNT_TIMELINE's recorder: it gets this block's events too
     start()
     try:
         yield
     finally:
-        stop(str(path))
+        rec = _trace.stop() or _trace.Recorder()
+        if outer is not None:
+            outer.events.extend(rec.events)
+        _trace.resume(outer)
+        merge_and_write(rec, str(path))
 
 
 def _start_from_env() -> None:

@@ -3,9 +3,9 @@
 - *window*: the rank's steps (the union of its ``step`` events), else first to last event;
 - *compute*: the union of its forward / backward / weight passes (``F``, ``B``, ``W``);
 - *communication*: sends, gradient-sync calls, fusion buckets (submit -> done) and waits
-  for buckets; *exposed* is the part no compute overlaps (on a pipeline the Python thread
-  computes or communicates, so all of it; on data parallelism a bucket's time before its
-  wait runs behind backprop); *overlap* is 1 - exposed / communication;
+  for buckets; *exposed* is the time the rank's thread sits in a send, a gradient sync or
+  a wait, outside compute (a data-parallel bucket's time before the step's wait runs
+  behind backprop, so it is hidden); *overlap* is 1 - exposed / communication;
 - *idle* (the bubble): window - compute - exposed communication. Receive waits count
   here: a stage waiting for its neighbour's activation or gradient idles for the schedule.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 COMPUTE = ("forward", "backward", "weight", "compute")
 COMMUNICATION = ("send", "sync", "bucket", "wait")
+#: Communication the rank's thread sits in (a bucket's time outside its wait is not).
+BLOCKING = ("send", "sync", "wait")
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -69,7 +71,7 @@ def summarize(trace: dict) -> dict:
         window = steps or _union([(min(e["ts"] for e in evs) * 1e-6, max(e["ts"] + e["dur"] for e in evs) * 1e-6)])
         compute = _clip(spans(COMPUTE), window)
         comm = _clip(spans(COMMUNICATION), window)
-        exposed = _minus(comm, compute)
+        exposed = _minus(_clip(spans(BLOCKING), window), compute)
         total, busy = _length(window), _length(compute)
         comm_s, exposed_s = _length(comm), _length(exposed)
         stage_set = sorted({e["args"]["stage"] for e in evs if "stage" in e.get("args", {})})
