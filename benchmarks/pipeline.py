@@ -424,8 +424,11 @@ def schedules() -> dict:
             measured = sum(x["span"] for x in steps)
             ideal = sum(ideal_span(name, 2, SCHED_M, x["took"]) for x in steps)
             stage_idle = [statistics.median(x["idle"][s] for x in steps) for s in range(2)]
-            passes = {k: statistics.fmean(v for (kk, _, s), v in x["took"].items() if kk == k for x in steps)
-                      for k in ("F", "B", "W") if any(kk == k for x in steps for (kk, _, _) in x["took"])}
+            times: dict[str, list[float]] = {}
+            for x in steps:
+                for (kind, _, _), v in x["took"].items():
+                    times.setdefault(kind, []).append(v)
+            passes = {k: statistics.fmean(v) for k, v in times.items()}
             out["schedules"][name] = {
                 "steps": len(steps), "median_span_s": statistics.median(x["span"] for x in steps),
                 "worst_stage_idle_s": statistics.median(max(x["idle"]) for x in steps),

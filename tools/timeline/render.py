@@ -31,7 +31,7 @@ def _window(events: list[dict], step: int | None) -> tuple[float, float]:
     steps = sorted({e["args"]["step"] for e in events if "step" in e.get("args", {})})
     if steps:
         k = steps[step]
-        mine = [e for e in events if e.get("args", {}).get("step") == k and e["cat"] in COMPUTE + ("send", "recv")]
+        mine = [e for e in events if e.get("args", {}).get("step") == k and e["cat"] in (*COMPUTE, "send", "recv")]
     else:  # data parallelism: per rank, the buckets after its (step-1)-th wait up to its step-th
         mine = []
         for r in sorted({e["pid"] for e in events}):

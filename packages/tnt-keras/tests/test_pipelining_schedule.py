@@ -4,9 +4,9 @@ time-slot grid and its bubble. Single process, no model: pure functions.
 
 from __future__ import annotations
 
-import pytest
-
 from types import SimpleNamespace
+
+import pytest
 
 from tarantella.pipelining import (
     SCHEDULES,
@@ -14,6 +14,7 @@ from tarantella.pipelining import (
     ActionKind,
     PipelineError,
     ScheduleGrid,
+    _schedule,
     actions,
     activation_bound,
     compute_order,
@@ -21,7 +22,6 @@ from tarantella.pipelining import (
     schedule_grid,
     verify,
 )
-from tarantella.pipelining import _schedule
 
 
 def test_action_kinds_are_an_enum_that_compares_as_its_string():

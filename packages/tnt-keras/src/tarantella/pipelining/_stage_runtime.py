@@ -26,9 +26,8 @@ before backprop, as Keras' own train step scales it (``_executor``).
 
 from __future__ import annotations
 
-from collections import deque
-
 import time
+from collections import deque
 
 import keras
 import numpy as np
