@@ -8,6 +8,7 @@
   behind backprop, so it is hidden); *overlap* is 1 - exposed / communication;
 - *idle* (the bubble): window - compute - exposed communication. Receive waits count
   here: a stage waiting for its neighbour's activation or gradient idles for the schedule.
+  None where no pass was recorded (a traced data-parallel step: its compute is unknown).
 """
 
 from __future__ import annotations
@@ -81,8 +82,9 @@ def summarize(trace: dict) -> dict:
             **{f"{k}_s": v for k, v in passes.items()},
             "communication_s": comm_s, "exposed_communication_s": exposed_s,
             "overlap_fraction": (1.0 - exposed_s / comm_s) if comm_s > 0 else None,
-            "idle_s": max(0.0, total - busy - exposed_s),
-            "idle_fraction": max(0.0, total - busy - exposed_s) / total if total > 0 else None,
+            # no passes recorded (a traced data-parallel step): its compute is unknown, so its idle too
+            "idle_s": max(0.0, total - busy - exposed_s) if compute else None,
+            "idle_fraction": max(0.0, total - busy - exposed_s) / total if compute and total > 0 else None,
             "bytes_sent": sum(e["args"].get("bytes", 0) for e in evs if e.get("cat") == "send"),
         })
     slowest = None
@@ -102,10 +104,11 @@ def format_summary(summary: dict) -> str:
         fbw = f"{x['forward_s']:.3f}/{x['backward_s']:.3f}/{x['weight_s']:.3f}"
         overlap = "-" if x["overlap_fraction"] is None else f"{x['overlap_fraction']:.2f}"
         idle = "-" if x["idle_fraction"] is None else f"{x['idle_fraction']:.3f}"
+        idle_s = "-" if x["idle_s"] is None else f"{x['idle_s']:.3f}"
         stage = ",".join(map(str, x["stages"])) or "-"
         lines.append(f"{x['rank']:>4} {stage:>5} {x['steps']:>5} {x['window_s']:9.3f} {x['compute_s']:9.3f} "
                      f"{fbw:>17} {x['communication_s']:8.3f} {x['exposed_communication_s']:9.3f} "
-                     f"{overlap:>7} {x['idle_s']:8.3f} {idle:>6}")
+                     f"{overlap:>7} {idle_s:>8} {idle:>6}")
     s = summary["slowest_stage"]
     if s is not None:
         lines.append(f"slowest stage: {s['stage']} (rank {s['rank']}, compute {s['compute_s']:.3f} s)")
