@@ -51,6 +51,7 @@ def test_zb_h1_timeline_has_both_ranks_passes_and_peers(report):
         cats = counts[rank]["cats"]
         assert cats["forward"] == cats["backward"] == cats["weight"] == M * STEPS, cats
         assert cats["step"] == STEPS and cats["recv"] > 0 and cats["send"] > 0
+        assert cats["host"] == STEPS - 1  # Keras' loop between two steps
         assert counts[rank]["peers"] == [peer]
     # each stage ran ZB-H1's order in every step (stage 1 defers one W)
     assert counts["0"]["names"][:12] == "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3".split()

@@ -128,10 +128,14 @@ class StageRuntime:
         if rec is None:
             return self._train_step(x, y, sample_weight, total)
         t0 = time.perf_counter()
+        last = rec.meta.get("last_step_end")
+        if last is not None:  # Keras' loop between two steps: the next batch, the callbacks
+            rec.add("between steps", "host", "data", last, t0, stage=self.stage.index)
         try:
             return self._train_step(x, y, sample_weight, total)
         finally:
-            rec.add("step", "step", "step", t0, time.perf_counter(), stage=self.stage.index,
+            rec.meta["last_step_end"] = end = time.perf_counter()
+            rec.add("step", "step", "step", t0, end, stage=self.stage.index,
                     step=self.executor.step, schedule=self.executor.schedule)
 
     def _train_step(self, x, y, sample_weight, total: int | None) -> dict:

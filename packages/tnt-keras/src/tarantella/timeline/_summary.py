@@ -86,6 +86,8 @@ def summarize(trace: dict) -> dict:
             "idle_s": max(0.0, total - busy - exposed_s) if compute else None,
             "idle_fraction": max(0.0, total - busy - exposed_s) / total if compute and total > 0 else None,
             "bytes_sent": sum(e["args"].get("bytes", 0) for e in evs if e.get("cat") == "send"),
+            # Keras' loop between steps (the next batch, callbacks): outside the window
+            "between_steps_s": sum(e["dur"] for e in evs if e.get("cat") == "host") * 1e-6,
         })
     slowest = None
     staged = [x for x in ranks if x["stages"]]
