@@ -16,6 +16,16 @@ Rows (results/pipeline.json -> summary.json through summary.py):
   stage out, tarantella.pipelining.pipeline_idle_fractions), as the theory counts it; the
   row takes the pipeline's (the mean over its stages, ``pipeline_bubbles``), median over
   the steps. Each stage's own, and its idle on its own clock, are in the JSON beside it.
+- ``--only-schedules`` (run_all.py: pipeline_schedules -> results/pipeline_schedules.json),
+  measured from the timeline (tnt.timeline) of the same balanced stack, p = 2, m = 8,
+  GPipe, 1F1B and ZB-H1 in turn in each round:
+  zb_h1_bubble_vs_1f1b_p2_m8: the worst stage's idle seconds per step under ZB-H1 / under
+  1F1B (median step); idle = the step's schedule span (first pass in to last pass out,
+  over both stages) - the stage's compute; every stage's idle is in the detail.
+  schedule_overhead_<schedule>: 1 - ideal span / measured span, the ideal simulated from
+  each pass's measured time in the schedule's order and dependencies (the executor's own
+  cost: receives, sends, copies, Python). timeline_overhead: 1F1B's step time with the
+  timeline on / off - 1, runs alternating.
 - pipeline_speedup_p2_m8: samples/s of 2 stages (1F1B, m = 8) / plain Keras on rank 0
   alone, same global batch, one compute thread per rank, paired per round (median).
   Beside it: one process running the same 8 micro-batches (gradient accumulation) and
@@ -302,6 +312,186 @@ def schedule_overhead(stage_stats: list[dict], m: int) -> float:
     return 1.0 - ideal / measured
 
 
+# -- schedules, measured from the timeline ---------------------------------------------------------
+SCHED_B = 4096 if QUICK else 8192  # 512 / 1024-row micro-batches at m = 8: short runs
+SCHED_M = 8
+SCHED_ROUNDS = 1 if QUICK else 3
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1")
+
+
+def sched_dataset(steps: int) -> tf.data.Dataset:
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(SCHED_B, WIDTH)).astype("float32")
+    y = rng.integers(0, CLASSES, SCHED_B).astype("int32")
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(SCHED_B).repeat().take(steps).with_options(options)
+
+
+def schedule_model(schedule: str) -> tnt.Model:
+    model = tnt.Model(stack(stem=True), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                      num_pipeline_stages=2, num_micro_batches=SCHED_M, pipeline_schedule=schedule)
+    model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
+    model.fit(sched_dataset(2), epochs=1, verbose=0)  # traces
+    return model
+
+
+def timed_sched_fit(model, steps: int, path: str | None = None) -> float:
+    tnt_comm.barrier()
+    t0 = time.perf_counter()
+    if path is None:
+        model.fit(sched_dataset(steps), epochs=1, verbose=0)
+    else:
+        with tnt.timeline(path):
+            model.fit(sched_dataset(steps), epochs=1, verbose=0)
+    return max(tnt_comm.allgather_object(time.perf_counter() - t0))
+
+
+def ideal_span(schedule: str, p: int, m: int, took: dict) -> float:
+    """The span of ``schedule`` if each pass took its measured time ``took[(kind, mb, stage)]``
+    and nothing else took any: the stages run their orders, a pass starting when its input
+    is there (tarantella.pipelining.ScheduleGrid's rules in continuous time)."""
+    from tarantella.pipelining import compute_order
+
+    orders = [compute_order(schedule, p, m, s) for s in range(p)]
+    end: dict = {}
+    free = [0.0] * p
+    nxt = [0] * p
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while nxt[s] < len(orders[s]):
+                a = orders[s][nxt[s]]
+                kind, i = a.kind.value, a.micro_batch
+                dep = (("F", i, s - 1) if s > 0 else None) if kind == "F" else ("B", i, s) if kind == "W" else (
+                    ("B", i, s + 1) if s < p - 1 else ("F", i, s))
+                if dep is not None and dep not in end:
+                    break
+                start = max(free[s], end[dep] if dep else 0.0)
+                free[s] = end[(kind, i, s)] = start + took[(kind, i, s)]
+                nxt[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"{schedule}: the ideal run deadlocks")
+    return max(free)
+
+
+def steps_from_trace(trace: dict) -> list[dict]:
+    """Per step: each pass's time, each stage's compute, and the schedule's span."""
+    steps: dict = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e["cat"] in ("forward", "backward", "weight"):
+            a = e["args"]
+            st = steps.setdefault(a["step"], {"took": {}, "compute": {}, "lo": float("inf"), "hi": 0.0})
+            st["took"][(e["name"][0], a["mb"], a["stage"])] = e["dur"] * 1e-6
+            st["compute"][a["stage"]] = st["compute"].get(a["stage"], 0.0) + e["dur"] * 1e-6
+            st["lo"] = min(st["lo"], e["ts"] * 1e-6)
+            st["hi"] = max(st["hi"], (e["ts"] + e["dur"]) * 1e-6)
+    out = []
+    for k in sorted(steps):
+        st = steps[k]
+        span = st["hi"] - st["lo"]
+        out.append({"step": k, "span": span, "took": st["took"],
+                    "idle": [span - st["compute"][s] for s in sorted(st["compute"])]})
+    return out
+
+
+def schedules() -> dict:
+    """Every schedule's per-step idle, overhead and pass times from timelines, and the
+    timeline's own cost, over SCHED_ROUNDS rounds (the schedules in turn in each)."""
+    import tempfile
+
+    from tarantella.timeline import load
+
+    models = {name: schedule_model(name) for name in SCHEDULE_NAMES}
+    tmp = tnt_comm.broadcast_object(tempfile.mkdtemp(prefix="tnt_sched_") if tnt.is_master_rank() else None, 0)
+    per: dict = {name: [] for name in SCHEDULE_NAMES}
+    on_off = []
+    for r in range(SCHED_ROUNDS):
+        for name in SCHEDULE_NAMES:
+            path = f"{tmp}/{name}_{r}.json"
+            timed_sched_fit(models[name], STEPS, path)
+            if tnt.is_master_rank():
+                per[name] += steps_from_trace(load(path))
+        off = timed_sched_fit(models["1f1b"], STEPS)
+        on = timed_sched_fit(models["1f1b"], STEPS, f"{tmp}/overhead_{r}.json")
+        off2 = timed_sched_fit(models["1f1b"], STEPS)
+        on_off.append(on / ((off + off2) / 2))
+    out = None
+    if tnt.is_master_rank():
+        out = {"timeline_on_over_off": on_off, "schedules": {}, "record_cost_s": record_cost(),
+               "events_per_step": events_per_step(load(f"{tmp}/overhead_0.json"))}
+        for name, steps in per.items():
+            measured = sum(x["span"] for x in steps)
+            ideal = sum(ideal_span(name, 2, SCHED_M, x["took"]) for x in steps)
+            stage_idle = [statistics.median(x["idle"][s] for x in steps) for s in range(2)]
+            times: dict[str, list[float]] = {}
+            for x in steps:
+                for (kind, _, _), v in x["took"].items():
+                    times.setdefault(kind, []).append(v)
+            passes = {k: statistics.fmean(v) for k, v in times.items()}
+            out["schedules"][name] = {
+                "steps": len(steps), "median_span_s": statistics.median(x["span"] for x in steps),
+                "worst_stage_idle_s": statistics.median(max(x["idle"]) for x in steps),
+                "stage_idle_s": stage_idle,
+                "stage_idle_fraction": [statistics.median(x["idle"][s] / x["span"] for x in steps) for s in range(2)],
+                "schedule_overhead": 1.0 - ideal / measured, "mean_pass_s": passes}
+    return tnt_comm.broadcast_object(out, 0)
+
+
+def record_cost() -> float:
+    """Seconds one recorded event costs the rank (a timing, not a ratio of noisy runs)."""
+    from tarantella._core.trace import Recorder
+
+    rec, n = Recorder(), 100_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        t = time.perf_counter()
+        rec.add("F0", "forward", "compute", t, t, mb=0, stage=0, step=1)
+    return (time.perf_counter() - t0) / n
+
+
+def events_per_step(trace: dict) -> float:
+    """The most events one rank recorded per step."""
+    per_rank: dict = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            per_rank.setdefault(e["pid"], [0, 0])
+            per_rank[e["pid"]][0] += 1
+            per_rank[e["pid"]][1] += e["cat"] == "step"
+    return max(n / max(steps, 1) for n, steps in per_rank.values())
+
+
+def schedule_result_rows(res: dict) -> list[dict]:
+    sch = res["schedules"]
+    ratio = sch["zb-h1"]["worst_stage_idle_s"] / sch["1f1b"]["worst_stage_idle_s"]
+
+    def stages(name):
+        x = sch[name]
+        return (f"{name}: stage idle " + " / ".join(f"{v * 1e3:.1f} ms ({f:.3f})" for v, f in
+                                                   zip(x["stage_idle_s"], x["stage_idle_fraction"]))
+                + f", span {x['median_span_s'] * 1e3:.1f} ms, passes "
+                + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in x["mean_pass_s"].items()))
+
+    rows = [{"name": "zb_h1_bubble_vs_1f1b_p2_m8", "value": ratio, "target": 0.55, "higher_is_better": False,
+             "unit": "worst stage idle s, ZB-H1 / 1F1B",
+             "detail": "; ".join(stages(n) for n in SCHEDULE_NAMES)
+                       + f"; theory 1/3 with F = B = W; median of {SCHED_ROUNDS} rounds x {STEPS} steps, "
+                         f"B = {SCHED_B}, m = {SCHED_M} (pipeline.py --only-schedules)"}]
+    for name in SCHEDULE_NAMES:
+        rows.append({"name": f"schedule_overhead_{name.replace('-', '_')}", "value": sch[name]["schedule_overhead"],
+                     "target": 0.03, "higher_is_better": False,
+                     "unit": "1 - ideal span (measured passes) / measured span",
+                     "detail": stages(name) + " (pipeline.py --only-schedules)"})
+    rows.append({"name": "timeline_overhead", "value": statistics.median(res["timeline_on_over_off"]) - 1.0,
+                 "target": 0.03, "higher_is_better": False, "unit": "step time on / off - 1 (1F1B, p = 2, m = 8)",
+                 "detail": f"per round {[round(x, 4) for x in res['timeline_on_over_off']]}; recording: "
+                           f"{res['events_per_step']:.0f} events per step x {res['record_cost_s'] * 1e6:.2f} us = "
+                           f"{res['events_per_step'] * res['record_cost_s'] / sch['1f1b']['median_span_s']:.2e} "
+                           "of 1F1B's step span (pipeline.py --only-schedules)"})
+    return rows
+
+
 def main() -> int:
     if tnt.get_size() != 2:
         raise SystemExit("run on 2 ranks: mpirun -n 2 python benchmarks/pipeline.py")
@@ -312,6 +502,20 @@ def main() -> int:
                 print(f"m={b['m']}: pipeline idle {b['idle_fraction']:.3f} vs {b['theory']:.3f} (stages "
                       + " / ".join(f"{x:.3f}" for x in b["stage_idle_fractions"])
                       + f"), schedule overhead {b['schedule_overhead']:.3f}", flush=True)
+        return 0
+    if "--only-schedules" in sys.argv:
+        res = schedules()
+        res["rows"] = schedule_result_rows(res)
+        res.update(ranks=2, quick=QUICK, width=WIDTH, depth=DEPTH, global_batch=SCHED_B, micro_batches=SCHED_M,
+                   steps=STEPS, rounds=SCHED_ROUNDS, machine_before=before)
+        if tnt.is_master_rank():
+            import json
+
+            benchlib.RESULTS.mkdir(exist_ok=True)
+            (benchlib.RESULTS / "pipeline_schedules.json").write_text(json.dumps(res, indent=1, default=float) + "\n")
+            for row in res["rows"]:
+                print(f"{row['name']:>32} {row['value']:8.3f} {row['target']:8.3f}  {row['detail']}", flush=True)
+        tnt_comm.barrier()
         return 0
     serial = serial_bytes()
     mem4 = memory_in_process(4) if tnt.get_rank() == 0 else None

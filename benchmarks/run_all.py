@@ -57,6 +57,8 @@ BENCHMARKS: list[Benchmark] = [
       for n in SCALING_RANKS),
     # Pipelining (issue 11): 2 stages pinned to a core each; rows come with the JSON.
     Benchmark("pipeline", "pipeline.py", ranks=2, mpi_args=PINNED),
+    # Schedules (issue 32): ZB-H1's bubble vs 1F1B's, each schedule's overhead, the timeline's.
+    Benchmark("pipeline_schedules", "pipeline.py", ranks=2, args=["--only-schedules"], mpi_args=PINNED),
     # Graph bridge cost per bucket, and overlap with jit_compile (issue 12, items 4-5).
     Benchmark("step_bridge", "step_bridge.py", ranks=2, mpi_args=PINNED),
     # Sparse gradients (issue 27): gathering GPT-2-sized embedding slices vs a dense allreduce.

@@ -26,7 +26,7 @@ tensor groups. Launch with ``tarantella -n N -- train.py``; ``python train.py`` 
 
 from __future__ import annotations
 
-from . import data_parallel, hybrid, keras, models, native, pipelining, tensor_parallel
+from . import data_parallel, hybrid, keras, models, native, pipelining, tensor_parallel, timeline
 from ._core.deferred import deferred_variables
 from ._core.inputs import InputError
 from ._core.internals import UnsupportedVersionError
@@ -39,6 +39,7 @@ from .data_parallel import Model, UnsyncedReplicasError, local_batch_size
 __version__ = "0.1.0"
 
 setup()
+timeline._start_from_env()
 
 __all__ = [
     "InputError",
@@ -62,6 +63,7 @@ __all__ = [
     "native",
     "pipelining",
     "tensor_parallel",
+    "timeline",
 ]
 
 # Errors show under their public names (tnt.InputError), not the private modules'.

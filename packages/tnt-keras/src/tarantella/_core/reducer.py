@@ -37,6 +37,7 @@ after the dense SUM in both (Note [Sparse gradients as serial]).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ import tensorflow as tf
 import tnt_comm
 
 from .. import native as _native
+from . import trace as _trace
 
 _TOKEN = np.zeros((), dtype=np.int32)
 # TensorFlow's Split shares the input's memory for an output that starts 64-byte aligned
@@ -95,6 +97,7 @@ class GraphReducer:
         )
         self._plan = self._engine.plan
         self._offsets = self._engine.slot_offsets
+        self._submitted: list[tuple[int, float]] = []  # (bucket, time) while a timeline records
 
     @property
     def plan(self) -> list[list[int]]:
@@ -107,10 +110,23 @@ class GraphReducer:
         if not keep:  # a rank without data: zeros for the masked slots (rare)
             arrays = [np.zeros_like(a) if i >= keep_from else a for i, a in zip(members, arrays)]
         self._engine.submit_many(members, arrays)
+        if _trace.recorder() is not None:
+            self._submitted.append((self._plan.index(members) if members in self._plan else -1,
+                                    time.perf_counter()))
         return _TOKEN
 
     def _wait_np(self, *_tokens: np.ndarray) -> list[np.ndarray]:
-        return list(self._engine.wait_buckets())
+        rec = _trace.recorder()
+        if rec is None:
+            return list(self._engine.wait_buckets())
+        t0 = time.perf_counter()
+        out = list(self._engine.wait_buckets())
+        t1 = time.perf_counter()
+        rec.add("wait", "wait", "comm", t0, t1, buckets=len(out))
+        for k, ts in self._submitted:  # done: when the wait returned (the engine returns all at once)
+            rec.add(f"bucket {k}", "bucket", "sync", ts, t1, bucket=k)
+        self._submitted = []
+        return out
 
     def reduce(
         self,
@@ -139,7 +155,9 @@ class GraphReducer:
         keep = tf.constant(True) if keep is None else tf.convert_to_tensor(keep, tf.bool)
         # An engine without a native handle (a stand-in such as the benchmarks' engine that
         # exchanges nothing) is driven through numpy_function: it has no C++ core to hand over.
-        native = _native.ops() if hasattr(self._engine, "native_handle") else None
+        # While a timeline records (at trace time), the Python path: its calls record each
+        # bucket's submit and the wait (tarantella.timeline, docs/timeline.md).
+        native = _native.ops() if hasattr(self._engine, "native_handle") and _trace.recorder() is None else None
         if native is not None:
             handle = self._engine.native_handle()
             tokens = [

@@ -71,6 +71,12 @@ def sparse_as_dense() -> bool:
     return _flag("TNT_SPARSE_AS_DENSE", False)
 
 
+def timeline_path() -> str | None:
+    """``TNT_TIMELINE`` (default unset): the Chrome-trace JSON the job's timeline is written
+    to at exit (tarantella.timeline, docs/timeline.md)."""
+    return os.environ.get("TNT_TIMELINE") or None
+
+
 def _log_level() -> str:
     name = "TNT_LOG_LEVEL"
     raw = os.environ.get(name, "WARNING")
@@ -86,7 +92,7 @@ KNOWN = frozenset({
     "TNT_OUTPUT_ON_ALL_DEVICES", "TNT_TENSORBOARD_ON_ALL_DEVICES",
     "TNT_COMM_TIMEOUT", "TNT_COMM_POLL_SPIN_US", "TNT_COMM_POLL_MAX_SLEEP_US", "TNT_COMM_MPI",
     "TNT_MPIRUN", "TNT_NATIVE_OPS", "TNT_NATIVE_OPS_CACHE", "TNT_COMM_HANDOFF_SPIN_US",
-    "TNT_COMM_WAIT_SPIN_US", "TNT_COMM_DRIVE_SPIN_US", "TNT_SPARSE_AS_DENSE",
+    "TNT_COMM_WAIT_SPIN_US", "TNT_COMM_DRIVE_SPIN_US", "TNT_SPARSE_AS_DENSE", "TNT_TIMELINE",
 })
 
 

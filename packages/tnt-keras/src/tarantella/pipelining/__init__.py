@@ -17,14 +17,17 @@ from ._model import PipelinedModel
 from ._plan import Boundary, Plan, Stage, plan
 from ._schedule import (
     SCHEDULES,
+    SPLIT_BACKWARD,
     Action,
     ActionKind,
     ScheduleGrid,
     actions,
+    activation_bound,
     compute_order,
     micro_batch_sizes,
     peak_in_flight,
     schedule_grid,
+    verify,
 )
 from ._stages import StageModel, build_stage
 from ._stats import pipeline_idle_fractions
@@ -32,6 +35,7 @@ from ._strategy import load_model  # also registers PIPELINING (tarantella._core
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_BACKWARD",
     "Action",
     "ActionKind",
     "Boundary",
@@ -43,6 +47,7 @@ __all__ = [
     "Stage",
     "StageModel",
     "actions",
+    "activation_bound",
     "build_stage",
     "compute_order",
     "deferred_variables",
@@ -53,4 +58,5 @@ __all__ = [
     "pipeline_idle_fractions",
     "plan",
     "schedule_grid",
+    "verify",
 ]

@@ -3,7 +3,13 @@
 Forward passes run under a ``tf.GradientTape`` around the stage's compiled forward
 function, so the activations of micro-batch i stay alive (inside the tape) until B(i)
 asks the tape for the gradients of the stage's outputs (given the received output
-gradients) with respect to its boundary inputs and its weights. Sends are non-blocking
+gradients) with respect to its boundary inputs and its weights. Under a schedule that
+splits the backward (ZB-H1) the tape is persistent: B(i) asks it for the gradients with
+respect to the boundary inputs only (sent upstream at once), W(i) later for those with
+respect to the weights, and then lets it go. In TensorFlow each ``gradient`` call runs
+the recorded forward's backward function, so B and W each cost about one joint backward
+pass: the split buys a shorter critical path upstream at the price of extra compute
+(docs/pipelining.md, "ZB-H1"). Sends are non-blocking
 and waited for at the end of the step; each receive is posted one message ahead of the
 action that takes it (``ReceiveAhead``), so it lands while the stage computes.
 
@@ -30,9 +36,10 @@ import tensorflow as tf
 from .._core import internals as _internals
 from .._core import settings as _settings
 from .._core import sparse as _sparse
+from .._core import trace as _trace
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead
-from ._schedule import actions
+from ._schedule import SPLIT_BACKWARD, verify
 from ._shapes import BoundaryShapes
 from ._stages import StageModel
 from ._transport import ACTIVATION, GRADIENT, Transport, message_tag
@@ -81,6 +88,8 @@ class StageExecutor:
         self._grad_positions = [n_data + k for k, b in enumerate(stage.inputs)
                                 if plan.boundaries[b].differentiable]
         self._grad_outputs = [k for k, b in enumerate(stage.outputs) if plan.boundaries[b].differentiable]
+        self._split = schedule in SPLIT_BACKWARD
+        self._actions: dict[tuple[int, bool], list] = {}  # (micro-batches, training) -> verified list
 
     # -- compiled pieces ---------------------------------------------------------------------
     def _fn(self, key, make):
@@ -153,14 +162,19 @@ class StageExecutor:
         # (a slice per micro-batch copied each, ~1 ms per 4 MiB).
         data_parts = [tf.split(x_flat[j], sizes) for j in st.data_inputs]
         self._step_shapes = self._shapes.shapes([tuple(x.shape) for x in x_flat])
-        todo = actions(plan, self.schedule, len(sizes), st.index, training=training)
+        todo = self._todo(len(sizes), training)
+        rec = _trace.recorder()
+        lane_args = {"stage": st.index, "step": step}
         inbox = ReceiveAhead(t, [self._receive(a, step, offsets) for a in todo
                                  if a.kind in ("RECV_ACT", "RECV_GRAD")])
         for a in todo:
             i = a.micro_batch
             lo, hi = offsets[i], offsets[i + 1]
             if a.kind == "RECV_ACT":
+                t0 = time.perf_counter()
                 received.setdefault(i, {})[a.boundary] = inbox.next()
+                if rec:
+                    rec.add("recv act", "recv", "comm", t0, time.perf_counter(), peer=a.peer, mb=i, **lane_args)
             elif a.kind == "F":
                 inputs = [parts[i] for parts in data_parts]
                 inputs += [received[i].pop(b) for b in st.inputs]
@@ -168,26 +182,60 @@ class StageExecutor:
                 t0 = time.perf_counter()
                 live[i] = self._run_forward(mode, i, inputs, y, sample_weight, lo, hi, total, result,
                                             outputs_np)
-                result.busy_seconds += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                result.busy_seconds += t1 - t0
+                if rec:
+                    rec.add(f"F{i}", "forward", "compute", t0, t1, mb=i, **lane_args)
                 result.peak_live = max(result.peak_live, len(live))
                 if not training:
                     live.pop(i)
             elif a.kind == "SEND_ACT":
+                t0 = time.perf_counter()
                 sends.append(t.isend(outputs_np[i][a.boundary], a.peer,
                                      (step, i, message_tag(a.boundary, ACTIVATION))))
+                if rec:
+                    rec.add("send act", "send", "comm", t0, time.perf_counter(), peer=a.peer, mb=i,
+                            bytes=int(outputs_np[i][a.boundary].nbytes), **lane_args)
             elif a.kind == "RECV_GRAD":
+                t0 = time.perf_counter()
                 arr = inbox.next()
+                if rec:
+                    rec.add("recv grad", "recv", "comm", t0, time.perf_counter(), peer=a.peer, mb=i, **lane_args)
                 got = out_grads.setdefault(i, {})
                 got[a.boundary] = arr if a.boundary not in got else got[a.boundary] + arr
             elif a.kind == "B":
                 outputs_np.pop(i, None)
                 sends = [r for r in sends if not r.test()]  # completed sends let go of their arrays
                 t0 = time.perf_counter()
-                d_inputs, grads = self._run_backward(live.pop(i), out_grads.pop(i, {}), variables)
+                if self._split:  # B: input gradients only; W(i) takes the weights' later
+                    record = live[i]
+                    d_inputs = self._run_backward_inputs(record, out_grads.pop(i, {}))
+                else:
+                    d_inputs, grads = self._run_backward(live.pop(i), out_grads.pop(i, {}), variables)
+                    pending[i] = grads
                 d_inputs = [np.asarray(d) for d in d_inputs]
-                result.busy_seconds += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                result.busy_seconds += t1 - t0
+                if rec:
+                    rec.add(f"B{i}", "backward", "compute", t0, t1, mb=i, **lane_args)
                 in_grads[i] = d_inputs
-                pending[i] = grads
+            elif a.kind == "W":
+                t0 = time.perf_counter()
+                pending[i] = self._run_backward_weights(live.pop(i), variables)
+                t1 = time.perf_counter()
+                result.busy_seconds += t1 - t0
+                if rec:
+                    rec.add(f"W{i}", "weight", "compute", t0, t1, mb=i, **lane_args)
+            elif a.kind == "SEND_GRAD":
+                k = [b for b in st.inputs if plan.boundaries[b].differentiable].index(a.boundary)
+                t0 = time.perf_counter()
+                sends.append(t.isend(np.asarray(in_grads[i][k]), a.peer,
+                                     (step, i, message_tag(a.boundary, GRADIENT))))
+                if rec:
+                    rec.add("send grad", "send", "comm", t0, time.perf_counter(), peer=a.peer, mb=i, **lane_args)
+                if k == len(self._grad_positions) - 1:
+                    in_grads.pop(i, None)
+            if a.kind in ("B", "W"):
                 while next_to_add in pending:  # accumulate in micro-batch order
                     g = pending.pop(next_to_add)
                     # Sparse gradients: slices concatenated in micro-batch order, as serial
@@ -195,17 +243,21 @@ class StageExecutor:
                     result.grads = g if result.grads is None else [
                         _sparse.accumulate(x, y) for x, y in zip(result.grads, g)]
                     next_to_add += 1
-            elif a.kind == "SEND_GRAD":
-                k = [b for b in st.inputs if plan.boundaries[b].differentiable].index(a.boundary)
-                sends.append(t.isend(np.asarray(in_grads[i][k]), a.peer,
-                                     (step, i, message_tag(a.boundary, GRADIENT))))
-                if k == len(self._grad_positions) - 1:
-                    in_grads.pop(i, None)
+        t0 = time.perf_counter()
         for request in sends:
             request.wait()
+        if rec and sends:
+            rec.add("send wait", "send", "comm", t0, time.perf_counter(), **lane_args)
         result.seconds = time.perf_counter() - started
         result.window = (started_at, started_at + result.seconds)
         return result
+
+    def _todo(self, num_micro_batches: int, training: bool) -> list:
+        """This stage's action list, the whole pipeline's checked once per shape (``verify``)."""
+        key = (num_micro_batches, training)
+        if key not in self._actions:
+            self._actions[key] = verify(self.plan, self.schedule, num_micro_batches, training)[self.stage.index]
+        return self._actions[key]
 
     def _receive(self, a, step: int, offsets: list[int]) -> Receive:
         """The message a RECV_ACT or RECV_GRAD action expects."""
@@ -222,7 +274,7 @@ class StageExecutor:
         if mode == PREDICT and st.is_last:
             result.predictions.append(self._forward(False)(inputs)[0])
             return None
-        tape = tf.GradientTape() if training else None
+        tape = tf.GradientTape(persistent=self._split) if training else None
         watched = [inputs[k] for k in self._grad_positions]
         if tape is not None:
             tape.__enter__()
@@ -244,27 +296,53 @@ class StageExecutor:
             self._update_metrics()(y_i, y_pred, sw_i, loss, tf.constant(hi - lo, tf.float32))
         else:
             outputs_np[i] = {b: np.asarray(o) for b, o in zip(st.outputs, outs)}
-        return tape, watched, targets
+        return [tape, watched, targets]
 
     def _scaled(self, loss):
         """``loss`` as Keras' train step differentiates it (the optimizer's loss scale)."""
         optimizer = self.model.optimizer
         return loss if optimizer is None else optimizer.scale_loss(loss)
 
+    def _output_gradients(self, targets, received: dict):
+        if self.stage.is_last:
+            return None
+        output_gradients = [received[self.stage.outputs[k]] for k in self._grad_outputs]
+        if self._regularized:
+            output_gradients.append(tf.ones((), targets[-1].dtype))
+        return output_gradients
+
+    def _run_backward_inputs(self, record, received: dict) -> list:
+        """B of a split backward: the gradients of the boundary inputs; keeps the output
+        gradients in ``record`` for W."""
+        tape, watched, targets = record
+        output_gradients = self._output_gradients(targets, received)
+        record.append(output_gradients)
+        if not watched:
+            return []
+        grads = tape.gradient(targets, watched, output_gradients=output_gradients)
+        return [tf.zeros(tuple(src.shape), src.dtype) if g is None else g for g, src in zip(grads, watched)]
+
+    def _run_backward_weights(self, record, variables) -> list:
+        """W of a split backward: the weight gradients of the micro-batch whose B ran."""
+        tape, _watched, targets, output_gradients = record
+        grads = tape.gradient(targets, list(variables), output_gradients=output_gradients)
+        del record[:], tape  # the persistent tape holds the activations until now
+        self.no_gradient = frozenset(i for i, g in enumerate(grads) if g is None)
+        grads = [tf.zeros(tuple(src.shape), tf.as_dtype(str(src.dtype))) if g is None else g
+                 for g, src in zip(grads, variables)]
+        if self._sparse_as_dense:
+            grads = [_sparse.to_dense(g) for g in grads]
+        return grads
+
     def _run_backward(self, record, received: dict, variables):
         tape, watched, targets = record
-        if self.stage.is_last:
-            output_gradients = None
-        else:
-            output_gradients = [received[self.stage.outputs[k]] for k in self._grad_outputs]
-            if self._regularized:
-                output_gradients.append(tf.ones((), targets[-1].dtype))
+        output_gradients = self._output_gradients(targets, received)
         sources = [*watched, *variables]
         grads = tape.gradient(targets, sources, output_gradients=output_gradients)
         self.no_gradient = frozenset(i - len(watched) for i, g in enumerate(grads) if g is None and i >= len(watched))
         # A source without a path to the targets (an untied output embedding the model never
-        # calls) gets zeros: Keras' optimizers leave it as serial Keras does (no gradient
-        # moves no weight under Adam/SGD), and every stage/replica sends a tensor for it.
+        # calls) gets zeros, so that every stage/replica sends a tensor for it; the stage's
+        # optimizer step leaves it out (``no_gradient``), as serial Keras' does.
         # (UnconnectedGradients.ZERO fails on Keras variables: their dtype is a string.)
         grads = [tf.zeros(tuple(src.shape), tf.as_dtype(str(src.dtype))) if g is None else g
                  for g, src in zip(grads, sources)]

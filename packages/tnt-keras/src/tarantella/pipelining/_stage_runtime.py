@@ -26,6 +26,7 @@ before backprop, as Keras' own train step scales it (``_executor``).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import keras
@@ -34,6 +35,7 @@ import tensorflow as tf
 
 from .._core import internals as _internals
 from .._core import sparse as _sparse
+from .._core import trace as _trace
 from .._core.metric_states import metric_variables
 from .._core.serial_files import clone_optimizer
 from ._executor import PREDICT, TEST, TRAIN, StageExecutor
@@ -130,6 +132,21 @@ class StageRuntime:
         return n, micro_batch_sizes(n, self.num_micro_batches)
 
     def train_step(self, x, y, sample_weight, total: int | None = None) -> dict:
+        rec = _trace.recorder()
+        if rec is None:
+            return self._train_step(x, y, sample_weight, total)
+        t0 = time.perf_counter()
+        last = rec.meta.get("last_step_end")
+        if last is not None:  # Keras' loop between two steps: the next batch, the callbacks
+            rec.add("between steps", "host", "data", last, t0, stage=self.stage.index)
+        try:
+            return self._train_step(x, y, sample_weight, total)
+        finally:
+            rec.meta["last_step_end"] = end = time.perf_counter()
+            rec.add("step", "step", "step", t0, end, stage=self.stage.index,
+                    step=self.executor.step, schedule=self.executor.schedule)
+
+    def _train_step(self, x, y, sample_weight, total: int | None) -> dict:
         x_flat = keras.tree.flatten(x)
         n, sizes = self._sizes(x_flat)
         total = n if total is None else int(total)
@@ -149,7 +166,12 @@ class StageRuntime:
         self._add_other_stages_regularization(n)
         if not self._no_gradient_agreed:
             self._agree_no_gradient(len(variables))
+        rec = _trace.recorder()
+        t0 = time.perf_counter()
         grads = self._reduce_over_replicas(grads)
+        if rec and self.transport.num_replicas > 1:
+            rec.add("gradient sync", "sync", "sync", t0, time.perf_counter(), stage=self.stage.index,
+                    step=self.executor.step)
         if self.ties:  # the stages holding a tied layer add their gradients: copies stay equal
             grads = self.ties.sum(grads, self.executor.step)
         finite = True
