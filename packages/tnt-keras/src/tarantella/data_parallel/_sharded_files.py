@@ -74,9 +74,9 @@ def serial_optimizer(model: keras.Model, sharding, gather: bool) -> Iterator[obj
             if root is None:
                 raise ValueError(f"sharded optimizer state: no replica holds {name!r}")
             buf = np.asarray(mine[name].numpy()) if comm.rank == root else np.empty(shape, np.dtype(dtype))
-            value = comm.broadcast(np.ascontiguousarray(buf.reshape(shape)), root)
+            value = comm.broadcast(np.ascontiguousarray(buf.reshape(-1)), root)
             if master:
-                targets[name].assign(value)
+                targets[name].assign(value.reshape(shape))
     if master:
         model.optimizer = full
     try:
