@@ -16,9 +16,9 @@ import hashlib
 import _job
 import keras
 import numpy as np
-import tnt_comm
 
 import tarantella as tnt
+import tnt_comm
 
 EPOCHS, BATCH = 2, 10
 
