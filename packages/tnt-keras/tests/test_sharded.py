@@ -85,6 +85,8 @@ def test_file_of_level_2_loads_serially_and_resumes_at_level_1(report2):
     count, serial_count = f["loaded_optimizer_count"]
     assert count == serial_count, f
     assert f["loaded_optimizer_diff"] <= TOL_WEIGHTS, f
+    assert f["backup_weight_diff"] <= TOL_WEIGHTS, f  # BackupAndRestore writes the whole state too
+    assert f["backup_optimizer_diff"] <= TOL_WEIGHTS, f
     assert f["resumed_weight_diff"] <= TOL_WEIGHTS, f
     assert f["resumed_replicas_identical"], f
     assert len(f["resumed_slot_elements_per_rank"]) == 2, f

@@ -12,6 +12,7 @@ sharding= with another strategy. Rank 0 writes the JSON that tests/test_sharded.
 from __future__ import annotations
 
 import hashlib
+import shutil
 
 import _job
 import keras
@@ -104,22 +105,36 @@ def case(level: int, kind: str) -> dict:
 
 
 def files_case(tmp) -> dict:
-    """Level 2 at this d: save -> serial Keras load equals the serial run (weights and the
-    whole optimizer state); load with sharding=1 and continue = serial continuation."""
+    """Level 2 at this d: save (and BackupAndRestore's file) -> serial Keras load equals the
+    serial run (weights and the whole optimizer state); load with sharding=1 and continue =
+    serial continuation."""
     x, y = data()
     path = str(tmp / "sharded_l2.keras")
     serial, _ = serial_run("adam")
     model = make_model()
     tm = tnt.Model(model, sharding=2)
     tm.compile(optimizer("adam"), "mse")
-    tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    backup_dir = tmp / "backup"
+    if tnt.is_master_rank():
+        shutil.rmtree(backup_dir, ignore_errors=True)
+    tnt_comm.barrier()
+    backup = keras.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False)
+    tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[backup])
     tm.save(path)
     tnt_comm.barrier()
+    # BackupAndRestore's file of the last epoch, read by serial Keras: the whole state too.
+    from_backup = make_model()
+    from_backup.compile(optimizer("adam"), "mse")
+    from_backup.optimizer.build(from_backup.trainable_variables)
+    from_backup.load_weights(str(sorted(backup_dir.glob("*.weights.h5"))[0]))
     loaded = keras.models.load_model(path)
     out = {
         "loaded_weight_diff": _job.max_abs_diff(loaded.get_weights(), serial.get_weights()),
         "loaded_optimizer_count": [len(loaded.optimizer.variables), len(serial.optimizer.variables)],
         "loaded_optimizer_diff": _job.max_abs_diff([v.numpy() for v in loaded.optimizer.variables],
+                                                   [v.numpy() for v in serial.optimizer.variables]),
+        "backup_weight_diff": _job.max_abs_diff(from_backup.get_weights(), serial.get_weights()),
+        "backup_optimizer_diff": _job.max_abs_diff([v.numpy() for v in from_backup.optimizer.variables],
                                                    [v.numpy() for v in serial.optimizer.variables]),
     }
     resumed = tnt.models.load_model(path, sharding=1)

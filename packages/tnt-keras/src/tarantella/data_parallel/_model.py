@@ -13,6 +13,7 @@ updates made outside tnt's steps (custom loops) are made global by ``_grad_sync`
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -456,6 +457,13 @@ class Model(DistributedModel):
 
     def _tnt_before_save(self) -> None:
         self._average_moving_statistics()
+
+    def _tnt_serial_state(self):
+        """While inside, the master's wrapped model holds the whole optimizer state (a
+        collective; BackupAndRestore writes under it)."""
+        if self._tnt_sharding is None or not self._model.compiled:
+            return contextlib.nullcontext()
+        return _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True)
 
     def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write) -> None:
         if self._tnt_sharding is None or not with_optimizer or not self._model.compiled:
