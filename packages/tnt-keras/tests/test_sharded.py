@@ -79,6 +79,14 @@ def test_global_clipnorm_was_active(report):
             assert c["initial_gradient_norm"] > 0.05 * 2, c  # the threshold clips
 
 
+def test_loss_scale_decision_is_global(report):
+    for name, c in report["cases"].items():
+        applied, serial_applied = c["applied_steps"]
+        assert applied == serial_applied, (name, c)  # skipped exactly where serial Keras skipped
+        if "lso" in name:  # the case overflows in some steps and not in others
+            assert 0 < serial_applied < c["steps"], (name, c)
+
+
 def test_file_of_level_2_loads_serially_and_resumes_at_level_1(report2):
     f = report2["files"]
     assert f["loaded_weight_diff"] <= TOL_WEIGHTS, f
