@@ -16,12 +16,15 @@ parameters, Adam) on synthetic data. Each rank reports:
 Rows: shardK_state_memory_vs_dp_2ranks (measured peak / level 0's; target: the ZeRO formula,
 16 Psi -> 8 Psi + 8 Psi / d at level 1 and 4 Psi + 12 Psi / d at level 2, plus 15 %),
 shardK_step_time_vs_dp_2ranks (target 1.05 at level 2), and the byte balance of whole-variable
-ownership on ResNet-50 and GPT-2 small (max / min bytes per replica; target 1.15).
+ownership on ResNet-50 and GPT-2 small (max / min bytes per replica; target 1.15), and
+reduce_scatter_allgather_vs_allreduce_2ranks: tnt_comm.reduce_scatter + allgather of Psi
+float32 against one allreduce of the same bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -36,6 +39,7 @@ import benchlib as bl  # noqa: E402  (pins threads before TensorFlow)
 RANKS = 2
 WIDTHS = [1024, 2048, 2048, 2048, 1024, 10]  # Dense stack: ~12.6 M parameters
 MICRO_BATCH = 32
+WIDTHS_PSI = sum(a * b + b for a, b in itertools.pairwise(WIDTHS))  # the MLP's parameters
 
 
 def _status(field: str) -> int:
@@ -90,6 +94,33 @@ def worker(level: int, steps: int) -> None:
     bl.emit(record)
 
 
+def comm_worker(reps: int) -> None:
+    """tnt_comm.reduce_scatter + allgather (what level 2 moves per step) against one
+    allreduce of the same bytes (level 0), medians over ``reps`` calls of the slowest rank."""
+    import numpy as np
+
+    import tnt_comm
+
+    buf = np.random.default_rng(tnt_comm.rank()).normal(size=WIDTHS_PSI).astype(np.float32)
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            tnt_comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return bl.median([max(t) for t in zip(*tnt_comm.allgather_object(times))])
+
+    allreduce = timed(lambda: tnt_comm.allreduce(buf))
+    scatter = timed(lambda: tnt_comm.reduce_scatter(buf))
+    both = timed(lambda: tnt_comm.allgather(tnt_comm.reduce_scatter(buf)))
+    if tnt_comm.rank() == 0:
+        bl.emit({"bytes": buf.nbytes, "allreduce_s": allreduce, "reduce_scatter_s": scatter,
+                 "reduce_scatter_allgather_s": both})
+
+
 def balance(size: int) -> dict[str, float]:
     """max / min bytes per replica of whole-variable ownership, for ResNet-50 and GPT-2 small."""
     import keras
@@ -129,10 +160,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--comm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = args.steps or (4 if args.quick else 10)
     if args.worker is not None:
         worker(args.worker, steps)
+        return 0
+    if args.comm:
+        comm_worker(5 if args.quick else 15)
         return 0
     env = dict(os.environ)
     if hasattr(os, "geteuid") and os.geteuid() == 0:
@@ -147,6 +182,13 @@ def main() -> int:
             print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
             return 1
         runs[level] = sorted(bl.parse_results(proc.stdout), key=lambda r: r["rank"])
+    cmd = [bl.mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(RANKS), sys.executable,
+           str(Path(__file__).resolve()), "--comm", *(["--quick"] if args.quick else [])]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+        return 1
+    comm = bl.parse_results(proc.stdout)[0]
     balances = balance(RANKS)
     base = runs[0]
     rows = []
@@ -172,6 +214,12 @@ def main() -> int:
                            1.05 if level == 2 else None, False, "x level 0's step time",
                            f"median step {step * 1e3:.1f} vs {max(x['step_s'] for x in base) * 1e3:.1f} ms "
                            f"(slowest rank, {r[0]['steps']} steps)"))
+    rows.append(bl_row(f"reduce_scatter_allgather_vs_allreduce_{RANKS}ranks",
+                       comm["reduce_scatter_allgather_s"] / comm["allreduce_s"], 1.05, False,
+                       "x tnt_comm.allreduce of the same bytes (time)",
+                       f"{comm['bytes'] / 1e6:.0f} MB float32: reduce_scatter + allgather "
+                       f"{comm['reduce_scatter_allgather_s'] * 1e3:.1f} ms (reduce_scatter alone "
+                       f"{comm['reduce_scatter_s'] * 1e3:.1f} ms) vs allreduce {comm['allreduce_s'] * 1e3:.1f} ms"))
     for name, v in balances.items():
         model, d = name.rsplit("_", 1)
         rows.append(bl_row(f"shard_balance_{model}_{d}ranks", v, 1.15, False, "max / min bytes per replica",
@@ -180,7 +228,8 @@ def main() -> int:
         print(f"{row['name']:40} {row['value']:.3f}  (target {row['target']})  {row['detail']}")
     bl.RESULTS.mkdir(exist_ok=True)
     (bl.RESULTS / "sharded.json").write_text(json.dumps(
-        {"ranks": RANKS, "runs": runs, "balance": balances, "machine_before": machine, "rows": rows},
+        {"ranks": RANKS, "runs": runs, "comm": comm, "balance": balances, "machine_before": machine,
+         "rows": rows},
         indent=1) + "\n")
     return 0
 
