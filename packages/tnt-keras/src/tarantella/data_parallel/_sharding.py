@@ -123,6 +123,7 @@ class Sharding:
         if optimizer is None or self._installed is optimizer:
             return
         check_optimizer(optimizer, self.level)
+        self._owners = None  # a new compile: trainable variables may have changed
         sharding = self
         cls_build = type(optimizer).build
 
