@@ -71,6 +71,9 @@ BENCHMARKS: list[Benchmark] = [
     # Issue 15: a step-time model checked here on 1-4 ranks (it launches its own mpirun
     # jobs), then predicting 8-1024 GPUs from published profiles; rows come with the JSON.
     Benchmark("scaling_model", "scaling_model.py", timeout=3600.0),
+    # Sharded data parallelism (issue 30): memory and step time per level; launches its own
+    # 2-rank jobs (one per level), rows come with the JSON.
+    Benchmark("sharded", "sharded.py"),
     Benchmark("summary", "summary.py", quick=False),
 ]
 

@@ -430,7 +430,8 @@ def main() -> int:
     rows = rows_from(res)
     # Benchmarks that state their own rows (pipeline, scaling_model, step_bridge,
     # tensor_parallel[_4]) bring them in their JSON.
-    for extra in ("pipeline", "pipeline_schedules", "scaling_model", "step_bridge", "tensor_parallel", "tensor_parallel_4"):
+    for extra in ("pipeline", "pipeline_schedules", "scaling_model", "step_bridge", "tensor_parallel", "tensor_parallel_4",
+                  "sharded"):
         res[extra] = load(extra)
         rows.extend(res[extra]["rows"] if res[extra] else [])
     loads = loads_of(res)

@@ -188,6 +188,18 @@ class PyComm {
     guarded(e, {in}, [&] { g = tnt::allgather(e, c_, src, d); });
     return as_array(in.dtype(), g.shape, std::move(g.data));
   }
+  // This rank's block of the reduction: counts are element counts per rank (rank order).
+  py::array reduce_scatter(const py::array& in, const std::vector<std::int64_t>& counts, int op) {
+    Engine& e = runtime_engine();
+    const ArrayDesc d = describe(in);
+    const std::int64_t mine = c_->rank < static_cast<int>(counts.size()) && counts[static_cast<std::size_t>(c_->rank)] > 0
+                                  ? counts[static_cast<std::size_t>(c_->rank)] : 0;
+    py::array out(in.dtype(), std::vector<py::ssize_t>{static_cast<py::ssize_t>(mine)});
+    const void* src = in.data();
+    void* dst = out.mutable_data();
+    guarded(e, {in, out}, [&] { tnt::reduce_scatter(e, c_, src, dst, d, counts, static_cast<ReduceOp>(op)); });
+    return out;
+  }
   PyComm split(int color, int key) {
     Engine& e = runtime_engine();
     py::gil_scoped_release release;
@@ -425,6 +437,7 @@ PYBIND11_MODULE(_core, m) {
       .def("allreduce", &PyComm::allreduce)
       .def("broadcast", &PyComm::broadcast)
       .def("allgather", &PyComm::allgather)
+      .def("reduce_scatter", &PyComm::reduce_scatter)
       .def("split", &PyComm::split)
       .def("dup", &PyComm::dup)
       .def("native_handle", &PyComm::native_handle)

@@ -230,6 +230,69 @@ void allreduce(Engine& engine, const CommPtr& comm, const void* in, void* out,
   run_blocking(engine, std::move(task));
 }
 
+void reduce_scatter(Engine& engine, const CommPtr& comm, const void* in, void* out,
+                    const ArrayDesc& desc, const std::vector<std::int64_t>& counts, ReduceOp op) {
+  const DType dtype = parse_dtype(desc.dtype);
+  if (op == ReduceOp::kAvg) check_avg(dtype, "reduce_scatter");
+  auto x = std::make_shared<MetaExchange>();
+  x->mine = to_meta(desc, static_cast<std::int32_t>(op));
+  // The counts join the description: the last (unused) shape entries carry their number
+  // and a hash of them, so ranks that split differently fail the check together.
+  std::uint64_t h = 0x9e3779b97f4a7c15ull;
+  for (const std::int64_t c : counts) {
+    h ^= static_cast<std::uint64_t>(c) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    h *= 0xff51afd7ed558ccdull;
+  }
+  const bool room = x->mine.ndim <= kMaxDims - 2;
+  if (room) {
+    x->mine.shape[kMaxDims - 1] = static_cast<std::int64_t>(counts.size());
+    x->mine.shape[kMaxDims - 2] = static_cast<std::int64_t>(h >> 2);
+  }
+  const int saved_ndim = x->mine.ndim;
+  if (room) x->mine.ndim = kMaxDims;  // hashed up to kMaxDims; restored before any decode
+  std::vector<StepTask::Step> steps;
+  add_description_check(steps, x, "reduce_scatter", [saved_ndim](const std::vector<Meta>& all) {
+    std::vector<Meta> shown = all;
+    for (Meta& m : shown) m.ndim = std::min(m.ndim, saved_ndim);
+    throw std::invalid_argument(
+        "reduce_scatter: the arrays, ops or counts differ across ranks (" + table(shown, true, "op") +
+        "). Every rank must pass an array of the same shape and dtype, the same op and the same "
+        "counts.");
+  });
+  const std::int64_t count = desc.count();
+  steps.push_back([counts, count](DataPlane& t) -> std::unique_ptr<Request> {
+    // Same description and counts everywhere now: the same verdict on every rank.
+    std::int64_t total = 0;
+    bool negative = false;
+    for (const std::int64_t c : counts) {
+      total += c;
+      negative = negative || c < 0;
+    }
+    if (static_cast<int>(counts.size()) != t.size() || negative || total != count) {
+      throw std::invalid_argument(
+          "reduce_scatter: counts must hold one non-negative element count per rank (" +
+          std::to_string(t.size()) + " here) summing to the array's " + std::to_string(count) +
+          " elements; got " + std::to_string(counts.size()) + " counts summing to " +
+          std::to_string(total));
+    }
+    return nullptr;
+  });
+  steps.push_back([=](DataPlane& t) {
+    return t.ireduce_scatter(in, out, counts, dtype, op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+  });
+  if (op == ReduceOp::kAvg) {
+    steps.push_back([=](DataPlane& t) -> std::unique_ptr<Request> {
+      divide_inplace(out, counts[static_cast<std::size_t>(t.rank())], dtype, t.size());
+      return nullptr;
+    });
+  }
+  auto task = std::make_shared<StepTask>(
+      comm, StepTask::Describe([desc, op] { return "reduce_scatter(" + desc.str() + ", " + op_name(op) + ")"; }),
+      std::move(steps));
+  task->set_payload_bytes(desc.nbytes());
+  run_blocking(engine, std::move(task));
+}
+
 void broadcast(Engine& engine, const CommPtr& comm, void* buf, const ArrayDesc& desc, int root) {
   auto x = std::make_shared<MetaExchange>();
   x->mine = to_meta(desc, root);

@@ -59,6 +59,13 @@ struct Gathered {
 Gathered allgather(Engine& engine, const CommPtr& comm, const void* in, const ArrayDesc& desc);
 void barrier(Engine& engine, const CommPtr& comm);
 
+// Rank r receives in `out` counts[r] elements: the element-wise reduction over ranks of the
+// r-th block of `in` (blocks back to back in rank order; sum(counts) == desc.count()). Every
+// rank passes the same description, op and counts: checked together (a hash of the counts
+// rides in the description check), so a mismatch is an error on every rank, never a hang.
+void reduce_scatter(Engine& engine, const CommPtr& comm, const void* in, void* out,
+                    const ArrayDesc& desc, const std::vector<std::int64_t>& counts, ReduceOp op);
+
 // New communicators, collective over `parent` (every member calls, in the same order
 // as its other collectives). split: MPI_Comm_split semantics (colour >= 0, order by
 // key then parent rank); the members' arrival is checked first with a timed exchange,

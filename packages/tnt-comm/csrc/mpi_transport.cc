@@ -319,6 +319,26 @@ class MpiDataPlane final : public DataPlane {
     return r;
   }
 
+  std::unique_ptr<Request> ireduce_scatter(const void* send, void* recv,
+                                           const std::vector<std::int64_t>& counts, DType dtype,
+                                           ReduceOp op) override {
+    auto r = std::make_unique<MultiRequest>();
+    std::int64_t total = 0;
+    for (const std::int64_t c : counts) {
+      total += c;
+      r->counts.push_back(static_cast<int>(c));
+    }
+    if (total > INT_MAX) {
+      throw std::invalid_argument(
+          "reduce_scatter: more than 2^31-1 elements in one call are not supported; "
+          "reduce-scatter the array in parts");
+    }
+    check(MPI_Ireduce_scatter(send, recv, r->counts.data(), mpi_type(dtype), ops_->get(dtype, op),
+                              comm_, r->add()),
+          "MPI_Ireduce_scatter");
+    return r;
+  }
+
   std::unique_ptr<Request> ibarrier() override {
     auto r = std::make_unique<MpiRequest>();
     check(MPI_Ibarrier(comm_, r->handle()), "MPI_Ibarrier");

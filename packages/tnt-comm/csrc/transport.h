@@ -69,6 +69,11 @@ class DataPlane {
   // Rank r contributes counts[r] bytes; recv holds them back to back in rank order.
   virtual std::unique_ptr<Request> iallgatherv(const void* send, void* recv,
                                                const std::vector<std::int64_t>& counts) = 0;
+  // Rank r receives counts[r] elements of `dtype`: the reduction over ranks of the r-th
+  // block of `send` (the blocks back to back in rank order, sum(counts) elements).
+  virtual std::unique_ptr<Request> ireduce_scatter(const void* send, void* recv,
+                                                   const std::vector<std::int64_t>& counts,
+                                                   DType dtype, ReduceOp op) = 0;
   virtual std::unique_ptr<Request> ibarrier() = 0;
 
   // Point-to-point on `tag`: messages between two ranks on one tag arrive in send order.

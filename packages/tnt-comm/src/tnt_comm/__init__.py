@@ -19,6 +19,7 @@ from ._collectives import (
     local_size,
     long_local_work,
     rank,
+    reduce_scatter,
     size,
 )
 from ._comm import Communicator, Op, Request, world
@@ -56,6 +57,7 @@ __all__ = [
     "long_local_work",
     "plan_buckets",
     "rank",
+    "reduce_scatter",
     "size",
     "world",
 ]

@@ -4,7 +4,7 @@ module-level functions (``tnt_comm.allreduce(...)`` is ``tnt_comm.world().allred
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,12 @@ def broadcast(array: np.ndarray, root: int = 0) -> np.ndarray:
 def allgather(array: np.ndarray) -> np.ndarray:
     """Concatenation of every rank's array along axis 0, in rank order."""
     return world().allgather(array)
+
+
+def reduce_scatter(array: np.ndarray, counts: Sequence[int] | None = None, op: Op = Op.SUM) -> np.ndarray:
+    """This rank's block of the reduction over ranks, split along axis 0 (see
+    Communicator.reduce_scatter)."""
+    return world().reduce_scatter(array, counts, op)
 
 
 def broadcast_object(obj: Any, root: int = 0) -> Any:

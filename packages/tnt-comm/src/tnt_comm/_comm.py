@@ -5,7 +5,9 @@ communication thread; every wait releases the GIL."""
 from __future__ import annotations
 
 import enum
+import math
 import numbers
+import operator
 import pickle
 import threading
 from collections.abc import Sequence
@@ -137,6 +139,35 @@ class Communicator:
         """
         a = check_array(array, "allgather", reducible=False)
         return self._core.allgather(a)
+
+    def reduce_scatter(self, array: np.ndarray, counts: Sequence[int] | None = None,
+                       op: Op = Op.SUM) -> np.ndarray:
+        """This rank's block of the element-wise reduction over ranks, split along axis 0.
+
+        ``counts``: rows of axis 0 per rank, in rank order (summing to ``array.shape[0]``);
+        default: split as evenly as ``np.array_split`` does. Rank r gets the reduction of
+        rows ``sum(counts[:r]) .. sum(counts[:r+1])``, shaped ``(counts[r], *array.shape[1:])``.
+        Every rank passes the same shape, dtype, op and counts (checked together on every rank:
+        a mismatch is a ValueError everywhere, never a hang).
+        """
+        a = check_array(array, "reduce_scatter", reducible=True)
+        if a.ndim == 0:
+            raise ValueError("reduce_scatter needs an array with at least one dimension (it splits "
+                             "axis 0); use array.reshape(1)")
+        op = op if type(op) is Op else Op(op)
+        size = self.size
+        if counts is None:
+            base, extra = divmod(a.shape[0], size)
+            rows = [base + (1 if r < extra else 0) for r in range(size)]
+        else:
+            try:
+                rows = [operator.index(c) for c in counts]
+            except TypeError:
+                raise TypeError(f"reduce_scatter: counts must be integers (rows per rank), got {list(counts)!r}") from None
+        row = math.prod(a.shape[1:])
+        out = self._core.reduce_scatter(np.ascontiguousarray(a), [r * row for r in rows], int(op))
+        mine = rows[self.rank] if self.rank < len(rows) else 0
+        return out.reshape((mine, *a.shape[1:]))
 
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """The root's ``obj`` on every rank (pickled; for small metadata)."""

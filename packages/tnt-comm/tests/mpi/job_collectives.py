@@ -163,6 +163,52 @@ def allgather_uneven_lengths() -> None:
 
 
 @check
+def reduce_scatter_every_dtype_uneven_counts() -> None:
+    for dtype in DTYPES:
+        for counts in ([r + 1 for r in range(N)], [0] * (N - 1) + [5], [3 * N + 1 - r for r in range(N)]):
+            n = sum(counts)
+            x = contribution(n, dtype, R)
+            want_all = ((np.arange(n) % 13) * RANK_SUM).astype(dtype)
+            start = sum(counts[:R])
+            got = t.reduce_scatter(x, counts)
+            expect_equal(got, want_all[start:start + counts[R]], f"reduce_scatter {np.dtype(dtype).name} {counts}")
+            expect_equal(x, contribution(n, dtype, R), "input untouched")
+
+
+@check
+def reduce_scatter_rows_default_split_ops_and_groups() -> None:
+    x = contribution(7 * 3, np.float64, R).reshape(7, 3)
+    base = (np.arange(21) % 13).reshape(7, 3)
+    rows = np.array_split(np.arange(7), N)[R]  # the default split: np.array_split's
+    expect_equal(t.reduce_scatter(x), (base * RANK_SUM).astype(np.float64)[rows], "rows, default split")
+    expect_equal(t.reduce_scatter(x, op=t.Op.MAX), (base * N).astype(np.float64)[rows], "max")
+    expect_equal(t.reduce_scatter(x, op=t.Op.MIN), base.astype(np.float64)[rows], "min")
+    expect_equal(t.reduce_scatter(x, op=t.Op.AVG), (base * RANK_SUM / N)[rows], "avg")
+    big = np.full(3 * 2**20 + N, R + 1, np.float32)  # > 12 MB
+    part = t.reduce_scatter(big)
+    expect_equal(part, np.full(part.shape[0], RANK_SUM, np.float32), "large")
+    half = t.world().split(R % 2, R)  # a sub-communicator: its own ranks and counts
+    y = np.full(4 * half.size, R, np.int64)
+    members = [r for r in range(N) if r % 2 == R % 2]
+    expect_equal(half.reduce_scatter(y), np.full(4, sum(members), np.int64), "sub-communicator")
+
+
+@check
+def reduce_scatter_errors_on_every_rank() -> None:
+    expect_raises(ValueError, "counts must hold one non-negative element count per rank",
+                  t.reduce_scatter, np.zeros(5, np.float32), [6] + [0] * (N - 1))
+    expect_raises(ValueError, "at least one dimension", t.reduce_scatter, np.asarray(np.float32(1.0)))
+    expect_raises(TypeError, "counts must be integers", t.reduce_scatter, np.zeros(2, np.float32), [1.5] * N)
+    if N > 1:
+        counts = [2] * N
+        counts[R % 2] += 1  # the same total, other splits on different ranks
+        counts[(R + 1) % 2] -= 1
+        expect_raises(ValueError, "differ across ranks", t.reduce_scatter, np.zeros(2 * N, np.float32), counts)
+        expect_raises(ValueError, "differ across ranks", t.reduce_scatter, np.zeros(2 * N + R, np.float32))
+    expect_equal(t.allreduce(np.ones(3)), np.full(3, float(N)), "usable after errors")
+
+
+@check
 def objects() -> None:
     got = t.broadcast_object({"from": R, "list": list(range(R))}, root=N - 1)
     assert got == {"from": N - 1, "list": list(range(N - 1))}

@@ -40,7 +40,7 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) ->
         return loaded
     with _io.master_file(filepath) as local:
         inner = keras.models.load_model(local, custom_objects=custom_objects, compile=compile, **rest)
-    return Model(inner)
+    return Model(inner, **options)
 
 
 def save_model(model, filepath, overwrite: bool = True, **kwargs) -> None:

@@ -23,6 +23,7 @@ model alike, with its shards joined and each rank reading its slices.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -133,6 +134,13 @@ class DistributedBackup(keras.callbacks.Callback):
 
     def _save(self) -> None:
         meta = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+        # A sharded model's master holds the whole optimizer state while it writes.
+        with getattr(self.model, "_tnt_serial_state", contextlib.nullcontext)():
+            self._write(meta)
+        if _runtime.get_size() > 1:
+            tnt_comm.barrier()
+
+    def _write(self, meta: dict) -> None:
         inner = _serial_model(self.model)
         if _runtime.is_master_rank():
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -147,8 +155,6 @@ class DistributedBackup(keras.callbacks.Callback):
 
             _io.write_atomically(self.weights, write_weights)
             _io.write_atomically(self.metadata, lambda tmp: Path(tmp).write_text(json.dumps(meta)))
-        if _runtime.get_size() > 1:
-            tnt_comm.barrier()
 
     def on_train_end(self, logs=None):
         if self.callback.delete_checkpoint and _runtime.is_master_rank():

@@ -77,6 +77,20 @@ def timeline_path() -> str | None:
     return os.environ.get("TNT_TIMELINE") or None
 
 
+def sharding_level(value=None) -> int:
+    """The sharding level of a data-parallel model: ``value`` (``tnt.Model(sharding=)``), else
+    ``TNT_SHARDING`` (default 0: replicas hold everything, docs/sharding.md)."""
+    name, raw = ("sharding", value) if value is not None else ("TNT_SHARDING", os.environ.get("TNT_SHARDING", "0"))
+    try:
+        level = int(str(raw).strip()) if not isinstance(raw, bool) else None
+    except ValueError:
+        level = None
+    if level not in (0, 1, 2, 3):
+        raise SettingError(f"{name}={raw!r} is no sharding level; use 0 (none), 1 (optimizer state) "
+                           "or 2 (+ gradients); see docs/sharding.md.")
+    return level
+
+
 def _log_level() -> str:
     name = "TNT_LOG_LEVEL"
     raw = os.environ.get(name, "WARNING")
@@ -92,7 +106,7 @@ KNOWN = frozenset({
     "TNT_OUTPUT_ON_ALL_DEVICES", "TNT_TENSORBOARD_ON_ALL_DEVICES",
     "TNT_COMM_TIMEOUT", "TNT_COMM_POLL_SPIN_US", "TNT_COMM_POLL_MAX_SLEEP_US", "TNT_COMM_MPI",
     "TNT_MPIRUN", "TNT_NATIVE_OPS", "TNT_NATIVE_OPS_CACHE", "TNT_COMM_HANDOFF_SPIN_US",
-    "TNT_COMM_WAIT_SPIN_US", "TNT_COMM_DRIVE_SPIN_US", "TNT_SPARSE_AS_DENSE", "TNT_TIMELINE",
+    "TNT_COMM_WAIT_SPIN_US", "TNT_COMM_DRIVE_SPIN_US", "TNT_SPARSE_AS_DENSE", "TNT_TIMELINE", "TNT_SHARDING",
 })
 
 

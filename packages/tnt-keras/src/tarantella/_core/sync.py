@@ -108,13 +108,14 @@ def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metr
             optimizer.build(model.trainable_variables)
 
 
-def sync_replicas(model: keras.Model) -> None:
-    """Check the ranks built the same model, then give every rank the master's state."""
+def sync_replicas(model: keras.Model, with_optimizer: bool = True) -> None:
+    """Check the ranks built the same model, then give every rank the master's state
+    (``with_optimizer=False``: sharded replicas, each holding its own optimizer state)."""
     variables = list(model.variables)
     verify_same_on_all_ranks(variables, "model")
     broadcast_from_master(variables)
     optimizer = model.optimizer if model.compiled else None
-    if optimizer is not None and optimizer.built:
+    if with_optimizer and optimizer is not None and optimizer.built:
         verify_same_on_all_ranks(optimizer.variables, "optimizer state")
         broadcast_from_master(optimizer.variables)
 

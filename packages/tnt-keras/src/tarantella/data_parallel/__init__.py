@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._model import Model
+from ._sharding import ShardingError, assign_owners
 from ._steps import DistributedSteps
 
-__all__ = ["DistributedSteps", "Model", "UnsyncedReplicasError", "local_batch_size"]
+__all__ = ["DistributedSteps", "Model", "ShardingError", "UnsyncedReplicasError", "assign_owners",
+           "local_batch_size"]

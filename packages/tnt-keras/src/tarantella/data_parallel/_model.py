@@ -13,6 +13,7 @@ updates made outside tnt's steps (custom loops) are made global by ``_grad_sync`
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -24,11 +25,13 @@ from .._core import files as _io
 from .._core import inputs as _inputs
 from .._core import internals as _internals
 from .._core import runtime as _runtime
+from .._core import settings as _settings
 from .._core import sync as _sync
 from .._core.distributed import DistributedModel
 from .._core.inputs import DEFAULT_BATCH_SIZE as _DEFAULT_BATCH_SIZE
 from .._core.inputs import InputError, Sharding, global_batch_size, rank_dataset
 from .._core.log import logger
+from .._core.step_parts import overrides
 from .._core.strategy import (
     ParallelStrategy,
     Strategy,
@@ -36,7 +39,7 @@ from .._core.strategy import (
     split_options,
     unknown_options_error,
 )
-from . import _grad_sync
+from . import _grad_sync, _sharded_files, _sharding
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -57,6 +60,9 @@ class Model(DistributedModel):
         sync_batch_norm: make every ``BatchNormalization`` layer normalise with the
             statistics of the global batch (as ``tnt.keras.layers.SyncBatchNormalization``
             does), so a model with batch normalisation trains as serial Keras does.
+        sharding: 0 (default, or ``TNT_SHARDING``): every replica holds the whole optimizer
+            state; 1: each replica keeps the optimizer state of the variables it owns;
+            2: and receives only their summed gradients (docs/sharding.md).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -79,8 +85,9 @@ class Model(DistributedModel):
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
-                 sync_batch_norm: bool = False, **kwargs):
+                 sync_batch_norm: bool = False, sharding: int | None = None, **kwargs):
         _check_is_keras_model(model)
+        self_sharding = _make_sharding(model, sharding)
         # PIPELINING / TENSOR / ALL with nothing to distribute but data: their options were
         # checked by the strategy (__new__) and do not apply to the wrapper.
         kwargs = split_options(parallel_strategy, kwargs, where="tnt.Model")[3]
@@ -96,10 +103,11 @@ class Model(DistributedModel):
         super().__init__(**kwargs)
         self._tnt_settings = _runtime.setup()
         self._model = model
+        self._tnt_sharding = self_sharding
         if sync_batch_norm and _batch_norm.synchronise(model) == 0 and not _batch_norm.has_sync_batch_norm(model):
             logger.warning("tnt.Model(sync_batch_norm=True): the model has no BatchNormalization layer.")
         self._tnt_steps = DistributedSteps(
-            model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
+            model, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes, sharding=self_sharding
         )
         self._tnt_synced = False  # model and optimizer state made identical (fit/evaluate/...)
         self._tnt_weights_synced = False  # model weights broadcast at least once
@@ -190,6 +198,10 @@ class Model(DistributedModel):
         the exchange); DistributedSteps compiles the halves around it instead.
         """
         inner = self._model
+        if self._tnt_sharding is not None:  # slots of the owned variables only
+            if inner.optimizer is not None and inner.optimizer.built and inner.trainable_variables:
+                _sharded_files.reshard(inner, self._tnt_sharding)  # a file's serial state
+            self._tnt_sharding.install(inner.optimizer)
         jit = False if _runtime.get_size() > 1 else inner.jit_compile
         super().compile(
             optimizer=inner.optimizer, loss=None, run_eagerly=inner.run_eagerly,
@@ -197,7 +209,8 @@ class Model(DistributedModel):
         )
         self._tnt_steps.close()
         self._tnt_steps = DistributedSteps(
-            inner, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes
+            inner, _runtime.get_size(), self._tnt_settings.fusion_threshold_bytes,
+            sharding=self._tnt_sharding,
         )
         self._tnt_synced = False
 
@@ -253,7 +266,7 @@ class Model(DistributedModel):
 
     def _sync_replicas(self) -> None:
         if not self._tnt_synced and _runtime.get_size() > 1:
-            _sync.sync_replicas(self._model)
+            _sync.sync_replicas(self._model, with_optimizer=self._tnt_sharding is None)
         self._tnt_synced = self._tnt_weights_synced = True
 
     def _average_moving_statistics(self) -> None:
@@ -445,15 +458,51 @@ class Model(DistributedModel):
     def _tnt_before_save(self) -> None:
         self._average_moving_statistics()
 
+    def _tnt_serial_state(self):
+        """While inside, the master's wrapped model holds the whole optimizer state (a
+        collective; BackupAndRestore writes under it)."""
+        if self._tnt_sharding is None or not self._model.compiled:
+            return contextlib.nullcontext()
+        return _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True)
+
+    def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write) -> None:
+        if self._tnt_sharding is None or not with_optimizer or not self._model.compiled:
+            return super()._write(filepath, overwrite, all_devices, with_optimizer, write)
+        if all_devices:
+            raise _sharding.ShardingError("tnt_save_all_devices=True is not supported with sharding >= 1 "
+                                          "(only the master assembles the whole optimizer state).")
+        with _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True):
+            super()._write(filepath, overwrite, all_devices, with_optimizer, write)
+
     def _tnt_summary(self, *args, **kwargs) -> None:
         self._model.summary(*args, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load weights read by the master rank; all replicas end up identical."""
         with _io.master_file(filepath) as local:
-            self._model.load_weights(local, *args, **kwargs)
+            if self._tnt_sharding is not None and self._model.compiled:
+                _sharded_files.load_into(self._model, self._tnt_sharding,
+                                         lambda: self._model.load_weights(local, *args, **kwargs))
+            else:
+                self._model.load_weights(local, *args, **kwargs)
         self._tnt_synced = False
         self._sync_replicas()
+
+
+def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
+    """The model's shards for ``sharding=`` (or ``TNT_SHARDING``); None at level 0 or on one rank."""
+    level = _settings.sharding_level(sharding)
+    if level == 3:
+        raise _sharding.ShardingError(
+            "tnt.Model(sharding=3) (parameters sharded too) is not implemented yet; use sharding=2 "
+            "(optimizer state and gradients) or sharding=1 (optimizer state).")
+    if level == 0 or _runtime.get_size() == 1:
+        return None
+    if overrides(model, "train_step"):
+        raise _sharding.ShardingError(
+            f"tnt.Model(sharding={level}): {type(model).__name__} has its own train_step; sharding "
+            "works with tnt's default training step for now. Use sharding=0 for this model.")
+    return _sharding.Sharding(model, level)
 
 
 def _check_is_keras_model(model) -> None:
@@ -467,7 +516,7 @@ def _check_is_keras_model(model) -> None:
 
 
 register(Strategy(
-    name="data", handles=(ParallelStrategy.DATA,), options=("sync_batch_norm",), error=TypeError,
+    name="data", handles=(ParallelStrategy.DATA,), options=("sync_batch_norm", "sharding"), error=TypeError,
     build=lambda model, member, options: None,  # the wrapper itself (Model.__init__)
     load=lambda filepath, member, options, **kwargs: None,  # tnt.models.load_model's own path
 ))

@@ -65,8 +65,9 @@ class DistributedSteps:
     """
 
     def __init__(self, model: keras.Model, size: int, threshold_bytes: int, *, comm=None,
-                 own_steps: bool = True, in_graph_collectives: bool = False) -> None:
+                 own_steps: bool = True, in_graph_collectives: bool = False, sharding=None) -> None:
         self._model = model
+        self._sharding = sharding  # _sharding.Sharding of a sharded replica (sharding >= 1), else None
         self._size = size
         self._threshold = threshold_bytes
         self._comm = comm
@@ -108,9 +109,13 @@ class DistributedSteps:
         if self._train_reducer is None:
             self._train_reducer_sparse = self._sparse_positions
             slots = [Slot("batch_size", (1,), tf.float32), *self._metric_slots()]
-            slots += [_slot(f"grad:{v.path}", v) for v in self._trainable_in_backprop_order()]
+            if not self._scatters():  # level 2 reduce-scatters the gradients instead
+                slots += [_slot(f"grad:{v.path}", v) for v in self._trainable_in_backprop_order()]
             self._train_reducer = GraphReducer(slots, self._threshold, self._comm)
         return self._train_reducer
+
+    def _scatters(self) -> bool:
+        return self._sharding is not None and self._sharding.level >= 2
 
     def test_reducer(self) -> GraphReducer:
         """The reducer of an evaluation step: batch size and metric states."""
@@ -152,8 +157,10 @@ class DistributedSteps:
         """
         if tf.executing_eagerly():  # run_eagerly=True: stay debuggable
             return fn
-        # Synchronised batch norm's collectives are graph ops XLA cannot compile.
-        jit = bool(getattr(self._model, "jit_compile", False)) and not has_sync_batch_norm(self._model)
+        # Synchronised batch norm's collectives are graph ops XLA cannot compile, nor are a
+        # sharded update's (global norm, finiteness, allgather of updated values).
+        jit = (bool(getattr(self._model, "jit_compile", False)) and not has_sync_batch_norm(self._model)
+               and not (name == "global" and self._sharding is not None))
         if (name, jit) not in self._compiled_fns:
             self._compiled_fns[(name, jit)] = tf.function(fn, jit_compile=jit, autograph=False)
         return self._compiled_fns[(name, jit)]
@@ -219,11 +226,24 @@ class DistributedSteps:
         grads = [next(gathered) if i in positions else next(dense)
                  for i in range(len(self._model.trainable_variables))]
         if divide_by_total:  # B was not known before backprop: it is the reduced count
-            grads = [_sparse.divide(g, global_n) for g in grads]
+            grads = [g if g is None else _sparse.divide(g, global_n) for g in grads]
         grads = _grad_sync.overflow_as_serial(self._model, grads)  # Note [Float16 overflow as serial]
+        if self._sharding is not None:  # the owned variables only, then their values gathered
+            with _grad_sync.already_reduced():
+                return self._sharding.apply(self._model.optimizer, self._without_gradient(grads),
+                                            self._model.trainable_variables)
         with _grad_sync.already_reduced():
             self._model.optimizer.apply_gradients(zip(self._without_gradient(grads), self._model.trainable_variables))
         return tf.constant(True)
+
+    def _scatter(self, reversed_dense: list, has_data, after: list) -> list:
+        """Level 2: ``reversed_dense`` (the dense gradients, last variable first) reduce-scattered
+        over the replicas; None where another replica owns the variable."""
+        sparse = set(self._sparse_positions or ())
+        positions = [i for i in range(len(self._model.trainable_variables)) if i not in sparse]
+        dense = dict(zip(positions, reversed(reversed_dense)))
+        owned = self._sharding.reduce_scatter(dense, has_data, after)
+        return [owned.get(i) for i in reversed(positions)]
 
     def train_step(self, data) -> dict:
         """One training step on this rank's micro-batch; gradients and metric states summed
@@ -245,11 +265,17 @@ class DistributedSteps:
             # or ranks could interleave the two kinds differently.
             with tf.control_dependencies(to_reduce):
                 start = tf.identity(start)
+        offset = 1 + len(before)
+        scattered = to_reduce[offset:] if self._scatters() else None
+        if scattered is not None:
+            to_reduce = to_reduce[:offset]
         reduced = self.train_reducer().reduce(
-            to_reduce, start=start, keep=has_data, keep_from=1 + len(before)
+            to_reduce, start=start, keep=has_data, keep_from=offset
         )
         # After the fused allreduce on every rank (Note [Sparse gradients as serial]).
         sparse = [_sparse.allgather(g, self._comm, after=[reduced[0]]) for g in sparse]
+        if scattered is not None:  # level 2: each replica receives the sums of its own only
+            reduced = reduced + self._scatter(scattered, has_data, after=[reduced[0], *(g.values for g in sparse)])
         done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None)
         with tf.control_dependencies([done]):  # read the metrics after they became global
             return model.get_metrics_result()

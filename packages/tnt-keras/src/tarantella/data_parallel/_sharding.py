@@ -1,0 +1,228 @@
+"""Sharded data parallelism (ZeRO stages 1 and 2): each replica keeps the optimizer state of
+the variables it owns, and at level 2 receives only their summed gradients.
+
+Why whole variables: Keras optimizers keep one slot per variable (``build(var_list)``) and
+update each variable from its own gradient, so building and applying the optimizer on the
+owned subset gives serial Keras' update for those variables — exactly, with no change to
+the optimizer. What crosses variables is made global here: ``global_clipnorm`` (the squared
+norms of the owned gradients are summed over the replicas) and a LossScaleOptimizer's
+finiteness decision (one allreduce, so every replica skips or applies alike). After the
+update each owner's new values are allgathered, so every replica holds identical weights.
+
+Level 1: gradients are allreduced as at level 0; level 2: one reduce-scatter per dtype
+hands each replica only the sums of its own gradients (docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tnt_comm
+
+from .._core import graph_collectives as _gc
+from .._core import sparse as _sparse
+
+
+class ShardingError(ValueError):
+    """A model, optimizer or option that sharded data parallelism cannot train exactly."""
+
+
+#: Keras optimizers whose update of a variable reads only that variable's gradient and
+#: slots (element-wise, or per whole variable such as Lamb's trust ratio or Muon).
+_PER_VARIABLE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam",
+                 "Ftrl", "Lion", "Lamb", "Adafactor", "Muon")
+
+
+def assign_owners(nbytes: Sequence[int], size: int) -> list[int]:
+    """The owning replica of each variable: largest first onto the least loaded replica
+    (ties: lower index, lower rank). A pure function of the sizes and ``size``."""
+    loads = [0] * size
+    owners = [0] * len(nbytes)
+    for i in sorted(range(len(nbytes)), key=lambda i: (-int(nbytes[i]), i)):
+        r = min(range(size), key=lambda r: (loads[r], r))
+        owners[i] = r
+        loads[r] += int(nbytes[i])
+    return owners
+
+
+def _nbytes(v) -> int:
+    return int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+
+
+def _target(optimizer):
+    """The optimizer that updates the variables (a LossScaleOptimizer's inner one)."""
+    return optimizer.inner_optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else optimizer
+
+
+def check_optimizer(optimizer, level: int) -> None:
+    """Refuse, on every rank alike (a pure function of the optimizer), what sharding cannot
+    keep exact."""
+    target = _target(optimizer)
+    name = type(target).__name__
+    known = getattr(keras.optimizers, name, None) is type(target) and name in _PER_VARIABLE
+    if not known and not getattr(type(target), "tnt_per_variable", False):
+        raise ShardingError(
+            f"tnt.Model(sharding={level}): optimizer {name} is not known to update each variable "
+            "from its own gradient and slots alone, so it cannot be applied to a shard. Use "
+            f"sharding=0, one of Keras' {', '.join(_PER_VARIABLE)}, or (if it is per-variable) set "
+            f"the class attribute {name}.tnt_per_variable = True.")
+    if target.global_clipnorm and target.gradient_accumulation_steps:
+        raise ShardingError(
+            f"tnt.Model(sharding={level}): global_clipnorm with gradient_accumulation_steps needs "
+            "the global norm of accumulated gradients, which no replica holds; use sharding=0, "
+            "or clipnorm= (per variable) instead of global_clipnorm=.")
+
+
+class Sharding:
+    """One wrapped model's shards: who owns which trainable variable, the optimizer built on
+    the owned ones, the level-2 reduce-scatter and the allgather of updated values."""
+
+    def __init__(self, model: keras.Model, level: int, comm: tnt_comm.Communicator | None = None) -> None:
+        self.model = model
+        self.level = level
+        self.comm = comm or tnt_comm.world()
+        self.rank, self.size = self.comm.rank, self.comm.size
+        self._owners: list[int] | None = None
+        self._installed: object | None = None  # the optimizer patched for shards
+
+    # -- ownership ------------------------------------------------------------------------------
+    @property
+    def owners(self) -> list[int]:
+        """Owner of each of the model's trainable variables (in their order)."""
+        if self._owners is None:
+            variables = self.model.trainable_variables
+            if len(variables) < self.size:
+                raise ShardingError(
+                    f"tnt.Model(sharding={self.level}) gives each of the {self.size} replicas whole "
+                    f"variables to own, but the model has only {len(variables)} trainable variables; "
+                    "use sharding=0 or fewer ranks.")
+            self._owners = assign_owners([_nbytes(v) for v in variables], self.size)
+        return self._owners
+
+    def owned_mask(self) -> list[bool]:
+        return [o == self.rank for o in self.owners]
+
+    def owned_variables(self) -> list:
+        return [v for v, o in zip(self.model.trainable_variables, self.owners) if o == self.rank]
+
+    def bytes_per_rank(self) -> list[int]:
+        loads = [0] * self.size
+        for v, o in zip(self.model.trainable_variables, self.owners):
+            loads[o] += _nbytes(v)
+        return loads
+
+    # -- the optimizer ---------------------------------------------------------------------------
+    def install(self, optimizer) -> None:
+        """Make ``optimizer`` build on the owned variables only (its slots are the memory
+        saved), decide finiteness globally and clip by the global norm."""
+        if optimizer is None or self._installed is optimizer:
+            return
+        check_optimizer(optimizer, self.level)
+        self._owners = None  # a new compile: trainable variables may have changed
+        sharding = self
+        cls_build = type(optimizer).build
+
+        def build(opt, variables):
+            owned = {id(v) for v in sharding.owned_variables()}
+            return cls_build(opt, [v for v in variables if id(v) in owned])
+
+        optimizer.build = types.MethodType(build, optimizer)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            cls_check = type(optimizer).check_finite
+
+            def check_finite(opt, grads):
+                bad = tf.reshape(tf.cast(tf.logical_not(cls_check(opt, grads)), tf.float32), [1])
+                total = _gc.allreduce(bad, sharding.comm, "tnt_sharding", "tnt_shard_finite")
+                return tf.equal(total[0], 0.0)
+
+            optimizer.check_finite = types.MethodType(check_finite, optimizer)
+        target = _target(optimizer)
+        if target.global_clipnorm:
+            target._clip_gradients = types.MethodType(self._clip_by_global_norm, target)
+        self._installed = optimizer
+
+    def _clip_by_global_norm(self, opt, grads):
+        """Keras' clip_by_global_norm with the norm of all replicas' gradients: the squared
+        norms of the owned ones, summed over the replicas."""
+        squares = [tf.cast(tf.reduce_sum(tf.square(_sparse.to_dense(g) if _sparse.is_sparse(g) else g)),
+                           tf.float32) for g in grads if g is not None]
+        local = tf.add_n(squares) if squares else tf.zeros((), tf.float32)
+        total = _gc.allreduce(tf.reshape(local, [1]), self.comm, "tnt_sharding", "tnt_shard_norm")[0]
+        use_norm = tf.sqrt(total)
+        clip_norm = opt.global_clipnorm
+        scale_for_finite = clip_norm * tf.minimum(1.0 / use_norm, 1.0 / clip_norm)
+        scale = scale_for_finite + (use_norm - use_norm)  # NaN for a non-finite norm, as Keras
+        return [g if g is None else g * tf.cast(scale, g.dtype) for g in grads]
+
+    def apply(self, optimizer, grads: Sequence, variables: Sequence) -> tf.Tensor:
+        """Apply the owned gradients, then allgather the updated values; returns a token."""
+        pairs = [(g, v) for g, v, mine in zip(grads, variables, self.owned_mask()) if mine]
+        optimizer.apply_gradients(pairs)
+        # Read after the update (its last write): every collective of apply came before.
+        return self.gather_values(after=[tf.identity(optimizer.iterations)])
+
+    # -- collectives -----------------------------------------------------------------------------
+    def _groups(self) -> list[tuple[tf.DType, list[int]]]:
+        """Variable indices by dtype, each list ordered by (owner, index): the wire layout."""
+        variables = self.model.trainable_variables
+        dtypes: list[tf.DType] = []
+        for v in variables:
+            if tf.as_dtype(v.dtype) not in dtypes:
+                dtypes.append(tf.as_dtype(v.dtype))
+        out = []
+        for dt in dtypes:
+            idx = [i for i, v in enumerate(variables) if tf.as_dtype(v.dtype) == dt]
+            out.append((dt, sorted(idx, key=lambda i: (self.owners[i], i))))
+        return out
+
+    def gather_values(self, after: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+        """Every owner's updated values to every replica (one allgather per dtype)."""
+        variables = self.model.trainable_variables
+        token = tf.zeros((), tf.int32)
+        comm = self.comm
+        for dt, idx in self._groups():
+            mine = [i for i in idx if self.owners[i] == self.rank]
+            flat = tf.concat([tf.reshape(variables[i].value, [-1]) for i in mine], 0) if mine \
+                else tf.zeros([0], dt)
+            whole = tf.numpy_function(lambda a, *_: comm.allgather(np.ascontiguousarray(a)),
+                                      [flat, token, *after], dt, stateful=True, name="tnt_shard_allgather")
+            sizes = [int(np.prod(variables[i].shape)) for i in idx]
+            whole.set_shape([sum(sizes)])
+            for i, piece in zip(idx, tf.split(whole, sizes) if len(sizes) > 1 else [whole]):
+                if self.owners[i] != self.rank:
+                    variables[i].assign(tf.reshape(piece, variables[i].shape))
+            token = tf.cast(tf.size(whole), tf.int32)
+        return token
+
+    def reduce_scatter(self, dense: dict[int, tf.Tensor], has_data, after: Sequence[tf.Tensor]) -> dict[int, tf.Tensor]:
+        """Level 2: the SUM over replicas of the owned ones of ``dense`` (variable index ->
+        gradient); zeros are sent by a replica without data."""
+        comm = self.comm
+        out: dict[int, tf.Tensor] = {}
+        token = list(after)
+        for dt, idx in self._groups():
+            idx = [i for i in idx if i in dense]
+            if not idx:
+                continue
+            sizes = [int(np.prod(dense[i].shape)) for i in idx]
+            counts = [sum(s for i, s in zip(idx, sizes) if self.owners[i] == r) for r in range(self.size)]
+            flat = tf.concat([tf.reshape(tf.cast(dense[i], dt), [-1]) for i in idx], 0)
+
+            def scatter(buf, keep, *_tokens, counts=counts):
+                buf = np.ascontiguousarray(buf) if keep else np.zeros_like(buf)
+                return comm.reduce_scatter(buf, counts)
+
+            mine = tf.numpy_function(scatter, [flat, has_data, *token], dt, stateful=True,
+                                     name="tnt_shard_reduce_scatter")
+            own = [i for i in idx if self.owners[i] == self.rank]
+            own_sizes = [int(np.prod(dense[i].shape)) for i in own]
+            mine.set_shape([sum(own_sizes)])
+            for i, piece in zip(own, tf.split(mine, own_sizes) if len(own) > 1 else [mine]):
+                out[i] = tf.reshape(piece, dense[i].shape)
+            token = [mine]
+        return out

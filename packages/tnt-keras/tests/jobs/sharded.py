@@ -1,0 +1,201 @@
+"""Sharded data parallelism (tnt.Model(sharding=1|2)) against serial Keras in the same job.
+
+Cases: levels 1 and 2 with SGD-momentum, Adam, Adam with global_clipnorm (clipping active)
+and a LossScaleOptimizer; each compares History and weights with serial Keras, checks the
+replicas hold identical weights and that each holds only its owned variables' optimizer
+slots. Files: a level-2 model saved at this number of ranks loads in serial Keras with serial
+Keras' weights and optimizer state, and loaded again with sharding=1 continues as serial
+Keras continues. Errors: level 3, a bad level, an optimizer not known to be per-variable,
+sharding= with another strategy. Rank 0 writes the JSON that tests/test_sharded.py checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import _job
+import keras
+import numpy as np
+
+import tarantella as tnt
+import tnt_comm
+
+EPOCHS, BATCH = 2, 10
+
+
+def make_model() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    # Uneven variable sizes: the byte shares differ across replicas.
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(13, activation="tanh"),
+        keras.layers.Dense(7, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+def optimizer(kind: str):
+    return {
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "adam_clip": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+        # A scale near float32's limit and large targets (data("lso_sgd")): some steps overflow
+        # in some variables only, so replicas owning other variables must still skip them.
+        "lso_sgd": lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(0.01, momentum=0.9), initial_scale=2.0**125, dynamic_growth_steps=2),
+    }[kind]()
+
+
+def data(kind: str = ""):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(46, 16)).astype("float32")  # last batch of 6; 10 % 3 != 0
+    y = rng.normal(size=(46, 3)).astype("float32") * (30.0 if kind.startswith("lso") else 1.0)
+    return x, y
+
+
+def elements(variables) -> int:
+    return int(sum(np.prod(v.shape) for v in variables))
+
+
+def digest(model) -> str:
+    h = hashlib.sha256()
+    for w in model.get_weights():
+        h.update(np.ascontiguousarray(w).tobytes())
+    return h.hexdigest()
+
+
+def serial_run(kind: str, epochs: int = EPOCHS):
+    x, y = data(kind)
+    serial = make_model()
+    serial.compile(optimizer(kind), "mse")
+    history = serial.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0).history
+    return serial, history
+
+
+def initial_gradient_norm() -> float:
+    """The global norm of the first step's gradient (the clip threshold must be below it)."""
+    import tensorflow as tf
+
+    x, y = data()
+    model = make_model()
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y[:BATCH], model(x[:BATCH]))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return float(tf.linalg.global_norm(grads))
+
+
+def case(level: int, kind: str) -> dict:
+    x, y = data(kind)
+    serial, serial_history = serial_run(kind)
+    model = make_model()
+    tm = tnt.Model(model, sharding=level)
+    tm.compile(optimizer(kind), "mse")
+    history = tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
+    sharding = tm._tnt_sharding
+    slot_elements = tnt_comm.allgather_object(elements(model.optimizer.variables))
+    return {
+        "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
+        "weight_diff": _job.max_abs_diff(model.get_weights(), serial.get_weights()),
+        "replicas_identical": len(set(tnt_comm.allgather_object(digest(model)))) == 1,
+        "slot_elements_per_rank": slot_elements,
+        "serial_slot_elements": elements(serial.optimizer.variables),
+        "variable_elements": elements(model.trainable_variables),
+        "bytes_per_rank": sharding.bytes_per_rank(),
+        "owned_per_rank": tnt_comm.allgather_object(len(sharding.owned_variables())),
+        "initial_gradient_norm": initial_gradient_norm(),
+        # Optimizer steps applied (a LossScaleOptimizer skips overflowing ones) of all steps.
+        "applied_steps": [int(model.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())],
+        "steps": EPOCHS * -(-len(x) // BATCH),
+    }
+
+
+def files_case(tmp) -> dict:
+    """Level 2 at this d: save (and BackupAndRestore's file) -> serial Keras load equals the
+    serial run (weights and the whole optimizer state); load with sharding=1 and continue =
+    serial continuation."""
+    x, y = data()
+    path = str(tmp / "sharded_l2.keras")
+    serial, _ = serial_run("adam")
+    model = make_model()
+    tm = tnt.Model(model, sharding=2)
+    tm.compile(optimizer("adam"), "mse")
+    backup_dir = tmp / "backup"
+    if tnt.is_master_rank():
+        shutil.rmtree(backup_dir, ignore_errors=True)
+    tnt_comm.barrier()
+    backup = keras.callbacks.BackupAndRestore(str(backup_dir), delete_checkpoint=False)
+    tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[backup])
+    tm.save(path)
+    tnt_comm.barrier()
+    # BackupAndRestore's file of the last epoch, read by serial Keras: the whole state too.
+    from_backup = make_model()
+    from_backup.compile(optimizer("adam"), "mse")
+    from_backup.optimizer.build(from_backup.trainable_variables)
+    from_backup.load_weights(str(sorted(backup_dir.glob("*.weights.h5"))[0]))
+    loaded = keras.models.load_model(path)
+    out = {
+        "loaded_weight_diff": _job.max_abs_diff(loaded.get_weights(), serial.get_weights()),
+        "loaded_optimizer_count": [len(loaded.optimizer.variables), len(serial.optimizer.variables)],
+        "loaded_optimizer_diff": _job.max_abs_diff([v.numpy() for v in loaded.optimizer.variables],
+                                                   [v.numpy() for v in serial.optimizer.variables]),
+        "backup_weight_diff": _job.max_abs_diff(from_backup.get_weights(), serial.get_weights()),
+        "backup_optimizer_diff": _job.max_abs_diff([v.numpy() for v in from_backup.optimizer.variables],
+                                                   [v.numpy() for v in serial.optimizer.variables]),
+    }
+    resumed = tnt.models.load_model(path, sharding=1)
+    resumed.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["resumed_weight_diff"] = _job.max_abs_diff(resumed.get_weights(), serial.get_weights())
+    out["resumed_slot_elements_per_rank"] = tnt_comm.allgather_object(elements(resumed.model.optimizer.variables))
+    out["resumed_replicas_identical"] = len(set(tnt_comm.allgather_object(digest(resumed.model)))) == 1
+    return out
+
+
+class NotPerVariable(keras.optimizers.SGD):
+    """A subclass: tnt cannot know its update stays per variable."""
+
+
+def error_cases() -> dict:
+    x, y = data()
+
+    def raised(fn, *needles) -> dict:
+        try:
+            fn()
+        except Exception as e:  # the type and message are what is checked
+            msg = f"{type(e).__name__}: {e}"
+            return {"ok": all(n in msg for n in needles), "detail": msg[:400]}
+        return {"ok": False, "detail": "no error"}
+
+    def compiled(opt):
+        tm = tnt.Model(make_model(), sharding=1)
+        tm.compile(opt, "mse")
+        tm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+    return {
+        "level_3_not_implemented": raised(lambda: tnt.Model(make_model(), sharding=3), "sharding=3", "sharding=2"),
+        "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),
+        "optimizer_not_per_variable": raised(lambda: compiled(NotPerVariable(0.1)), "NotPerVariable",
+                                             "sharding=0", "tnt_per_variable"),
+        "other_strategy": raised(lambda: tnt.Model(make_model(), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
+                                                   num_pipeline_stages=2, sharding=1), "sharding", "DATA"),
+    }
+
+
+CASES = {f"l{level}_{kind}": (level, kind)
+         for level in (1, 2) for kind in ("sgd_momentum", "adam", "adam_clip", "lso_sgd")}
+
+
+def main() -> None:
+    out = _job.out_path()
+    chosen = _job.only([*CASES, "files", "errors"])
+    result = {"ranks": tnt.get_size(), "cases": {n: case(*CASES[n]) for n in chosen if n in CASES}}
+    if "files" in chosen:
+        result["files"] = files_case(out.parent)
+    if "errors" in chosen:
+        result["errors"] = error_cases()
+    _job.write(out, result)
+
+
+if __name__ == "__main__":
+    main()
