@@ -17,8 +17,10 @@ most one, none dropped), so Keras' own loop (epochs, ``on_epoch_end``, ``workers
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
+import re
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 
@@ -339,3 +341,19 @@ def python_input(x, *, rank: int, size: int, with_sizes: bool, class_weight: dic
                              shuffle_seed=shuffle_seed, method=method)
     return iterated_dataset(x, rank=rank, size=size, with_sizes=with_sizes, class_weight=class_weight,
                             method=method)
+
+
+_RAISED_IN_DATA = re.compile(r"InputError: (tnt\.Model\.[^\n]*)")
+
+
+@contextlib.contextmanager
+def input_errors() -> Iterator[None]:
+    """Re-raise an InputError raised while TensorFlow read a batch (TensorFlow reports it
+    as an InvalidArgumentError whose text holds ours) as the InputError it is."""
+    try:
+        yield
+    except tf.errors.OpError as err:
+        found = _RAISED_IN_DATA.search(str(err))
+        if found is None:
+            raise
+        raise InputError(found.group(1)) from err

@@ -17,7 +17,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-
 from .._core import backup as _backup
 from .._core import runtime as _runtime
 from .._core.compile_args import own_compile_arguments

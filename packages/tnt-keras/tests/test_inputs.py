@@ -1,0 +1,107 @@
+"""Python inputs on N ranks (issue 33): keras.utils.PyDataset, generators, DataLoaders.
+
+One launched job per rank count (jobs/inputs.py) trains plain Keras and tnt.Model on
+identical inputs and compares History, weights, evaluate and predict; it also records
+the rows each rank loaded through ``get_rows`` and the error each rank raised when one
+rank's generator yields other data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import launch, print_diff_table
+
+TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
+B, N_TRAIN, N_VAL = 8, 42, 19  # as in jobs/inputs.py
+EXACT = {2: ["pydataset", "generator", "rows", "loader_like", "pipelining", "tensor"],
+         3: ["pydataset", "generator", "rows"]}
+RUN = {2: None, 3: "pydataset,generator,rows,mismatch"}
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+def report(request, tmp_path_factory):
+    ranks = request.param
+    out = tmp_path_factory.mktemp(f"inputs{ranks}") / "inputs.json"
+    result = launch(ranks, "inputs.py", out, *(["--only", RUN[ranks]] if RUN[ranks] else []))
+    assert result["ranks"] == ranks
+    cases = result["cases"]
+    print_diff_table(f"Python inputs, DATA (PIPELINING/TENSOR cases: p/t = ranks) on {ranks} ranks",
+                     {k: c for k, c in cases.items() if "history_diff" in c})
+    rows = cases["rows"]
+    print(f"rows loaded by get_rows (train over 2 epochs, evaluate): serial {rows['serial_loaded']}, "
+          f"per rank {rows['rank_loaded']}")
+    return ranks, cases
+
+
+def _rows_of(rank: int, size: int, n: int, batch: int) -> list[int]:
+    """Rank ``rank``'s samples of a dataset of ``n`` rows in batches of ``batch``: the
+    first n_i % size ranks take one more of batch i's n_i rows, contiguously."""
+    mine = []
+    for i in range(math.ceil(n / batch)):
+        n_i = min(batch, n - i * batch)
+        base, extra = divmod(n_i, size)
+        start = i * batch + rank * base + min(rank, extra)
+        mine += range(start, start + base + (1 if rank < extra else 0))
+    return mine
+
+
+def test_every_case_ran(report):
+    ranks, cases = report
+    assert set(EXACT[ranks]) | {"mismatch"} <= set(cases), sorted(cases)
+
+
+def test_equal_to_serial_keras(report):
+    ranks, cases = report
+    for name in EXACT[ranks]:
+        c = cases[name]
+        assert c["history_keys"][0] == c["history_keys"][1], (name, c)
+        assert c["history_diff"] <= TOL_LOSS, (name, c)
+        assert c["weight_diff"] <= TOL_WEIGHTS, (name, c)
+        assert c["evaluate_diff"] <= TOL_LOSS, (name, c)
+        assert c["predict_diff"] <= TOL_WEIGHTS, (name, c)
+        assert c["predict_rows"][0] == c["predict_rows"][1], (name, c)
+        assert c["same_on_ranks"], (name, c)
+
+
+def test_epochs_ran_as_asked(report):
+    _, cases = report
+    assert cases["pydataset"]["epochs"] == 3
+    assert cases["generator"]["epochs"] == 2
+
+
+def test_get_rows_loads_only_the_ranks_rows(report):
+    ranks, cases = report
+    rows = cases["rows"]
+    for r in range(ranks):
+        train, val = rows["rank_rows"][r]
+        assert train == _rows_of(r, ranks, N_TRAIN, B), (r, train)
+        assert val == _rows_of(r, ranks, N_VAL, 7), (r, val)
+    # Each rank loads about 1/N of what serial Keras loads (both read the first two batches
+    # once more to tell the element structure).
+    for r, (train, val) in enumerate(rows["rank_loaded"]):
+        assert train <= rows["serial_loaded"][0] / ranks + 2 * B, (r, rows)
+        assert val <= rows["serial_loaded"][1] / ranks + 2 * 7, (r, rows)
+
+
+def test_different_generators_raise_on_every_rank(report):
+    ranks, cases = report
+    errors = cases["mismatch"]["errors"]
+    assert len(errors) == ranks
+    for kind, message in errors:
+        assert kind == "InputError", (kind, message)
+        assert "the generator yielded different data on the ranks at batch 2" in message, message
+        assert "seed" in message, message
+
+
+def test_torch_dataloader(report):
+    _, cases = report
+    if "torch" not in cases:
+        pytest.skip("the torch case runs on 2 ranks")
+    c = cases["torch"]
+    if "skipped" in c:
+        pytest.skip(c["skipped"])  # only when torch is not importable (see jobs/inputs.py)
+    assert c["history_diff"] <= TOL_LOSS, c
+    assert c["weight_diff"] <= TOL_WEIGHTS, c
+    assert c["predict_diff"] <= TOL_WEIGHTS, c
