@@ -91,6 +91,7 @@ class LoaderLike:
 
     def __init__(self, x, y, batch):
         self.x, self.y, self.batch = x, y, batch
+        self.dataset = x  # a DataLoader's dataset: its length gives the loader's
 
     def __len__(self):
         return math.ceil(len(self.x) / self.batch)

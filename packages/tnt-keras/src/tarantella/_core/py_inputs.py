@@ -328,7 +328,7 @@ def iterated_dataset(x, *, rank: int, size: int, with_sizes: bool, class_weight:
         lambda: _rank_stream(source, rank=rank, size=size, with_sizes=with_sizes,
                              class_weight=class_weight, checker=checker, method=method, what=what),
         output_signature=element_spec(shaped))
-    if loader and hasattr(x, "__len__"):
+    if loader and hasattr(getattr(x, "dataset", None), "__len__"):  # Keras' rule for its length
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(x)))
     return _no_prefetch(dataset)
 
