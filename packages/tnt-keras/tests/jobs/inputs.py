@@ -1,13 +1,14 @@
 """Python inputs on N ranks against serial Keras, in one launch (tests/test_inputs.py).
 
-Every rank runs the serial reference itself (plain Keras on an identical input object),
-then the same with tnt.Model, and compares: History, serial-shaped weights, evaluate and
-predict. Cases: a PyDataset with an uneven last batch (smaller than N on 3 ranks), an
-``on_epoch_end`` reshuffle and workers=2; a generator with steps_per_epoch (and a
-finite validation generator); a PyDataset loading only a rank's rows (get_rows), the rows
-each rank loaded recorded; a duck-typed DataLoader; a generator that yields other data on
-rank 1 from batch 2 on (the error every rank must raise); a real torch DataLoader when torch
-imports; on 2 ranks, a PyDataset under PIPELINING and TENSOR.
+The master runs the serial reference (plain Keras on an identical input object) and
+broadcasts it; every rank runs the same with tnt.Model and compares History,
+serial-shaped weights, evaluate and predict. Cases: a PyDataset with an uneven last batch
+(smaller than N on 3 ranks), an ``on_epoch_end`` reshuffle and workers=2, loading a
+rank's rows only (get_rows; every request recorded) for training and evaluate, whole
+batches (__getitem__) for validation and predict; a generator with steps_per_epoch (and a
+finite validation generator); a duck-typed DataLoader; a generator that yields other data
+on rank 1 from batch 2 on (the error every rank must raise); a real torch DataLoader when
+torch imports; on 2 ranks, the same inputs under PIPELINING and TENSOR.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def arrays(seed: int, n: int):
 
 class Batches(keras.utils.PyDataset):
     """Batches of ``batch`` rows in ``self.order``; ``on_epoch_end`` reshuffles the order
-    (seeded) when ``reshuffle``; counts the rows it loads (thread-safe: workers=2)."""
+    (seeded) when ``reshuffle_seed``; counts the rows it loads and records each request as
+    (batch, start, stop) (thread-safe: workers=2)."""
 
     def __init__(self, x, y, batch, reshuffle_seed=None, x_only=False, **kwargs):
         super().__init__(**kwargs)
@@ -43,19 +45,19 @@ class Batches(keras.utils.PyDataset):
         self.rng = None if reshuffle_seed is None else np.random.default_rng(reshuffle_seed)
         self.order = np.arange(len(x))
         self.lock = threading.Lock()
-        self.loaded, self.rows = 0, set()
+        self.loaded, self.calls = 0, set()
 
     def __len__(self):
         return math.ceil(len(self.x) / self.batch)
 
-    def _load(self, idx):
+    def _load(self, idx, call):
         with self.lock:
             self.loaded += len(idx)
-            self.rows.update(int(i) for i in idx)
+            self.calls.add(call)
         return self.x[idx] if self.x_only else (self.x[idx], self.y[idx])
 
     def __getitem__(self, i):
-        return self._load(self.order[i * self.batch:(i + 1) * self.batch])
+        return self._load(self.order[i * self.batch:(i + 1) * self.batch], (int(i), 0, len(self.x)))
 
     def on_epoch_end(self):
         if self.rng is not None:
@@ -69,7 +71,7 @@ class RowBatches(Batches):
         return min(self.batch, len(self.x) - i * self.batch)
 
     def get_rows(self, i, start, stop):
-        return self._load(self.order[i * self.batch + start:i * self.batch + stop])
+        return self._load(self.order[i * self.batch + start:i * self.batch + stop], (int(i), int(start), int(stop)))
 
 
 def generator(seed: int, batches: int | None, x_only=False, differ_on=None):
@@ -121,10 +123,13 @@ def compile_(m):
 
 
 def compare(serial_run, tnt_run, make=mlp, **model_args) -> dict:
-    """Run ``serial_run(model)`` on plain Keras and ``tnt_run(model)`` on tnt.Model; both
-    return (history, evaluate, predict)."""
-    serial = compile_(make())
-    h_s, e_s, p_s = serial_run(serial)
+    """Run ``serial_run(model)`` on plain Keras (on the master, its results broadcast) and
+    ``tnt_run(model)`` on tnt.Model; both return (history, evaluate, predict)."""
+    def reference():
+        serial = compile_(make())
+        return (*serial_run(serial), serial.get_weights())
+
+    h_s, e_s, p_s, w_s = tnt_comm.broadcast_object(reference() if RANK == 0 else None, 0)
     model = compile_(tnt.Model(make(), **model_args))
     t0 = time.perf_counter()
     h_t, e_t, p_t = tnt_run(model)
@@ -132,30 +137,42 @@ def compare(serial_run, tnt_run, make=mlp, **model_args) -> dict:
     digest = [float(np.sum(w)) for w in weights]
     return {
         "history_diff": _job.history_diff(h_s, h_t),
-        "weight_diff": _job.max_abs_diff(serial.get_weights(), weights),
+        "weight_diff": _job.max_abs_diff(w_s, weights),
         "evaluate_diff": _job.max_abs_diff(e_s, e_t),
         "predict_diff": _job.max_abs_diff(p_s, p_t),
         "predict_rows": [int(np.shape(p_s)[0]), int(np.shape(p_t)[0])],
         "history_keys": [sorted(h_s), sorted(h_t)],
         "epochs": len(next(iter(h_t.values()))),
-        "same_on_ranks": len({repr((digest, h_t)) for digest, h_t in
-                              tnt_comm.allgather_object((digest, h_t))}) == 1,
+        "same_on_ranks": len({repr(d) for d in tnt_comm.allgather_object((digest, h_t))}) == 1,
         "seconds": time.perf_counter() - t0,
     }
 
 
 def case_pydataset() -> dict:
+    """Training batches loaded by rows (get_rows) with workers=2 and an on_epoch_end
+    reshuffle; validation and predict through __getitem__; evaluate by rows again."""
     x, y = arrays(1, N_TRAIN)
     vx, vy = arrays(2, N_VAL)
+    used = {}
 
     def run(m):
-        h = m.fit(Batches(x, y, B, reshuffle_seed=4, workers=2), epochs=3, shuffle=False, verbose=0,
+        train = RowBatches(x, y, B, reshuffle_seed=4, workers=2)
+        val = RowBatches(vx, vy, 7, reshuffle_seed=6, workers=2)
+        h = m.fit(train, epochs=3, shuffle=False, verbose=0,
                   validation_data=Batches(vx, vy, B, reshuffle_seed=5)).history
-        e = m.evaluate(Batches(vx, vy, 7, reshuffle_seed=6, workers=2), verbose=0)
+        e = m.evaluate(val, verbose=0)
         p = m.predict(Batches(vx, vy, 7, x_only=True, workers=2), verbose=0)
+        used["tnt" if isinstance(m, tnt.Model) else "serial"] = (train.loaded, sorted(train.calls),
+                                                                  val.loaded, sorted(val.calls))
         return h, e, p
 
-    return compare(run, run)
+    out = compare(run, run)
+    serial = tnt_comm.broadcast_object(used.get("serial"), 0)
+    out["serial_loaded"] = [serial[0], serial[2]]
+    per_rank = tnt_comm.allgather_object(used["tnt"])
+    out["rank_loaded"] = [[p[0], p[2]] for p in per_rank]
+    out["rank_calls"] = [[p[1], p[3]] for p in per_rank]
+    return out
 
 
 def case_generator() -> dict:
@@ -167,27 +184,6 @@ def case_generator() -> dict:
         return h, e, p
 
     return compare(run, run)
-
-
-def case_rows() -> dict:
-    x, y = arrays(11, N_TRAIN)
-    vx, vy = arrays(12, N_VAL)
-    used = {}
-
-    def run(m):
-        name = "tnt" if isinstance(m, tnt.Model) else "serial"
-        train, val = RowBatches(x, y, B), RowBatches(vx, vy, 7)
-        h = m.fit(train, epochs=2, shuffle=False, verbose=0).history
-        e = m.evaluate(val, verbose=0)
-        used[name] = (train.loaded, sorted(train.rows), val.loaded, sorted(val.rows))
-        return h, e, m.predict(RowBatches(vx, vy, 7, x_only=True), verbose=0)
-
-    out = compare(run, run)
-    out["serial_loaded"] = [used["serial"][0], used["serial"][2]]
-    per_rank = tnt_comm.allgather_object(used["tnt"])
-    out["rank_loaded"] = [[p[0], p[2]] for p in per_rank]
-    out["rank_rows"] = [[p[1], p[3]] for p in per_rank]
-    return out
 
 
 def case_loader_like() -> dict:
@@ -259,13 +255,12 @@ def case_tensor() -> dict:
     return compare(run, run, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=SIZE)
 
 
-CASES = {"pydataset": case_pydataset, "generator": case_generator, "rows": case_rows,
-         "loader_like": case_loader_like, "torch": case_torch, "pipelining": case_pipelining,
+CASES = {"pydataset": case_pydataset, "generator": case_generator, "loader_like": case_loader_like, "torch": case_torch, "pipelining": case_pipelining,
          "tensor": case_tensor, "mismatch": case_mismatch}
 
 if __name__ == "__main__":
     out = _job.out_path()
-    names = _job.only([n for n in CASES if SIZE == 2 or n not in ("pipelining", "tensor")])
+    names = _job.only([n for n in CASES if SIZE == 2 or n not in ("loader_like", "pipelining", "tensor")])
     results = {}
     for name in names:
         t0 = time.perf_counter()

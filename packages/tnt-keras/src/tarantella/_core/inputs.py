@@ -5,7 +5,9 @@ arrays and tensors with ``batch_size=`` are accepted and treated as a global bat
 become the dataset Keras' own array adapter makes of them, so that under the same seed
 the shuffled order is the one a plain Keras script sees, on 1 rank and on N.
 Splitting is done by :func:`tnt_data.distribute`, so the union of the ranks' micro-batches
-of step k is exactly the serial batch k.
+of step k is exactly the serial batch k. A ``keras.utils.PyDataset``, a Python generator
+or a torch DataLoader is cut by the same rule in ``py_inputs`` and stays the kind of input
+Keras' loop expects (a PyDataset stays a PyDataset: epochs, workers, ``on_epoch_end``).
 """
 
 from __future__ import annotations
