@@ -104,3 +104,111 @@ def test_torch_dataloader(report):
     assert c["history_diff"] <= TOL_LOSS, c
     assert c["weight_diff"] <= TOL_WEIGHTS, c
     assert c["predict_diff"] <= TOL_WEIGHTS, c
+
+
+# -- in-process checks of the splitting pieces (no launch) -----------------------------------------
+def _py_inputs():
+    from tarantella._core import py_inputs
+
+    return py_inputs
+
+
+class _Rows:
+    """A PyDataset built lazily (keras imported by the test only)."""
+
+    @staticmethod
+    def make(n=10, batch=4, rows=True, bad_rows=False):
+        import keras
+        import numpy as np
+
+        class Data(keras.utils.PyDataset):
+            def __len__(self):
+                return math.ceil(n / batch)
+
+            def __getitem__(self, i):
+                idx = np.arange(i * batch, min(n, (i + 1) * batch))
+                return idx.astype("float32")[:, None], idx
+
+        class RowData(Data):
+            def num_rows(self, i):
+                return min(batch, n - i * batch)
+
+            def get_rows(self, i, start, stop):
+                idx = np.arange(i * batch + start, i * batch + stop + (1 if bad_rows else 0))
+                return idx.astype("float32")[:, None], idx
+
+        return (RowData if rows else Data)()
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["getitem", "get_rows"])
+def test_rank_pydataset_slices_partition_each_batch(rows):
+    py_inputs = _py_inputs()
+    for size in (2, 3):
+        parts = [py_inputs.RankPyDataset(_Rows.make(rows=rows), rank=r, size=size, with_sizes=True,
+                                         class_weight=None, shuffle_seed=None, method="fit")
+                 for r in range(size)]
+        for i in range(3):  # batches of 4, 4, 2 samples
+            got = [p[i] for p in parts]
+            labels = [int(v) for (x, y), sizes in got for v in y]
+            assert labels == list(range(4 * i, min(10, 4 * i + 4))), (size, i, labels)
+            n_i = len(labels)
+            assert [int(s.local[0]) for _, s in got] == [n_i // size + (r < n_i % size) for r in range(size)]
+            assert {int(s.total[0]) for _, s in got} == {n_i}
+
+
+def test_rank_pydataset_shuffle_is_one_permutation_per_epoch_on_every_rank():
+    py_inputs = _py_inputs()
+    parts = [py_inputs.RankPyDataset(_Rows.make(n=40, batch=4), rank=r, size=2, with_sizes=False,
+                                     class_weight=None, shuffle_seed=7, method="fit") for r in range(2)]
+    orders = []
+    for _ in range(2):  # two epochs
+        firsts = [[int(p[i][1][0]) // 4 for i in range(10)] for p in parts]
+        assert firsts[0] == firsts[1]  # the same batch order on both ranks
+        assert sorted(firsts[0]) == list(range(10))  # every batch once
+        orders.append(firsts[0])
+        for p in parts:
+            p.on_epoch_end()
+    assert orders[0] != orders[1]  # a new order each epoch
+
+
+def test_get_rows_errors_name_the_fix():
+    py_inputs = _py_inputs()
+    bad = py_inputs.RankPyDataset(_Rows.make(bad_rows=True), rank=0, size=2, with_sizes=False,
+                                  class_weight=None, shuffle_seed=None, method="fit")
+    with pytest.raises(py_inputs.InputError, match=r"get_rows\(0, 0, 2\) returned 3 rows, not 2"):
+        bad[0]
+    data = _Rows.make(rows=False)
+    data.get_rows = lambda i, start, stop: None
+    with pytest.raises(py_inputs.InputError, match="Define num_rows too"):
+        py_inputs.RankPyDataset(data, rank=0, size=2, with_sizes=False, class_weight=None,
+                                shuffle_seed=None, method="fit")
+
+
+def test_fingerprint_sees_values_shapes_and_dtypes():
+    import numpy as np
+
+    fp = _py_inputs().fingerprint
+    x = np.arange(12, dtype="float32").reshape(6, 2)
+    base = fp((x, np.arange(6)))
+    assert fp((x.copy(), np.arange(6))) == base
+    assert fp((x + 1, np.arange(6))) != base
+    assert fp((x[:5], np.arange(5))) != base
+    assert fp((x.astype("float64"), np.arange(6))) != base
+    assert fp((x,)) != base
+
+
+def test_bad_batches_and_arguments_are_input_errors():
+    import numpy as np
+
+    from tarantella._core import inputs
+
+    py_inputs = _py_inputs()
+    with pytest.raises(py_inputs.InputError, match=r"must be a tuple \(x,\), \(x, y\)"):
+        py_inputs.standardize((1, 2, 3, 4), "fit", "generator")
+    sharding = inputs.Sharding(rank=0, size=2)
+
+    def gen():
+        yield np.zeros((2, 1)), np.zeros(2)
+
+    with pytest.raises(py_inputs.InputError, match="batch_size= cannot be passed with a generator"):
+        inputs.rank_dataset(gen(), batch_size=4, shuffle=False, sharding=sharding, method="fit")

@@ -63,7 +63,9 @@ def _python_input(x, y, sample_weight, batch_size, shuffle, sharding: Sharding, 
         return x  # each rank passes its own input; Keras reads it as given
     return _py_inputs.python_input(
         x, rank=sharding.rank, size=sharding.size, with_sizes=with_sizes and sharding.size > 1,
-        class_weight=class_weight, shuffle_seed=sharding.shuffle_seed if shuffle else None,
+        class_weight=class_weight,
+        shuffle_seed=next_array_shuffle_seed(sharding.shuffle_seed) if shuffle and sharding.shuffle_seed is not None
+        else None,
         method=method)
 
 
