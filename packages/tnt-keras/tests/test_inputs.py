@@ -212,3 +212,28 @@ def test_bad_batches_and_arguments_are_input_errors():
 
     with pytest.raises(py_inputs.InputError, match="batch_size= cannot be passed with a generator"):
         inputs.rank_dataset(gen(), batch_size=4, shuffle=False, sharding=sharding, method="fit")
+
+
+def test_mismatch_messages_name_the_batch_and_the_ranks():
+    checker = _py_inputs().SameOnRanks("evaluate", "generator")
+    checker.batch = 5
+    ended = checker._message([123, -1, 123])
+    assert "at batch 5" in ended and "rank(s) [1] ended there while rank(s) [0, 2]" in ended, ended
+    differ = checker._message([1, 2, 1])
+    assert "tnt.Model.evaluate" in differ and "ranks [0, 2] / [1] yielded different batches" in differ
+
+
+def test_input_error_raised_in_a_batch_read_comes_out_as_input_error():
+    import tensorflow as tf
+
+    py_inputs = _py_inputs()
+
+    def bad():
+        yield (tf.zeros((1, 1)),)
+        raise py_inputs.InputError("tnt.Model.fit: the generator yielded different data (test)")
+
+    dataset = tf.data.Dataset.from_generator(bad, output_signature=(tf.TensorSpec((None, 1)),))
+    with pytest.raises(py_inputs.InputError, match=r"^tnt.Model.fit: the generator yielded different data \(test\)$"):
+        with py_inputs.input_errors():
+            for _ in dataset:
+                pass

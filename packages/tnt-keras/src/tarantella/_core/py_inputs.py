@@ -165,6 +165,7 @@ class RankPyDataset(keras.utils.PyDataset):
         self._order: list[int] | None = None
         self._draw_order()
         self._spec = None
+        self._peeked: dict[int, object] = {}  # batches read for element_spec, until Keras reads them
 
     def _draw_order(self) -> None:
         n = self.dataset.num_batches
@@ -185,15 +186,23 @@ class RankPyDataset(keras.utils.PyDataset):
         return n
 
     def on_epoch_begin(self) -> None:
+        self._peeked.clear()
         self.dataset.on_epoch_begin()
 
     def on_epoch_end(self) -> None:
+        self._peeked.clear()
         self.dataset.on_epoch_end()
         self._epoch += 1
         self._draw_order()  # here, not at epoch begin: Keras starts the workers before that
 
     def __getitem__(self, index: int):
-        i = int(index) if self._order is None else self._order[int(index)]
+        peeked = self._peeked.pop(int(index), None)
+        if peeked is not None:
+            return peeked
+        return self._load(int(index))
+
+    def _load(self, index: int):
+        i = index if self._order is None else self._order[index]
         if not self.by_rows:
             batch = with_class_weight(standardize(self.dataset[i], self.method, "PyDataset"),
                                       self.class_weight, self.method)
@@ -217,7 +226,10 @@ class RankPyDataset(keras.utils.PyDataset):
             count = _SPEC_BATCHES if n is None else min(_SPEC_BATCHES, n)
             if count == 0:
                 raise InputError(f"tnt.Model.{self.method}: the PyDataset has no batches.")
-            self._spec = element_spec([self[i] for i in range(count)])
+            # Keras reads the same first batches next for its own structure: they are
+            # served from here once, so no rank loads them twice more than serial Keras.
+            self._peeked = {i: self._load(i) for i in range(count)}
+            self._spec = element_spec(list(self._peeked.values()))
         return self._spec
 
 
