@@ -24,12 +24,10 @@ import tnt_data
 from . import internals as _internals
 from . import py_inputs as _py_inputs
 from . import runtime as _runtime
+from .errors import InputError  # re-exported: tnt.InputError, data_parallel
 from .log import logger
 
 DEFAULT_BATCH_SIZE = 32
-
-
-from .errors import InputError  # noqa: E402  (re-exported: tnt.InputError)
 
 
 @dataclass(frozen=True)
