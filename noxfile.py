@@ -4,6 +4,7 @@
     nox -s comm         # tests of one package: comm, data, cli, keras
     nox -s data_matrix  # tnt-data's full sharding matrix (opt-in; the suite runs 5 of 12 cases)
     nox -s keras_large  # tnt-keras jobs of 8 ranks (opt-in: minutes on 2 cores)
+    nox -s keras_torch  # tests/test_inputs.py with torch installed (opt-in: a large download)
     nox -s multihost    # jobs across 2-3 "hosts" made of Linux network namespaces (root)
     nox -s lint         # ruff
     nox -s docs         # the site (MkDocs, strict) into site/, its code blocks and examples/ run
@@ -123,6 +124,18 @@ def keras_large(session: nox.Session) -> None:
     )
     _build_native_ops(session, required=True)
     session.run("pytest", str(PKG / "tnt-keras" / "tests" / "large"), *session.posargs, env=MPI_ENV)
+
+
+@nox.session
+def keras_torch(session: nox.Session) -> None:
+    """tests/test_inputs.py with torch's CPU wheel, so its torch DataLoader case runs (the
+    suite skips it: torch is no dependency, and its install takes minutes)."""
+    session.install(
+        _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras", "test")
+    )
+    session.install("torch", "--index-url", "https://download.pytorch.org/whl/cpu")
+    _build_native_ops(session, required=True)
+    session.run("pytest", str(PKG / "tnt-keras" / "tests" / "test_inputs.py"), *session.posargs, env=MPI_ENV)
 
 
 def _build_native_ops(session: nox.Session, required: bool) -> None:

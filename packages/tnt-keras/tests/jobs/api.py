@@ -398,8 +398,8 @@ def check_errors() -> None:
     _, model = serial_and_tnt()
     expect_error("error_batch_size_with_dataset", tnt.InputError, "double batching",
                  lambda: model.fit(ds(X, Y), batch_size=10, verbose=0))
-    expect_error("error_generator_input", tnt.InputError, "from_generator",
-                 lambda: model.fit((b for b in [(X, Y)]), verbose=0))
+    expect_error("error_generator_input", tnt.InputError, "batch_size= cannot be passed with a generator",
+                 lambda: model.fit((b for b in [(X, Y)]), batch_size=10, verbose=0))
     unbatched = tf.data.Dataset.from_tensor_slices((X, Y))
     expect_error("error_unbatched_without_micro_batch", tnt.InputError, "micro",
                  lambda: model.fit(unbatched, verbose=0))

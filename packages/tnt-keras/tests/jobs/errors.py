@@ -97,8 +97,10 @@ def check_input_errors() -> None:
                  lambda: model.fit(tf.data.Dataset.from_tensor_slices((X, Y)), verbose=0))
     expect_error("error_batch_size_with_dataset", tnt.InputError, ["double batching", "drop batch_size="],
                  lambda: model.fit(ds(10), batch_size=10, verbose=0))
-    expect_error("error_generator_input", tnt.InputError, ["tf.data.Dataset.from_generator"],
-                 lambda: model.fit((b for b in [(X, Y)]), verbose=0))
+    # Generators are split (tests/test_inputs.py); their batches are global: no batch_size=.
+    expect_error("error_generator_input", tnt.InputError,
+                 ["batch_size= cannot be passed with a generator", "global batches", "Drop it"],
+                 lambda: model.fit((b for b in [(X, Y)]), batch_size=10, verbose=0))
     expect_error("error_fit_before_compile", RuntimeError, ["needs a compiled model", "model.compile("],
                  lambda: tnt.Model(net()).fit(ds(10), verbose=0))
     expect_error("error_validation_split_with_dataset", tnt.InputError, ["validation_split needs arrays", "validation_data="],

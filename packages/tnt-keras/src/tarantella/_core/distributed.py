@@ -12,6 +12,8 @@ layout (docs/architecture.md, "Strategies").
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 
@@ -19,6 +21,7 @@ import tnt_comm
 
 from . import files as _io
 from . import inputs as _inputs
+from . import py_inputs as _py_inputs
 from . import runtime as _runtime
 from .rank_callbacks import callbacks_for_rank
 
@@ -89,10 +92,13 @@ class DistributedModel(keras.Model):
         """Progress on the master only."""
         return verbose if _runtime.is_master_rank() else 0
 
+    @contextlib.contextmanager
     def _rank_callbacks(self, callbacks):
-        """``callbacks`` as this rank runs them (writers on the master; see _rank_callbacks)."""
-        return callbacks_for_rank(callbacks,
-                                  tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices)
+        """``callbacks`` as this rank runs them (writers on the master; see _rank_callbacks);
+        an input error raised while a batch was read comes out as InputError (py_inputs)."""
+        with _py_inputs.input_errors(), callbacks_for_rank(
+                callbacks, tensorboard_on_all_ranks=self._tnt_settings.tensorboard_on_all_devices) as cbs:
+            yield cbs
 
     def _common_seed(self) -> int:
         """One shuffle seed for every rank of the job (drawn once, on the master)."""

@@ -13,3 +13,7 @@ class PipelineError(ValueError):
 
 class TensorParallelError(ValueError):
     """A model, plan or option that ParallelStrategy.TENSOR cannot run; the message names the fix."""
+
+
+class InputError(ValueError):
+    """The input given to fit/evaluate/predict cannot be distributed as given."""

@@ -5,12 +5,13 @@ arrays and tensors with ``batch_size=`` are accepted and treated as a global bat
 become the dataset Keras' own array adapter makes of them, so that under the same seed
 the shuffled order is the one a plain Keras script sees, on 1 rank and on N.
 Splitting is done by :func:`tnt_data.distribute`, so the union of the ranks' micro-batches
-of step k is exactly the serial batch k.
+of step k is exactly the serial batch k. A ``keras.utils.PyDataset``, a Python generator
+or a torch DataLoader is cut by the same rule in ``py_inputs`` and stays the kind of input
+Keras' loop expects (a PyDataset stays a PyDataset: epochs, workers, ``on_epoch_end``).
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import keras
@@ -21,14 +22,12 @@ import tnt_comm
 import tnt_data
 
 from . import internals as _internals
+from . import py_inputs as _py_inputs
 from . import runtime as _runtime
+from .errors import InputError  # re-exported: tnt.InputError, data_parallel
 from .log import logger
 
 DEFAULT_BATCH_SIZE = 32
-
-
-class InputError(ValueError):
-    """The input given to fit/evaluate/predict cannot be distributed as given."""
 
 
 @dataclass(frozen=True)
@@ -42,14 +41,30 @@ class Sharding:
     shuffle_seed: int | None = None
 
 
-def _reject_unsplittable(x, method: str) -> None:
-    if inspect.isgenerator(x) or isinstance(x, keras.utils.PyDataset):
+def _python_input(x, y, sample_weight, batch_size, shuffle, sharding: Sharding, method: str,
+                  with_sizes: bool, class_weight):
+    """A PyDataset, generator or DataLoader: this rank's input for Keras (see py_inputs)."""
+    kind = type(x).__name__
+    for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size)):
+        if value is not None:
+            raise InputError(
+                f"tnt.Model.{method}: {name}= cannot be passed with a {kind}: its batches are "
+                "global batches, (x, y) or (x, y, sample_weight), as in Keras. Drop it.")
+    if sharding.micro_batch_size is not None:
         raise InputError(
-            f"tnt.Model.{method}: Python generators and keras.utils.PyDataset cannot be split "
-            "sample by sample across ranks. Wrap the generator as "
-            "tf.data.Dataset.from_generator(...) batched with the global batch size, or "
-            "pass NumPy arrays with batch_size=."
-        )
+            f"tnt.Model.{method}: tnt_micro_batch_size= does not apply to a {kind}, whose "
+            "batches are already global batches; drop it.")
+    if not sharding.distribute:
+        if class_weight is not None:
+            raise InputError(f"tnt.Model.{method}: class_weight with tnt_distribute_dataset=False "
+                             f"is not supported for a {kind}; put the weights into its batches.")
+        return x  # each rank passes its own input; Keras reads it as given
+    return _py_inputs.python_input(
+        x, rank=sharding.rank, size=sharding.size, with_sizes=with_sizes and sharding.size > 1,
+        class_weight=class_weight,
+        shuffle_seed=next_array_shuffle_seed(sharding.shuffle_seed) if shuffle and sharding.shuffle_seed is not None
+        else None,
+        method=method)
 
 
 def _from_arrays(
@@ -154,7 +169,9 @@ def rank_dataset(
     ``with_sizes`` adds each step's local and global sample counts to the elements
     (``(batch, tnt_data.StepSizes)``), so a training step knows ``b_r / B`` before backprop.
     """
-    _reject_unsplittable(x, method)
+    if _py_inputs.is_python_input(x):
+        return _python_input(x, y, sample_weight, batch_size, shuffle, sharding, method, with_sizes,
+                             class_weight)
     if isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None:
             raise InputError(
@@ -218,6 +235,8 @@ def at_epoch(dataset: tf.data.Dataset, user_input, epoch: int, steps_per_epoch) 
     builds one per fit (distributed or from arrays); one passed through unchanged (one
     rank) is rebuilt. tests/test_resume.py checks the count against an uninterrupted run.
     """
+    if not isinstance(dataset, tf.data.Dataset) or _py_inputs.is_python_input(user_input):
+        return dataset  # Keras' own loop starts these at the first batch, as serial Keras does
     if steps_per_epoch:
         logger.warning(
             "fit(initial_epoch=%d) with steps_per_epoch: the data position of the interrupted "
@@ -252,7 +271,12 @@ def check_same_length(dataset: tf.data.Dataset, what: str, method: str) -> None:
     """
     if _runtime.get_size() == 1:
         return
-    lengths = tnt_comm.allgather_object(int(dataset.cardinality()))
+    if isinstance(dataset, keras.utils.PyDataset):
+        n = dataset.num_batches
+        length = tf.data.INFINITE_CARDINALITY if n is None else int(n)
+    else:
+        length = int(dataset.cardinality())
+    lengths = tnt_comm.allgather_object(length)
     if len(set(lengths)) == 1 or tf.data.UNKNOWN_CARDINALITY in lengths:
         return
 
@@ -274,7 +298,7 @@ def unpack_validation(validation_data, validation_batch_size, batch_size):
     """``fit(validation_data=...)`` as (x, y, sample_weight, batch size): a dataset is
     already batched (batch size None); a tuple is batched by validation_batch_size,
     else by the training batch size, as Keras does."""
-    if isinstance(validation_data, tf.data.Dataset):
+    if isinstance(validation_data, tf.data.Dataset) or _py_inputs.is_python_input(validation_data):
         return validation_data, None, None, None
     vx, vy, vsw = keras.utils.unpack_x_y_sample_weight(tuple(validation_data))
     return vx, vy, vsw, validation_batch_size or batch_size
@@ -301,7 +325,7 @@ def fit_datasets(x, y, sample_weight, *, sharding: Sharding, batch_size, shuffle
     """fit's training dataset (elements carry their step sizes) and validation dataset (or
     None) for a replica's slice of every global batch (pipelines, tensor groups)."""
     if validation_split:
-        if isinstance(x, tf.data.Dataset):
+        if isinstance(x, tf.data.Dataset) or _py_inputs.is_python_input(x):
             raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
         (x, y, sample_weight), validation_data = split_arrays((x, y, sample_weight), validation_split)
     train = rank_dataset(x, y, sample_weight, batch_size=batch_size, shuffle=shuffle, method="fit",

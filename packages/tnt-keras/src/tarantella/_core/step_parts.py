@@ -14,7 +14,11 @@ import tnt_data
 def split_sizes(data):
     """``(batch, StepSizes)`` from tnt_data (``with_sizes=True``), else ``(batch, None)``."""
     if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], tnt_data.StepSizes):
-        return data
+        batch, sizes = data
+        if tf.is_tensor(sizes.local) and sizes.local.shape.rank == 1:
+            # A PyDataset's sizes carry a dimension of 1: Keras' loop wants one on every array.
+            sizes = tnt_data.StepSizes(tf.reshape(sizes.local, []), tf.reshape(sizes.total, []))
+        return batch, sizes
     return data, None
 
 

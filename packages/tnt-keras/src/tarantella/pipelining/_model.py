@@ -17,8 +17,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import tnt_data
-
 from .._core import backup as _backup
 from .._core import runtime as _runtime
 from .._core.compile_args import own_compile_arguments
@@ -27,6 +25,7 @@ from .._core.errors import PipelineError
 from .._core.inputs import Sharding, at_epoch, fit_datasets, rank_dataset
 from .._core.mesh import check_layout
 from .._core.serial_files import assign_optimizer_state, optimizer_state
+from .._core.step_parts import split_sizes
 from ._plan import Plan
 from ._plan import plan as make_plan
 from ._saving import (
@@ -63,9 +62,7 @@ def _live(value):
 
 
 def _split_sizes(data):
-    if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], tnt_data.StepSizes):
-        return data
-    return data, None
+    return split_sizes(data)
 
 
 class PipelinedModel(DistributedModel):
