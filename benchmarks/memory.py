@@ -13,7 +13,9 @@ PIPELINING p = 2 and p = 4 (m = 4) and tnt TENSOR t = 2, built under
 of ``fit`` minus its resident set size (VmRSS) right after ``import tensorflow, tarantella``:
 what the model, its training and tnt added. A sampling thread (every 2 ms) also records the
 largest RSS seen in each phase (build, wrap, compile, fit, after), to say where a peak
-comes from; the rows take getrusage's figure, which sees every page.
+comes from; the rows take getrusage's figure, which sees every page. The serial run keeps
+glibc's default allocator settings (``TNT_MALLOC_MMAP_THRESHOLD=0``: as a plain Keras script
+runs); tnt's ranks run with tarantella's fixed mmap threshold (docs/memory.md).
 
 Rows (results/memory.json -> summary.json through summary.py), each the largest rank's
 peak / serial Keras' peak:
@@ -169,6 +171,8 @@ def launch(config: str, tmp: Path) -> list[dict]:
     out = tmp / config
     run = [sys.executable, str(Path(__file__).resolve()), "--worker", config, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    if config == "serial":  # plain Keras' allocator, as a user's serial script gets it
+        env["TNT_MALLOC_MMAP_THRESHOLD"] = "0"
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = run if config == "serial" else [mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(ranks), *run]

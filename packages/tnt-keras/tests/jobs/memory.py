@@ -104,11 +104,12 @@ def measured(strategy: str) -> dict:
     x, y = data()
     start, reset = start_phase()
     model = build(strategy)
+    built = {"rss": rss() - start, "peak": phase_peak(start, reset)}
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
     rep = model.memory_report()
     out = {"estimate": rep["estimate"], "estimate_total": rep["total_bytes"],
            "report_peak": rep["measured_peak_bytes"], "peak": phase_peak(start, reset), "hwm_reset": reset,
-           "layout": rep["layout"]}
+           "layout": rep["layout"], "built": built, "after_fit_rss": rss() - start}
     del model
     gc.collect()
     return out
