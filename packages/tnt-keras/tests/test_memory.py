@@ -78,3 +78,16 @@ def test_generous_budget_trains_and_bad_budget_is_a_clear_error(result):
     assert not any(r["raised"] for r in result["budget"]["generous"]), result["budget"]["generous"]
     for r in result["budget"]["unparsable"]:
         assert r["raised"] and "6GiB" in r["message"], r
+
+
+def test_budget_sizes_parse_with_units():
+    from tarantella._core.memory import parse_bytes
+
+    assert parse_bytes("6GiB") == 6 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes(1024) == 1024
+    assert parse_bytes(None) is None
+    for bad in ("-1GiB", "6 gigs", "GiB", 0, True):
+        with pytest.raises(ValueError, match="6GiB"):
+            parse_bytes(bad)
