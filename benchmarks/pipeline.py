@@ -1,14 +1,13 @@
-"""Pipelining benchmark (issue 11): memory per stage, bubble, speed-up over plain Keras.
+"""Pipelining benchmark (issue 11): bubble, speed-up over plain Keras.
 
     mpirun -n 2 --bind-to core python benchmarks/pipeline.py [--quick]   (run_all.py: pipeline)
 
 Rows (results/pipeline.json -> summary.json through summary.py):
 
-- pipeline_memory_per_stage_p2 (and _p4): bytes of variables + gradients + optimizer
-  slots (Adam) of the largest stage / the serial model's, counted from the real
-  variables: p = 2 from the stage each rank trains; p = 4 from the four stages built one
-  after another in one process (the plan is a pure function, as on 4 ranks). Also the
-  stage balance max/min.
+Memory per stage is measured, not counted, by benchmarks/memory.py (issue 29:
+pipeline_peak_memory_largest_stage_p2/_p4); the counted pipeline_memory_per_stage_* rows
+are gone.
+
 - pipeline_bubble_error_p2: measured idle fraction minus (p - 1)/(m + p - 1), m in
   {2, 4, 8}, GPipe on a dense stack balanced in time (``stack(stem=True)``); the row is
   the largest |error|; `--only-bubble` runs just these and prints them. A stage's idle
@@ -47,7 +46,7 @@ import keras  # noqa: E402
 
 import tarantella as tnt  # noqa: E402
 import tnt_comm  # noqa: E402
-from tarantella.pipelining import build_stage, pipeline_idle_fractions, plan  # noqa: E402
+from tarantella.pipelining import pipeline_idle_fractions  # noqa: E402
 
 QUICK = "--quick" in sys.argv
 # Micro-batches of B / M = 2048 rows. A 1-thread 512-wide matmul here runs per sample at
@@ -112,26 +111,6 @@ def dataset(steps: int) -> tf.data.Dataset:
     options = tf.data.Options()
     options.autotune.enabled = False
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(B).repeat().take(steps).with_options(options)
-
-
-def serial_bytes() -> int:
-    model = stack()
-    opt = keras.optimizers.Adam()
-    opt.build(model.trainable_variables)
-    return benchlib.training_bytes(model, opt)
-
-
-def memory_in_process(p: int) -> list[int]:
-    """Training bytes of each of p stages, built one after the other in this process."""
-    pl = plan(stack(), p)
-    out = []
-    for s in range(p):
-        st = build_stage(pl, s)
-        opt = keras.optimizers.Adam()
-        opt.build(st.model.trainable_variables)
-        out.append(benchlib.training_bytes(st.model, opt))
-        del st, opt
-    return out
 
 
 def timed_fit(model, steps: int) -> float:
@@ -517,12 +496,8 @@ def main() -> int:
                 print(f"{row['name']:>32} {row['value']:8.3f} {row['target']:8.3f}  {row['detail']}", flush=True)
         tnt_comm.barrier()
         return 0
-    serial = serial_bytes()
-    mem4 = memory_in_process(4) if tnt.get_rank() == 0 else None
-    mem4 = tnt_comm.broadcast_object(mem4, 0)
 
     rounds = []
-    stage_bytes = None
     def pipelined() -> float:
         return distributed(STEPS, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
                            num_pipeline_stages=2, num_micro_batches=M, pipeline_schedule="1f1b")
@@ -543,13 +518,6 @@ def main() -> int:
         if tnt.is_master_rank():
             print(f"round {r}: samples/s keras {alone:.0f}, accumulation {accum:.0f}, "
                   f"pipeline p=2 m=8 {piped:.0f}, data parallel {data_parallel:.0f}", flush=True)
-        if stage_bytes is None:
-            model = tnt.Model(stack(), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                              num_pipeline_stages=2, num_micro_batches=M)
-            model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
-            model.fit(dataset(1), epochs=1, verbose=0)
-            stage_bytes = tnt_comm.allgather_object(benchlib.training_bytes(model.stage_model, model.optimizer))
-            del model
     bubble_rows, bubble_rounds = bubbles()
 
     def median(key, ref):
@@ -560,20 +528,11 @@ def main() -> int:
         "ranks": 2, "quick": QUICK, "width": WIDTH, "depth": DEPTH, "global_batch": B, "micro_batches": M,
         "steps": STEPS, "rounds": rounds, "bubbles": bubble_rows, "bubble_rounds": bubble_rounds,
         "machine_before": before,
-        "serial_training_bytes": serial, "stage_training_bytes_p2": stage_bytes, "stage_training_bytes_p4": mem4,
     }
     pipeline_idle = pipeline_bubbles(bubble_rows)
     result["pipeline_bubbles"] = pipeline_idle
     bubble_errors = [b["idle_fraction"] - b["theory"] for b in pipeline_idle]
-    mem2 = max(stage_bytes) / serial
     result["rows"] = [
-        {"name": "pipeline_memory_per_stage_p2", "value": mem2, "target": 0.6, "higher_is_better": False,
-         "unit": "x serial bytes (vars+grads+Adam slots)",
-         "detail": f"largest of 2 stages {max(stage_bytes) / 2**20:.1f} MiB / serial {serial / 2**20:.1f} MiB; "
-                   f"balance max/min {max(stage_bytes) / min(stage_bytes):.3f} (pipeline.py)"},
-        {"name": "pipeline_memory_per_stage_p4", "value": max(mem4) / serial, "target": 0.35,
-         "higher_is_better": False, "unit": "x serial bytes (vars+grads+Adam slots)",
-         "detail": f"4 stages built in one process; balance max/min {max(mem4) / min(mem4):.3f} (pipeline.py)"},
         {"name": "pipeline_bubble_error_p2", "value": max(abs(e) for e in bubble_errors), "target": 0.05,
          "higher_is_better": False, "unit": "|pipeline idle fraction - (p-1)/(m+p-1)|",
          "detail": "; ".join(f"m={b['m']}: pipeline idle {b['idle_fraction']:.3f} vs {b['theory']:.3f}"

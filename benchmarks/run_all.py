@@ -65,9 +65,8 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("sparse_exchange", "sparse_exchange.py", ranks=2, mpi_args=PINNED),
     # Tensor parallelism (issue 18): host time per in-graph collective on a group of 2.
     Benchmark("tensor_parallel", "tensor_parallel.py", ranks=2, mpi_args=PINNED),
-    # Memory at t = 4: 4 ranks time-share the 2 cores (bytes, not time, are measured).
-    Benchmark("tensor_parallel_4", "tensor_parallel.py", ranks=4, args=["--memory-only"],
-              mpi_args=["--oversubscribe", "--bind-to", "none"], quick=False),
+    # Measured per-rank peak memory (issue 29): launches one job per configuration itself.
+    Benchmark("memory", "memory.py", timeout=3600.0),
     # Issue 15: a step-time model checked here on 1-4 ranks (it launches its own mpirun
     # jobs), then predicting 8-1024 GPUs from published profiles; rows come with the JSON.
     Benchmark("scaling_model", "scaling_model.py", timeout=3600.0),

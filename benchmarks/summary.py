@@ -429,8 +429,8 @@ def main() -> int:
             res[n] = None
     rows = rows_from(res)
     # Benchmarks that state their own rows (pipeline, scaling_model, step_bridge,
-    # tensor_parallel[_4]) bring them in their JSON.
-    for extra in ("pipeline", "pipeline_schedules", "scaling_model", "step_bridge", "tensor_parallel", "tensor_parallel_4",
+    # tensor_parallel, memory, sharded) bring them in their JSON.
+    for extra in ("pipeline", "pipeline_schedules", "scaling_model", "step_bridge", "tensor_parallel", "memory",
                   "sharded"):
         res[extra] = load(extra)
         rows.extend(res[extra]["rows"] if res[extra] else [])

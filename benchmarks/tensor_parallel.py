@@ -1,16 +1,12 @@
-"""Tensor-parallel benchmark (issue 18): memory per rank, speed-up, host time per collective.
+"""Tensor-parallel benchmark (issue 18): speed-up, host time per collective.
 
     mpirun -n 2 --bind-to core python benchmarks/tensor_parallel.py [--quick]   (run_all.py: tensor_parallel)
-    mpirun -n 4 --oversubscribe python benchmarks/tensor_parallel.py --memory-only   (tensor_parallel_4)
 
-Rows (results/tensor_parallel[_4].json -> summary.json through summary.py):
+Rows (results/tensor_parallel.json -> summary.json through summary.py):
 
-- tensor_memory_per_rank_t2 (t4 from the 4-rank job): bytes of variables + gradients (one
-  per trainable variable) + optimizer slots (Adam) on the largest rank of a TENSOR model /
-  the serial model's, for the issue's Transformer encoder stack (d_model 512, ffn 2048,
-  8 heads, 4 blocks; embedding 1000 x 512), counted from the rank's real variables after
-  one training step. The source model is built in ``tnt.pipelining.deferred_variables()``;
-  the detail says how much of it a rank materialised (its replicated layers only).
+Memory per rank is measured, not counted, by benchmarks/memory.py (issue 29:
+tensor_peak_memory_per_rank_t2); the counted tensor_memory_per_rank_* rows are gone.
+
 - tensor_speedup_t2: samples/s of a compute-bound MLP stack (2 blocks of Dense 2048 ->
   8192 -> 2048, relu) on 2 ranks (TENSOR, t = 2, one compute thread each, pinned) / plain
   Keras on rank 0 alone, same global batch (paired per round, median). Beside it: data
@@ -48,49 +44,9 @@ import tnt_comm  # noqa: E402
 
 QUICK = "--quick" in sys.argv
 K = 200
-# The issue's Transformer encoder stack (memory row).
-D_MODEL, FFN, HEADS, BLOCKS, SEQ, VOCAB, CLASSES = 512, 2048, 8, 4, 32, 1000, 8
+CLASSES = 8
 # The compute-bound MLP stack (speed-up row): 2 x (2048 -> 8192 -> 2048).
 HIDDEN, WIDE, MLP_BLOCKS, MLP_BATCH = 2048, 8192, 2, 128
-
-
-# -- memory ----------------------------------------------------------------------------------
-def encoder(seed: int = 0) -> keras.Model:
-    keras.utils.set_random_seed(seed)
-    x = keras.Input((SEQ,), dtype="int32", name="tokens")
-    h = keras.layers.Embedding(VOCAB, D_MODEL, name="emb")(x)
-    for b in range(BLOCKS):
-        a = keras.layers.MultiHeadAttention(HEADS, D_MODEL // HEADS, name=f"mha{b}")(h, h)
-        h = keras.layers.LayerNormalization(name=f"ln{b}a")(keras.layers.Add(name=f"res{b}a")([h, a]))
-        f = keras.layers.Dense(FFN, activation="relu", name=f"up{b}")(h)
-        f = keras.layers.Dense(D_MODEL, name=f"down{b}")(f)
-        h = keras.layers.LayerNormalization(name=f"ln{b}b")(keras.layers.Add(name=f"res{b}b")([h, f]))
-    pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    return keras.Model(x, keras.layers.Dense(CLASSES, activation="softmax", name="head")(pooled), name="encoder")
-
-
-def serial_training_bytes() -> int:
-    model = encoder()
-    model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
-    model.optimizer.build(model.trainable_variables)
-    return benchlib.training_bytes(model, model.optimizer)
-
-
-def tensor_memory(t: int) -> dict:
-    """Training bytes on each rank of a TENSOR model of the encoder stack (one step run),
-    built in ``deferred_variables()`` as a model too large for one rank would be."""
-    with tnt.pipelining.deferred_variables():
-        source = encoder()
-    model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t)
-    model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, VOCAB, (4, SEQ)).astype("int32")
-    y = rng.integers(0, CLASSES, 4).astype("int32")
-    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    mine = benchlib.training_bytes(model, model.optimizer)
-    source_held = benchlib.variable_bytes(v for v in source.weights if not tnt.pipelining.is_deferred(v))
-    return {"per_rank": tnt_comm.allgather_object(mine),
-            "source_bytes_held": tnt_comm.allgather_object(source_held)}
 
 
 # -- speed-up --------------------------------------------------------------------------------
@@ -237,61 +193,44 @@ def collective_overhead(reps: int) -> dict:
 
 
 # -- rows ------------------------------------------------------------------------------------
-def memory_row(t: int, mem: dict, serial: int) -> dict:
-    per = mem["per_rank"]
-    held = max(mem["source_bytes_held"])
-    return {"name": f"tensor_memory_per_rank_t{t}", "value": max(per) / serial,
-            "target": 0.55 if t == 2 else 0.30, "higher_is_better": False,
-            "unit": "largest rank's (variables + gradients + Adam slots) / serial",
-            "detail": (f"encoder stack d{D_MODEL}/ffn{FFN}/{HEADS} heads/{BLOCKS} blocks, serial "
-                       f"{serial / 2**20:.1f} MiB, ranks {[round(b / 2**20, 1) for b in per]} MiB; "
-                       f"source model built deferred, its variables materialised on a rank: "
-                       f"{held / 2**20:.1f} MiB (tensor_parallel.py)")}
-
-
 def main() -> int:
     n = tnt.get_size()
-    memory_only = "--memory-only" in sys.argv
     result: dict = {"ranks": n, "machine": benchlib.machine()}
-    serial = serial_training_bytes()
-    mem = tensor_memory(n)
-    result.update(serial_bytes=serial, memory=mem)
-    rows = [memory_row(n, mem, serial)]
-    if not memory_only:
-        reps = 5 if QUICK else 15
-        co = collective_overhead(reps)
-        sp = speedups(steps=2 if QUICK else 4, rounds=1 if QUICK else 3)
-        result.update(collectives=co, speedup=sp)
-        plain = co["plain_mpi_allreduce_us"]
-        overhead = co["in_graph_allreduce_us"] - plain if plain is not None else None
-        med = sp["median"]
-        rows += [
-            {"name": "tensor_speedup_t2", "value": med["tensor"], "target": 1.7, "higher_is_better": True,
-             "unit": "samples/s on 2 ranks (TENSOR) / plain Keras on 1 rank",
-             "detail": (f"MLP {MLP_BLOCKS} x ({HIDDEN}->{WIDE}->{HIDDEN}), global batch {MLP_BATCH}, SGD; "
-                        f"same ranks: TENSOR with jit_compile=True {med['tensor_jit']:.2f}x, "
-                        f"data parallelism {med['data']:.2f}x, pipelining (2 stages, m=4) "
-                        f"{med['pipeline']:.2f}x; plain Keras {statistics.median(sp['keras_samples_per_s']):.0f} "
-                        f"samples/s; load {result['machine']['loadavg'][0]:.1f} (tensor_parallel.py)")},
-            {"name": "tensor_collective_overhead_us", "value": overhead, "target": 30.0,
-             "higher_is_better": False, "unit": "us per in-graph allreduce beyond a plain MPI_Allreduce",
-             "detail": (f"allreduce 1 KiB: in graph {co['in_graph_allreduce_us']:.1f} us vs plain MPI_Allreduce "
-                        + (f"{plain:.1f} us ({co['plain_mpi']})" if plain is not None
-                           else f"not measured: {co['plain_mpi']}")
-                        + f" on a communicator of the same {n} ranks; tnt_comm's Communicator.allreduce from "
-                        f"Python {co['direct_allreduce_us']:.1f} us (in graph - it: "
-                        f"{co['in_graph_allreduce_us'] - co['direct_allreduce_us']:.1f} us); "
-                        f"allgather in graph {co['in_graph_allgather_us']:.1f} "
-                        f"us vs tnt_comm's from Python {co['direct_allgather_us']:.1f} us; "
-                        f"{'native ops' if co['native_ops'] else 'native ops NOT in use: ' + str(co['native_why_not'])}; "
-                        f"the tf.numpy_function fallback: allreduce {co['fallback_allreduce_us']:.1f} us, allgather "
-                        f"{co['fallback_allgather_us']:.1f} us (t={n}, K={K} chained, median of "
-                        f"{reps}) (tensor_parallel.py)")},
-        ]
+    rows: list[dict] = []
+    reps = 5 if QUICK else 15
+    co = collective_overhead(reps)
+    sp = speedups(steps=2 if QUICK else 4, rounds=1 if QUICK else 3)
+    result.update(collectives=co, speedup=sp)
+    plain = co["plain_mpi_allreduce_us"]
+    overhead = co["in_graph_allreduce_us"] - plain if plain is not None else None
+    med = sp["median"]
+    rows += [
+        {"name": "tensor_speedup_t2", "value": med["tensor"], "target": 1.7, "higher_is_better": True,
+         "unit": "samples/s on 2 ranks (TENSOR) / plain Keras on 1 rank",
+         "detail": (f"MLP {MLP_BLOCKS} x ({HIDDEN}->{WIDE}->{HIDDEN}), global batch {MLP_BATCH}, SGD; "
+                    f"same ranks: TENSOR with jit_compile=True {med['tensor_jit']:.2f}x, "
+                    f"data parallelism {med['data']:.2f}x, pipelining (2 stages, m=4) "
+                    f"{med['pipeline']:.2f}x; plain Keras {statistics.median(sp['keras_samples_per_s']):.0f} "
+                    f"samples/s; load {result['machine']['loadavg'][0]:.1f} (tensor_parallel.py)")},
+        {"name": "tensor_collective_overhead_us", "value": overhead, "target": 30.0,
+         "higher_is_better": False, "unit": "us per in-graph allreduce beyond a plain MPI_Allreduce",
+         "detail": (f"allreduce 1 KiB: in graph {co['in_graph_allreduce_us']:.1f} us vs plain MPI_Allreduce "
+                    + (f"{plain:.1f} us ({co['plain_mpi']})" if plain is not None
+                       else f"not measured: {co['plain_mpi']}")
+                    + f" on a communicator of the same {n} ranks; tnt_comm's Communicator.allreduce from "
+                    f"Python {co['direct_allreduce_us']:.1f} us (in graph - it: "
+                    f"{co['in_graph_allreduce_us'] - co['direct_allreduce_us']:.1f} us); "
+                    f"allgather in graph {co['in_graph_allgather_us']:.1f} "
+                    f"us vs tnt_comm's from Python {co['direct_allgather_us']:.1f} us; "
+                    f"{'native ops' if co['native_ops'] else 'native ops NOT in use: ' + str(co['native_why_not'])}; "
+                    f"the tf.numpy_function fallback: allreduce {co['fallback_allreduce_us']:.1f} us, allgather "
+                    f"{co['fallback_allgather_us']:.1f} us (t={n}, K={K} chained, median of "
+                    f"{reps}) (tensor_parallel.py)")},
+    ]
     result["rows"] = rows
     if tnt.is_master_rank():
         benchlib.RESULTS.mkdir(exist_ok=True)
-        name = "tensor_parallel" + ("_4" if memory_only else "") + ".json"
+        name = "tensor_parallel.json"
         (benchlib.RESULTS / name).write_text(json.dumps(result, indent=1, default=float) + "\n")
         for row in rows:
             value = "    None" if row["value"] is None else f"{row['value']:8.3f}"

@@ -30,6 +30,7 @@ from . import data_parallel, hybrid, keras, models, native, pipelining, tensor_p
 from ._core.deferred import deferred_variables
 from ._core.inputs import InputError
 from ._core.internals import UnsupportedVersionError
+from ._core.memory import MemoryBudgetError
 from ._core.runtime import get_master_rank, get_rank, get_size, is_master_rank, setup
 from ._core.settings import SettingError
 from ._core.strategy import ParallelStrategy
@@ -43,6 +44,7 @@ timeline._start_from_env()
 
 __all__ = [
     "InputError",
+    "MemoryBudgetError",
     "Model",
     "ParallelStrategy",
     "ReplicaMismatchError",

@@ -21,6 +21,7 @@ import tnt_comm
 
 from . import files as _io
 from . import inputs as _inputs
+from . import memory as _memory
 from . import py_inputs as _py_inputs
 from . import runtime as _runtime
 from .rank_callbacks import callbacks_for_rank
@@ -105,6 +106,30 @@ class DistributedModel(keras.Model):
         if getattr(self, "_tnt_seed", None) is None:
             self._tnt_seed = _inputs.common_seed()
         return self._tnt_seed
+
+    # -- memory (docs/memory.md) ----------------------------------------------------------------
+    def _tnt_memory_layout(self) -> _memory.Holdings:
+        """What this rank holds (each layout says it; the estimate is counted from it)."""
+        raise NotImplementedError
+
+    def memory_report(self) -> dict:
+        """This rank's memory: the plan's estimate by category (bytes), its total, and the
+        measured peak (max RSS - RSS after ``import tarantella`` on CPU, TensorFlow's peak
+        on a GPU). Local: no collective. ``TNT_MEMORY_REPORT=1`` prints every rank's at
+        the end of ``fit`` on the master."""
+        return _memory.report(self)
+
+    def _tnt_memory_before_fit(self, x, batch_size) -> None:
+        """Remember the global batch (activations per micro-batch) and check the memory
+        budget on every rank (``memory_budget=`` / ``TNT_MEMORY_BUDGET``) before training."""
+        self._tnt_memory_global_batch = _memory.global_batch(x, batch_size)
+        _memory.check_budget(self, getattr(self, "_tnt_memory_budget", None) or _memory.budget_from(None))
+
+    def fit(self, *args, **kwargs):
+        """Keras' fit (each layout prepares its data first), then ``TNT_MEMORY_REPORT``."""
+        history = super().fit(*args, **kwargs)
+        _memory.print_report_if_asked(self)
+        return history
 
     def summary(self, *args, **kwargs) -> None:
         """The layout's summary, printed on the master."""

@@ -54,19 +54,55 @@ def verify_same_on_all_ranks(variables: Sequence, what: str) -> None:
         )
 
 
-def broadcast_from_master(variables: Sequence) -> None:
-    """Overwrite ``variables`` on every rank with the master rank's values."""
-    by_dtype: dict[str, list] = {}
+#: Bytes of one broadcast chunk: small variables travel together (few collectives), and no
+#: rank ever holds more than one chunk (or one variable larger than it) in transit, instead
+#: of a flat copy of the whole model (issue 29: 3 transient full copies before).
+BROADCAST_CHUNK_BYTES = 16 * 2**20
+
+
+def _np_dtype(variable) -> np.dtype:
+    """The NumPy dtype of a Keras variable (bfloat16 and friends through TensorFlow)."""
+    import tensorflow as tf
+
+    return np.dtype(tf.as_dtype(str(variable.dtype)).as_numpy_dtype)
+
+
+def _chunks(variables: Sequence, limit: int) -> list[list]:
+    """Consecutive runs of same-dtype variables of at most ``limit`` bytes (a larger
+    variable forms a run of its own)."""
+    runs: list[list] = []
+    size = 0
     for var in variables:
-        by_dtype.setdefault(str(var.dtype), []).append(var)
-    for group in by_dtype.values():
-        arrays = [np.asarray(v.numpy()).reshape(-1) for v in group]
-        flat = np.concatenate(arrays) if arrays else np.zeros(0)
-        flat = tnt_comm.broadcast(np.ascontiguousarray(flat), MASTER_RANK)
+        nbytes = int(np.prod(var.shape)) * _np_dtype(var).itemsize
+        if runs and str(runs[-1][0].dtype) == str(var.dtype) and size + nbytes <= limit:
+            runs[-1].append(var)
+            size += nbytes
+        else:
+            runs.append([var])
+            size = nbytes
+    return runs
+
+
+def broadcast_from_master(variables: Sequence, comm=None) -> None:
+    """Overwrite ``variables`` on every rank with the master rank's values, chunk by chunk
+    into the variables (at most one chunk of BROADCAST_CHUNK_BYTES, or one variable, in
+    flight), so that synchronising replicas costs no full copy of the model."""
+    comm = comm if comm is not None else tnt_comm.world()
+    root = comm.rank == MASTER_RANK
+    for group in _chunks(list(variables), BROADCAST_CHUNK_BYTES):
+        sizes = [int(np.prod(v.shape)) for v in group]
+        dtype = _np_dtype(group[0])
+        if root:
+            flat = (np.asarray(group[0].numpy()).reshape(-1) if len(group) == 1
+                    else np.concatenate([np.asarray(v.numpy()).reshape(-1) for v in group]))
+        else:
+            flat = np.empty(sum(sizes), dtype)
+        flat = comm.broadcast(np.ascontiguousarray(flat), MASTER_RANK)
         offset = 0
-        for var, arr in zip(group, arrays):
-            var.assign(flat[offset : offset + arr.size].reshape(var.shape))
-            offset += arr.size
+        for var, n in zip(group, sizes):
+            var.assign(flat[offset : offset + n].reshape(var.shape))
+            offset += n
+        del flat
 
 
 def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metrics: bool) -> None:

@@ -24,6 +24,7 @@ from .._core import batch_norm as _batch_norm
 from .._core import files as _io
 from .._core import inputs as _inputs
 from .._core import internals as _internals
+from .._core import memory as _memory
 from .._core import runtime as _runtime
 from .._core import settings as _settings
 from .._core import sync as _sync
@@ -63,6 +64,10 @@ class Model(DistributedModel):
         sharding: 0 (default, or ``TNT_SHARDING``): every replica holds the whole optimizer
             state; 1: each replica keeps the optimizer state of the variables it owns;
             2: and receives only their summed gradients (docs/sharding.md).
+        memory_budget: bytes per rank (``"6GiB"``, ``"512MiB"``, an int; default none, or
+            ``TNT_MEMORY_BUDGET``), taken by every strategy: ``fit`` first checks the plan's
+            per-rank estimate against it and raises ``tnt.MemoryBudgetError`` on every rank
+            when some rank exceeds it (docs/memory.md).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -70,8 +75,10 @@ class Model(DistributedModel):
         # None from it means the data-parallel wrapper (one rank, one stage, nothing split).
         model = args[0] if args else kwargs.get("model")
         parallel_strategy = args[1] if len(args) > 1 else kwargs.get("parallel_strategy", ParallelStrategy.DATA)
+        budget = _memory.budget_from(kwargs.get("memory_budget"))  # every layout takes it
         member, strategy, options, rest = split_options(
-            parallel_strategy, {k: v for k, v in kwargs.items() if k not in ("model", "parallel_strategy")},
+            parallel_strategy, {k: v for k, v in kwargs.items()
+                                if k not in ("model", "parallel_strategy", "memory_budget")},
             where="tnt.Model")
         if member is not ParallelStrategy.DATA:
             unknown = sorted(set(rest) - _KERAS_MODEL_KWARGS)
@@ -81,11 +88,12 @@ class Model(DistributedModel):
             _check_is_keras_model(model)
             built = strategy.build(model, member, options)
             if built is not None:
+                built._tnt_memory_budget = budget
                 return built
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
-                 sync_batch_norm: bool = False, sharding: int | None = None, **kwargs):
+                 sync_batch_norm: bool = False, sharding: int | None = None, memory_budget=None, **kwargs):
         _check_is_keras_model(model)
         self_sharding = _make_sharding(model, sharding)
         # PIPELINING / TENSOR / ALL with nothing to distribute but data: their options were
@@ -102,6 +110,7 @@ class Model(DistributedModel):
         kwargs.setdefault("name", f"tnt_{model.name}")
         super().__init__(**kwargs)
         self._tnt_settings = _runtime.setup()
+        self._tnt_memory_budget = _memory.budget_from(memory_budget)
         self._model = model
         self._tnt_sharding = self_sharding
         if sync_batch_norm and _batch_norm.synchronise(model) == 0 and not _batch_norm.has_sync_batch_norm(model):
@@ -302,6 +311,7 @@ class Model(DistributedModel):
         the shuffle order it has in a run that started at epoch 0 (see docs/keras.md).
         """
         self._assert_compiled("fit")
+        self._tnt_memory_before_fit(x, batch_size)
         if validation_split:
             if isinstance(x, tf.data.Dataset):
                 raise InputError("tnt.Model.fit: validation_split needs arrays; pass validation_data= for datasets.")
@@ -473,6 +483,14 @@ class Model(DistributedModel):
                                           "(only the master assembles the whole optimizer state).")
         with _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True):
             super()._write(filepath, overwrite, all_devices, with_optimizer, write)
+    def _tnt_memory_layout(self) -> _memory.Holdings:
+        """A whole replica; the fused engine stages one gradient set (its buckets)."""
+        n = _runtime.get_size()
+        batch = getattr(self, "_tnt_memory_global_batch", None)
+        return _memory.Holdings(
+            model=self._model, optimizer=self._model.optimizer if self._model.compiled else None,
+            what=f"DATA, {n} replica(s)", rows=-(-batch // n) if batch else None,
+            comm_gradient_sets=1 if n > 1 else 0)
 
     def _tnt_summary(self, *args, **kwargs) -> None:
         self._model.summary(*args, **kwargs)

@@ -240,8 +240,16 @@ class StageExecutor:
                     g = pending.pop(next_to_add)
                     # Sparse gradients: slices concatenated in micro-batch order, as serial
                     # Keras' one lookup over the whole batch orders them (_sparse).
-                    result.grads = g if result.grads is None else [
-                        _sparse.accumulate(x, y) for x, y in zip(result.grads, g)]
+                    # One variable at a time, each micro-batch's tensor dropped once added:
+                    # the step holds the sum and one micro-batch's gradients, never a third
+                    # full set of new sums beside them (issue 29).
+                    if result.grads is None:
+                        result.grads = g
+                    else:
+                        for k in range(len(g)):
+                            result.grads[k] = _sparse.accumulate(result.grads[k], g[k])
+                            g[k] = None
+                    del g
                     next_to_add += 1
         t0 = time.perf_counter()
         for request in sends:

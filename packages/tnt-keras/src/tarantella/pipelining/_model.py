@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from .._core import backup as _backup
+from .._core import memory as _memory
 from .._core import runtime as _runtime
 from .._core.compile_args import own_compile_arguments
 from .._core.distributed import DistributedModel
@@ -315,12 +316,30 @@ class PipelinedModel(DistributedModel):
             self._tnt_stage.sync_replicas()
             self._tnt_synced = True
 
+    def _tnt_memory_layout(self) -> _memory.Holdings:
+        """This stage: its weights, the sum of the micro-batches' gradients beside one
+        micro-batch's, the activations of the micro-batches its schedule keeps in flight
+        (1F1B: min(p - s, m); GPipe: m) and their received boundary tensors."""
+        p, m, s = self.plan.num_stages, self.num_micro_batches, self.stage
+        in_flight = m if self.pipeline_schedule == "gpipe" else min(p - s, m)
+        batch = getattr(self, "_tnt_memory_global_batch", None)
+        rows = -(-batch // (self.num_replicas * m)) if batch else None
+        st = self._tnt_stage.stage
+        bds = [self.plan.boundaries[b] for b in (*st.inputs, *(() if st.is_last else st.outputs))]
+        per_row = sum(int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize for b in bds)
+        return _memory.Holdings(
+            model=self.stage_model, optimizer=self._tnt_stage.optimizer,
+            what=f"{self.parallel_strategy.upper()}, stage {s} of {p}, m = {m}, {self.pipeline_schedule}",
+            accumulator_sets=1 if m > 1 else 0, in_flight=in_flight, rows=rows,
+            comm_gradient_sets=1 if self.num_replicas > 1 else 0, receive_bytes=per_row * (rows or 0))
+
     # -- loops ---------------------------------------------------------------------------------------
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, validation_batch_size=None, **kwargs):
         """Keras' ``fit``; ``x`` batched with the global batch size (or arrays + batch_size)."""
         self._assert_compiled("fit")
+        self._tnt_memory_before_fit(x, batch_size)
         train, val = fit_datasets(
             x, y, sample_weight, sharding=self._sharding(), batch_size=batch_size, shuffle=shuffle,
             class_weight=class_weight, validation_split=validation_split, validation_data=validation_data,

@@ -29,6 +29,7 @@ import tnt_comm
 from .._core import backup as _backup
 from .._core import inputs as _inputs
 from .._core import internals as _internals
+from .._core import memory as _memory
 from .._core import runtime as _runtime
 from .._core import sync as _sync
 from .._core.compile_args import own_compile_arguments
@@ -257,6 +258,15 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         """Keras' step (one replica) or the data-parallel step over the replica group."""
         return super().predict_step(data) if self._tnt_steps is None else self._tnt_steps.predict_step(data)
 
+    def _tnt_memory_layout(self) -> _memory.Holdings:
+        """This rank's shards and replicated layers (the model of shards)."""
+        batch = getattr(self, "_tnt_memory_global_batch", None)
+        return _memory.Holdings(
+            model=self.local_model, optimizer=self.optimizer if self.compiled else None,
+            what=f"TENSOR, shard {self.group.rank} of {self.group.size}, {self.num_replicas} replica(s)",
+            rows=-(-batch // self.num_replicas) if batch else None,
+            comm_gradient_sets=1 if self.num_replicas > 1 else 0)
+
     def fit(self, *args, **kwargs):
         """Keras' fit on every rank of the group (same batches everywhere; with data
         replicas, the replica's slice of each global batch); afterwards the replicated
@@ -264,6 +274,8 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         the replicas. Without replicas, a BackupAndRestore callback writes from the master
         (``_backup``), other writing callbacks run as in data parallelism
         (``_rank_callbacks``) and progress prints on the master only."""
+        self._tnt_memory_before_fit(args[0] if args else kwargs.get("x"),
+                                    args[2] if len(args) > 2 else kwargs.get("batch_size"))
         with compiled_segments(self._tnt_xla_segments):
             history = self._fit(*args, **kwargs)
         self.verify_group()

@@ -1,0 +1,94 @@
+"""Per-rank memory on 2 ranks (issue 29; jobs/memory.py, docs/memory.md): the measured peak
+of TENSOR, PIPELINING and DATA stays within a bound derived from ``memory_report()``'s
+estimate, the estimate's parameter bytes add up to the serial model's (counted from its
+shapes in the job, not by the code under test), and ``memory_budget=`` fails on every rank
+before training, with the per-rank figures and the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import launch
+
+MIB = 2**20
+#: What a rank holds beyond the counted state while training: TensorFlow's traced step
+#: functions, oneDNN's caches, Keras' loop, the tnt_comm buffers of small messages, and
+#: the transient temporaries of one variable's update (measured 27-57 MiB above the
+#: estimate here; before issue 29's cuts DATA's replica sync alone added 3 x 168 MiB).
+RUNTIME_BYTES = 128 * MIB
+#: How far above its estimate a peak may go (allocator fragmentation, temporaries).
+SLACK = 1.25
+STRATEGIES = ("TENSOR", "PIPELINING", "DATA")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory") / "memory.json"
+    res = launch(2, "memory.py", out)
+    assert res["ranks"] == 2
+    print(f"\nper-rank memory, MiB (serial state {res['serial_state_bytes'] / MIB:.0f})")
+    for s, recs in res["strategies"].items():
+        for k, r in enumerate(recs):
+            cats = ", ".join(f"{c} {v / MIB:.1f}" for c, v in r["estimate"].items() if v)
+            print(f"{s:10} rank {k}: estimate {r['estimate_total'] / MIB:7.1f}  measured peak "
+                  f"{r['peak'] / MIB:7.1f} (reset {r['hwm_reset']})  [{cats}]")
+    return res
+
+
+def test_model_is_large_enough_for_the_bound_to_mean_something(result):
+    assert result["serial_state_bytes"] >= 200e6
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_measured_peak_within_bound_of_estimate(result, strategy):
+    for k, r in enumerate(result["strategies"][strategy]):
+        bound = SLACK * r["estimate_total"] + RUNTIME_BYTES
+        assert 0 < r["peak"] <= bound, (strategy, k, r["peak"] / MIB, bound / MIB, r)
+        assert r["report_peak"] > 0, r
+
+
+def test_parameters_add_up_to_the_serial_model(result):
+    serial_params = result["serial_state_bytes"] // 4
+    st = result["strategies"]
+    assert all(r["estimate"]["parameters"] == serial_params for r in st["DATA"])
+    assert sum(r["estimate"]["parameters"] for r in st["PIPELINING"]) == serial_params
+    # TENSOR: the split layers' halves, the small replicated head on both ranks
+    tensor = [r["estimate"]["parameters"] for r in st["TENSOR"]]
+    assert serial_params <= sum(tensor) <= 1.01 * serial_params, tensor
+    for s in STRATEGIES:
+        for r in st[s]:
+            e = r["estimate"]
+            # Adam: 2 slots per weight, and its iteration count and learning rate (a few bytes)
+            assert 0 <= e["optimizer_slots"] - 2 * e["gradients"] <= 64, (s, e)
+    assert all(r["estimate"]["communication_buffers"] == r["estimate"]["gradients"] for r in st["DATA"])
+    assert all(r["estimate"]["gradient_accumulators"] == r["estimate"]["gradients"] for r in st["PIPELINING"])
+    assert max(r["estimate_total"] for r in st["PIPELINING"]) < 0.7 * st["DATA"][0]["estimate_total"]
+
+
+def test_budget_below_the_estimate_fails_on_every_rank_before_training(result):
+    tight = result["budget"]["tight"]
+    assert len(tight) == 2
+    for r in tight:
+        assert r["raised"], r
+        assert "rank 0:" in r["message"] and "rank 1:" in r["message"], r["message"]
+        assert "more pipeline stages" in r["message"] and "tensor group" in r["message"], r["message"]
+        assert r["weights_unchanged"], r
+
+
+def test_generous_budget_trains_and_bad_budget_is_a_clear_error(result):
+    assert not any(r["raised"] for r in result["budget"]["generous"]), result["budget"]["generous"]
+    for r in result["budget"]["unparsable"]:
+        assert r["raised"] and "6GiB" in r["message"], r
+
+
+def test_budget_sizes_parse_with_units():
+    from tarantella._core.memory import parse_bytes
+
+    assert parse_bytes("6GiB") == 6 * 2**30
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("8GB") == 8 * 10**9
+    assert parse_bytes(1024) == 1024
+    assert parse_bytes(None) is None
+    for bad in ("-1GiB", "6 gigs", "GiB", 0, True):
+        with pytest.raises(ValueError, match="6GiB"):
+            parse_bytes(bad)
