@@ -40,7 +40,9 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) ->
         return loaded
     with _io.master_file(filepath) as local:
         inner = keras.models.load_model(local, custom_objects=custom_objects, compile=compile, **rest)
-    return Model(inner, **options)
+    # Nothing to split: data-parallel replicas, with DATA's own options (``sharding=``) only;
+    # another strategy's (``tensor_parallel_size=1``) were about what is not split.
+    return Model(inner, **(options if member is ParallelStrategy.DATA else {}))
 
 
 def save_model(model, filepath, overwrite: bool = True, **kwargs) -> None:
