@@ -21,6 +21,7 @@ STEPS = 4  # 32 samples, global batch 8
 TOL = 2e-5
 
 
+_FAILED: set[int] = set()
 _LAUNCHED: dict[int, dict] = {}
 
 
@@ -32,12 +33,16 @@ class WithDefaults(keras.Model):
 
 def _report(ranks: int, tmp_path_factory) -> dict:
     """The job's report on ``ranks`` ranks (one launch per rank count in this session)."""
+    if ranks in _FAILED:  # a failed launch is not retried by every later test (minutes each)
+        pytest.fail(f"the {ranks}-rank layouts_files launch failed (see the first test's error)")
     if ranks not in _LAUNCHED:
         out = tmp_path_factory.mktemp(f"layouts{ranks}") / "layouts.json"
+        _FAILED.add(ranks)
         result = launch(ranks, "layouts_files.py", out)
         assert result["ranks"] == ranks
         result["work"] = out.parent
         _LAUNCHED[ranks] = result
+        _FAILED.discard(ranks)
     return _LAUNCHED[ranks]
 
 
