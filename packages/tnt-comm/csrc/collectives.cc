@@ -423,22 +423,29 @@ CommPtr split(Engine& engine, const CommPtr& parent, int color, int key) {
   return child;
 }
 
+// Note [Blocking dup]: MPI_Comm_idup's non-blocking context-id agreement hung once in
+// CI (Open MPI 5, 4 ranks on 2 cores: every rank had posted it, none completed in 120 s;
+// Open MPI has a history of such idup hangs, e.g. ompi issues #778, #2025). So a dup
+// is made like a split: a timed barrier shows every member has arrived (a missing rank
+// is reported by the stall check as for any collective), then the communication thread
+// calls the blocking MPI_Comm_dup, which returns promptly once all members are in it.
 CommPtr dup(Engine& engine, const CommPtr& parent) {
   auto child = std::make_shared<Comm>();
   child->name = "dup of " + parent->name;
-  auto plane = std::make_shared<std::unique_ptr<DataPlane>>();
   std::vector<StepTask::Step> steps;
-  steps.push_back([plane](DataPlane& t) { return t.idup(plane.get()); });
-  steps.push_back([&engine, parent, child, plane](DataPlane&) -> std::unique_ptr<Request> {
+  steps.push_back([](DataPlane& t) { return t.ibarrier(); });  // timed: every member arrived
+  steps.push_back([&engine, parent, child](DataPlane& t) -> std::unique_ptr<Request> {
     child->id = child_comm_id(parent->id, parent->derived++, -1);
-    child->data = std::move(*plane);
+    child->data = t.dup();
     child->rank = child->data->rank();
     child->size = child->data->size();
     child->world_ranks = child->data->world_ranks();
     engine.adopt(child);
     return nullptr;
   });
-  run_blocking(engine, std::make_shared<StepTask>(parent, "dup of " + parent->name, std::move(steps)));
+  auto task = std::make_shared<StepTask>(parent, "dup of " + parent->name, std::move(steps));
+  task->set_thread_only();  // MPI_Comm_dup blocks
+  run_blocking(engine, std::move(task));
   return child;
 }
 

@@ -369,25 +369,10 @@ class MpiDataPlane final : public DataPlane {
     return r;
   }
 
-  std::unique_ptr<Request> idup(std::unique_ptr<DataPlane>* out) override {
-    class DupRequest final : public Request {
-     public:
-      DupRequest(std::unique_ptr<DataPlane>* out, Ops* ops) : out_(out), ops_(ops) {}
-      MpiRequest inner;
-      MPI_Comm comm = MPI_COMM_NULL;
-      bool test() override {
-        if (!inner.test()) return false;
-        if (!*out_) *out_ = std::make_unique<MpiDataPlane>(comm, ops_);
-        return true;
-      }
-
-     private:
-      std::unique_ptr<DataPlane>* out_;
-      Ops* ops_;
-    };
-    auto r = std::make_unique<DupRequest>(out, ops_);
-    check(MPI_Comm_idup(comm_, &r->comm, r->inner.handle()), "MPI_Comm_idup");
-    return r;
+  std::unique_ptr<DataPlane> dup() override {
+    MPI_Comm out = MPI_COMM_NULL;
+    check(MPI_Comm_dup(comm_, &out), "MPI_Comm_dup");
+    return std::make_unique<MpiDataPlane>(out, ops_);
   }
 
   std::unique_ptr<DataPlane> split(int color, int key) override {

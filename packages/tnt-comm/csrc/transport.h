@@ -85,8 +85,9 @@ class DataPlane {
   virtual std::unique_ptr<Request> irecv(void* buf, std::int64_t capacity, int source, int tag,
                                          std::int64_t* received) = 0;
 
-  // A private duplicate (non-blocking: poll the request; *out is set on completion).
-  virtual std::unique_ptr<Request> idup(std::unique_ptr<DataPlane>* out) = 0;
+  // A private duplicate (MPI_Comm_dup). Blocking: call it only once every member is
+  // known to have arrived (Note [Blocking dup]).
+  virtual std::unique_ptr<DataPlane> dup() = 0;
   // MPI_Comm_split. Blocking: call it only once every member is known to have arrived.
   virtual std::unique_ptr<DataPlane> split(int color, int key) = 0;
 
