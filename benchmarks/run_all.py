@@ -73,6 +73,9 @@ BENCHMARKS: list[Benchmark] = [
     # Sharded data parallelism (issue 30): memory and step time per level; launches its own
     # 2-rank jobs (one per level), rows come with the JSON.
     Benchmark("sharded", "sharded.py"),
+    # Stage recomputation (issue 29): activation memory saved and step time paid; launches
+    # its own 2-rank jobs (one per schedule x remat), rows come with the JSON.
+    Benchmark("remat", "remat.py"),
     Benchmark("summary", "summary.py", quick=False),
 ]
 

@@ -113,8 +113,9 @@ class Holdings:
     ``model``: the Keras model whose variables live on this rank (the whole model, a stage,
     a model of shards); ``optimizer``: its optimizer (None before compile);
     ``accumulator_sets``: full gradient sets held beside the step's gradients (a pipeline
-    sums micro-batches: 1); ``in_flight``: micro-batches whose activations are alive at
-    once; ``rows``: samples per micro-batch (None: not known before fit);
+    sums micro-batches: 1); ``in_flight``: micro-batches in flight at once (their received
+    inputs are held); ``activation_sets``: of those, how many keep their activations (None:
+    all; 1 under a pipeline's ``remat="stages"``); ``rows``: samples per micro-batch (None: not known before fit);
     ``comm_gradient_sets``: full gradient sets the fused engine stages (its buckets: 1 when
     gradients are reduced over replicas, else 0); ``receive_bytes``: bytes of one
     micro-batch's received boundary tensors (pipelines); ``what``: the layout in words.
@@ -125,6 +126,7 @@ class Holdings:
     what: str
     accumulator_sets: int = 0
     in_flight: int = 1
+    activation_sets: int | None = None
     rows: int | None = None
     comm_gradient_sets: int = 0
     receive_bytes: int = 0
@@ -181,7 +183,8 @@ def estimate(h: Holdings) -> dict[str, int]:
     params = variable_bytes(model.variables)
     grads = variable_bytes(trainable)
     per_sample = activation_bytes_per_sample(model)
-    acts = (per_sample or 0) * (h.rows or 0) * h.in_flight
+    sets = h.in_flight if h.activation_sets is None else min(h.activation_sets, h.in_flight)
+    acts = (per_sample or 0) * (h.rows or 0) * sets
     return {
         "parameters": params,
         "gradients": grads,

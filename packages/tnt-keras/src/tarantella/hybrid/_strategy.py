@@ -62,10 +62,10 @@ def build_all(model: keras.Model, member: ParallelStrategy, options: dict) -> ke
     check_model(model)
     pipeline = _pipeline_plan(model, options)
     if pipeline is not None and pipeline.num_stages > 1:
-        kept = {k: options[k] for k in ("num_micro_batches", "pipeline_schedule") if k in options}
+        kept = {k: options[k] for k in ("num_micro_batches", "pipeline_schedule", "remat") if k in options}
         return TensorPipelinedModel(model, tensor_plan=as_plan(options.get("tensor_parallel_plan"), model, t),
                                     pipeline_plan=pipeline, **kept)
-    pipelined = sorted({"num_micro_batches", "pipeline_schedule"} & set(options))
+    pipelined = sorted({"num_micro_batches", "pipeline_schedule", "remat"} & set(options))
     if pipelined:
         raise TensorParallelError(
             f"{', '.join(pipelined)} apply to pipeline stages, but the model has one stage. Pass "

@@ -9,7 +9,9 @@ respect to the boundary inputs only (sent upstream at once), W(i) later for thos
 respect to the weights, and then lets it go. In TensorFlow each ``gradient`` call runs
 the recorded forward's backward function, so B and W each cost about one joint backward
 pass: the split buys a shorter critical path upstream at the price of extra compute
-(docs/pipelining.md, "ZB-H1"). Sends are non-blocking
+(docs/pipelining.md, "ZB-H1"). With ``remat="stages"`` (Note [Stage recomputation]) the
+forward runs without a tape and keeps only its inputs; B re-runs it under a tape first.
+Sends are non-blocking
 and waited for at the end of the step; each receive is posted one message ahead of the
 action that takes it (``ReceiveAhead``), so it lands while the stage computes.
 
@@ -39,6 +41,7 @@ from .._core import sparse as _sparse
 from .._core import trace as _trace
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead
+from ._remat import STAGES, Recompute, StageState
 from ._schedule import SPLIT_BACKWARD, verify
 from ._shapes import BoundaryShapes
 from ._stages import StageModel
@@ -66,8 +69,10 @@ def _slice(structure, lo: int, hi: int):
 class StageExecutor:
     """Executes the schedule of one stage (``stage``) of ``plan`` through ``transport``."""
 
-    def __init__(self, stage: StageModel, plan: Plan, transport: Transport, schedule: str) -> None:
+    def __init__(self, stage: StageModel, plan: Plan, transport: Transport, schedule: str,
+                 remat: str | None = None) -> None:
         self.stage = stage
+        self.remat = remat == STAGES
         self.model = stage.model
         self.plan = plan
         self.transport = transport
@@ -90,6 +95,7 @@ class StageExecutor:
         self._grad_outputs = [k for k, b in enumerate(stage.outputs) if plan.boundaries[b].differentiable]
         self._split = schedule in SPLIT_BACKWARD
         self._actions: dict[tuple[int, bool], list] = {}  # (micro-batches, training) -> verified list
+        self._state = StageState(self.model) if self.remat else None
 
     # -- compiled pieces ---------------------------------------------------------------------
     def _fn(self, key, make):
@@ -208,10 +214,11 @@ class StageExecutor:
                 sends = [r for r in sends if not r.test()]  # completed sends let go of their arrays
                 t0 = time.perf_counter()
                 if self._split:  # B: input gradients only; W(i) takes the weights' later
-                    record = live[i]
+                    record = live[i] = self._recomputed(live[i])
                     d_inputs = self._run_backward_inputs(record, out_grads.pop(i, {}))
                 else:
-                    d_inputs, grads = self._run_backward(live.pop(i), out_grads.pop(i, {}), variables)
+                    d_inputs, grads = self._run_backward(self._recomputed(live.pop(i)), out_grads.pop(i, {}),
+                                                         variables)
                     pending[i] = grads
                 d_inputs = [np.asarray(d) for d in d_inputs]
                 t1 = time.perf_counter()
@@ -282,16 +289,34 @@ class StageExecutor:
         if mode == PREDICT and st.is_last:
             result.predictions.append(self._forward(False)(inputs)[0])
             return None
-        tape = tf.GradientTape(persistent=self._split) if training else None
+        y_i, sw_i = (_slice(y, lo, hi), _slice(sample_weight, lo, hi)) if st.is_last else (None, None)
+        before = self._state.snapshot() if training and self.remat else None
+        record = self._taped_forward(training, inputs, y_i, sw_i, weight,
+                                     taped=training and not self.remat)
+        tape, watched, targets, outs = record
+        if st.is_last:
+            y_pred, loss = outs
+            self._update_metrics()(y_i, y_pred, sw_i, loss, tf.constant(hi - lo, tf.float32))
+        else:
+            outputs_np[i] = {b: np.asarray(o) for b, o in zip(st.outputs, outs)}
+        if before is not None:  # keep the inputs (and the state they met), not the activations
+            return Recompute(inputs, y_i, sw_i, weight, before)
+        return [tape, watched, targets]
+
+    def _taped_forward(self, training: bool, inputs, y_i, sw_i, weight, *, taped: bool):
+        """The stage's forward (with the loss on the last stage), under a tape when ``taped``:
+        (tape, watched boundary inputs, differentiated targets, outputs)."""
+        st = self.stage
+        tape = tf.GradientTape(persistent=self._split) if taped else None
         watched = [inputs[k] for k in self._grad_positions]
         if tape is not None:
             tape.__enter__()
             tape.watch(watched)
         try:
             if st.is_last:
-                y_i, sw_i = _slice(y, lo, hi), _slice(sample_weight, lo, hi)
                 y_pred, loss = self._forward_loss(training)(inputs, y_i, sw_i)
                 targets = [self._scaled(loss * tf.cast(weight, loss.dtype))]
+                outs = (y_pred, loss)
             else:
                 outs, reg = self._forward(training)(inputs)
                 targets = [outs[k] for k in self._grad_outputs]
@@ -300,10 +325,16 @@ class StageExecutor:
         finally:
             if tape is not None:
                 tape.__exit__(None, None, None)
-        if st.is_last:
-            self._update_metrics()(y_i, y_pred, sw_i, loss, tf.constant(hi - lo, tf.float32))
-        else:
-            outputs_np[i] = {b: np.asarray(o) for b, o in zip(st.outputs, outs)}
+        return tape, watched, targets, outs
+
+    def _recomputed(self, record):
+        """A taped record for backward: ``record`` itself, or (remat) the forward of a
+        ``Recompute`` re-run under a tape from the state it first met."""
+        if not isinstance(record, Recompute):
+            return record
+        with self._state.restored(record.state):
+            tape, watched, targets, _ = self._taped_forward(True, record.inputs, record.y, record.sample_weight,
+                                                            record.weight, taped=True)
         return [tape, watched, targets]
 
     def _scaled(self, loss):

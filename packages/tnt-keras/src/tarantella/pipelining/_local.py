@@ -11,6 +11,7 @@ import threading
 
 from ._plan import Plan
 from ._plan import plan as make_plan
+from ._remat import check_remat
 from ._schedule import check_schedule
 from ._stage_runtime import StageRuntime
 from ._stages import serial_weights
@@ -43,11 +44,12 @@ class LocalPipeline:
 
     def __init__(self, model, num_pipeline_stages: int | None = None, *, num_micro_batches: int = 4,
                  pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
-                 timeout: float = 120.0) -> None:
+                 remat: str | None = None, timeout: float = 120.0) -> None:
         self.plan = pipeline_plan or make_plan(model, num_pipeline_stages)
         check_schedule(pipeline_schedule)
         transports = LocalTransport.group(self.plan.num_stages, timeout)
-        self.stages = [StageRuntime(self.plan, t, pipeline_schedule, num_micro_batches) for t in transports]
+        self.stages = [StageRuntime(self.plan, t, pipeline_schedule, num_micro_batches, remat=check_remat(remat))
+                       for t in transports]
 
     def compile(self, optimizer, loss=None, metrics=None, **kwargs) -> None:
         """Compile every stage with the same optimizer, loss and metrics."""

@@ -37,6 +37,7 @@ from ._saving import (
     serial_weight_keys,
     stage_payload,
 )
+from ._remat import check_remat
 from ._schedule import check_schedule, schedule_grid
 from ._stage_runtime import StageRuntime
 from ._stages import held_layers
@@ -72,7 +73,7 @@ class PipelinedModel(DistributedModel):
     def __init__(self, model: keras.Model, *, parallel_strategy: str = "pipelining",
                  num_pipeline_stages: int | None = None, num_micro_batches: int | None = None,
                  pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
-                 _stage_builder=None) -> None:
+                 remat: str | None = None, _stage_builder=None) -> None:
         """``_stage_builder(plan, transport) -> StageModel``: how this rank's stage is made
         (default: the stage's layers cloned whole; tensor_parallel's stages of tensor groups
         pass their own, with ``tensor_parallel_size``: the mesh then has t > 1)."""
@@ -88,6 +89,7 @@ class PipelinedModel(DistributedModel):
         t = getattr(_stage_builder, "tensor_parallel_size", 1)
         mesh = check_layout(parallel_strategy, _runtime.get_size(), t, plan.num_stages)
         check_schedule(pipeline_schedule)
+        self.remat = check_remat(remat)
         m = default_micro_batches(plan.num_stages) if num_micro_batches is None else \
             check_micro_batches(num_micro_batches)
         self.plan = plan
@@ -99,7 +101,8 @@ class PipelinedModel(DistributedModel):
         stage_model = _stage_builder(plan, transport) if _stage_builder else None
         self._tnt_check_same_plan(transport)
         self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m, stage_model=stage_model,
-                                       fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes)
+                                       fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes,
+                                       remat=self.remat)
         self._tnt_serial_config = (type(model), model.get_config())
         self._tnt_mixed_float16 = model.dtype_policy.name == "mixed_float16"
         self._tnt_compile_args: dict | None = None
@@ -322,6 +325,8 @@ class PipelinedModel(DistributedModel):
         (1F1B: min(p - s, m); GPipe: m) and their received boundary tensors."""
         p, m, s = self.plan.num_stages, self.num_micro_batches, self.stage
         in_flight = m if self.pipeline_schedule == "gpipe" else min(p - s, m)
+        # remat="stages": one micro-batch's activations at a time (its re-run), the inputs of all
+        activation_sets = 1 if self.remat else in_flight
         batch = getattr(self, "_tnt_memory_global_batch", None)
         rows = -(-batch // (self.num_replicas * m)) if batch else None
         st = self._tnt_stage.stage
@@ -329,8 +334,9 @@ class PipelinedModel(DistributedModel):
         per_row = sum(int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize for b in bds)
         return _memory.Holdings(
             model=self.stage_model, optimizer=self._tnt_stage.optimizer,
-            what=f"{self.parallel_strategy.upper()}, stage {s} of {p}, m = {m}, {self.pipeline_schedule}",
-            accumulator_sets=1 if m > 1 else 0, in_flight=in_flight, rows=rows,
+            what=f"{self.parallel_strategy.upper()}, stage {s} of {p}, m = {m}, {self.pipeline_schedule}"
+                 + (", remat='stages'" if self.remat else ""),
+            accumulator_sets=1 if m > 1 else 0, in_flight=in_flight, activation_sets=activation_sets, rows=rows,
             comm_gradient_sets=1 if self.num_replicas > 1 else 0, receive_bytes=per_row * (rows or 0))
 
     # -- loops ---------------------------------------------------------------------------------------

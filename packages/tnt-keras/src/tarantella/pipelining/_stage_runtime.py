@@ -50,14 +50,15 @@ class StageRuntime:
     """Stage ``stage_index`` of ``plan`` on this rank, talking through ``transport``."""
 
     def __init__(self, plan: Plan, transport: Transport, schedule: str, num_micro_batches: int,
-                 stage_model: StageModel | None = None, fusion_threshold_bytes: int = 8 << 20) -> None:
+                 stage_model: StageModel | None = None, fusion_threshold_bytes: int = 8 << 20,
+                 remat: str | None = None) -> None:
         self.plan = plan
         self.transport = transport
         self.num_micro_batches = num_micro_batches
         self.stage = stage_model or build_stage(plan, transport.stage)
         self.model = self.stage.model
         self.is_last = self.stage.is_last
-        self.executor = StageExecutor(self.stage, plan, transport, schedule)
+        self.executor = StageExecutor(self.stage, plan, transport, schedule, remat=remat)
         self.ties = TiedGradients(plan, self.model, transport)  # layers held on several stages
         self.optimizer: keras.optimizers.Optimizer | None = None
         self.global_clipnorm: float | None = None

@@ -21,15 +21,17 @@ from ._model import PipelinedModel, check_micro_batches
 from ._plan import plan as make_plan
 from ._plan import stages_from_markers
 from ._saving import read_stage_state
+from ._remat import check_remat
 from ._schedule import check_schedule
 
 #: The options of a pipeline, declared once (ALL takes them too).
-OPTIONS = ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan")
+OPTIONS = ("num_pipeline_stages", "num_micro_batches", "pipeline_schedule", "pipeline_plan", "remat")
 
 
 def check_options(options: dict) -> None:
     """Schedule and micro-batch count, checked on every rank count."""
     check_schedule(options.get("pipeline_schedule", "1f1b"))
+    check_remat(options.get("remat"))
     if options.get("num_micro_batches") is not None:
         check_micro_batches(options["num_micro_batches"])
 
@@ -56,7 +58,8 @@ def load(filepath, member: ParallelStrategy, options: dict, **kwargs) -> keras.M
 
 
 def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_micro_batches=None,
-               pipeline_schedule: str = "1f1b", custom_objects=None, compile: bool = True,
+               pipeline_schedule: str = "1f1b", remat: str | None = None, custom_objects=None,
+               compile: bool = True,
                safe_mode: bool = True, **kwargs):
     """Load a ``.keras`` file (pipelined or serial save) into ``num_pipeline_stages`` stages.
 
@@ -73,7 +76,7 @@ def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_mic
         if _runtime.get_size() == 1 or pipeline_plan.num_stages == 1:
             return None  # one rank or one stage: the caller loads it data-parallel
         model = PipelinedModel(full, parallel_strategy=strategy, num_micro_batches=num_micro_batches,
-                               pipeline_schedule=pipeline_schedule, pipeline_plan=pipeline_plan)
+                               pipeline_schedule=pipeline_schedule, pipeline_plan=pipeline_plan, remat=remat)
         if not legacy:
             full_optimizer = full.optimizer if compile and getattr(full, "optimizer", None) is not None else None
             read_stage_state(model, full, full_optimizer, _internals.weights_store(local, archive))
