@@ -76,6 +76,8 @@ BENCHMARKS: list[Benchmark] = [
     # Stage recomputation (issue 29): activation memory saved and step time paid; launches
     # its own 2-rank jobs (one per schedule x remat), rows come with the JSON.
     Benchmark("remat", "remat.py"),
+    # The fixed glibc mmap threshold's step-time price (issue 29); alternating 2-rank launches.
+    Benchmark("malloc_threshold", "malloc_threshold.py"),
     Benchmark("summary", "summary.py", quick=False),
 ]
 
