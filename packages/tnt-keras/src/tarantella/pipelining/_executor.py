@@ -56,10 +56,16 @@ class StepResult:
 
     grads: list | None = None  # accumulated weighted gradients (train), None if no micro-batch
     predictions: list = field(default_factory=list)  # last stage, predict: one output per micro-batch
-    peak_live: int = 0  # the most micro-batches held in tapes at once
+    peak_live: int = 0  # the most micro-batches in flight at once (forward done, backward not)
+    peak_taped: int = 0  # of those, the most holding their activations (in a tape) at once
     seconds: float = 0.0  # wall time of the schedule
     window: tuple[float, float] = (0.0, 0.0)  # its start and end, time.time() (comparable across ranks of a host)
     busy_seconds: float = 0.0  # of which computing forward/backward passes (the rest is waiting)
+
+
+def _taped(live: dict) -> int:
+    """Micro-batches in ``live`` whose activations are held (not kept for recomputation)."""
+    return sum(1 for r in live.values() if not isinstance(r, Recompute))
 
 
 def _slice(structure, lo: int, hi: int):
@@ -193,6 +199,7 @@ class StageExecutor:
                 if rec:
                     rec.add(f"F{i}", "forward", "compute", t0, t1, mb=i, **lane_args)
                 result.peak_live = max(result.peak_live, len(live))
+                result.peak_taped = max(result.peak_taped, _taped(live))
                 if not training:
                     live.pop(i)
             elif a.kind == "SEND_ACT":
@@ -215,10 +222,13 @@ class StageExecutor:
                 t0 = time.perf_counter()
                 if self._split:  # B: input gradients only; W(i) takes the weights' later
                     record = live[i] = self._recomputed(live[i])
+                    result.peak_taped = max(result.peak_taped, _taped(live))
                     d_inputs = self._run_backward_inputs(record, out_grads.pop(i, {}))
                 else:
-                    d_inputs, grads = self._run_backward(self._recomputed(live.pop(i)), out_grads.pop(i, {}),
-                                                         variables)
+                    record = self._recomputed(live.pop(i))
+                    result.peak_taped = max(result.peak_taped, _taped(live) + 1)
+                    d_inputs, grads = self._run_backward(record, out_grads.pop(i, {}), variables)
+                    del record
                     pending[i] = grads
                 d_inputs = [np.asarray(d) for d in d_inputs]
                 t1 = time.perf_counter()

@@ -29,6 +29,7 @@ from .._core.serial_files import assign_optimizer_state, optimizer_state
 from .._core.step_parts import split_sizes
 from ._plan import Plan
 from ._plan import plan as make_plan
+from ._remat import check_remat
 from ._saving import (
     fill_serial_model,
     gather_serial_model,
@@ -37,7 +38,6 @@ from ._saving import (
     serial_weight_keys,
     stage_payload,
 )
-from ._remat import check_remat
 from ._schedule import check_schedule, schedule_grid
 from ._stage_runtime import StageRuntime
 from ._stages import held_layers

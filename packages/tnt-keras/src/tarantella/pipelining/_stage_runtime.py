@@ -63,6 +63,7 @@ class StageRuntime:
         self.optimizer: keras.optimizers.Optimizer | None = None
         self.global_clipnorm: float | None = None
         self.peak_live = 0
+        self.peak_taped = 0
         self.schedule_seconds = 0.0  # wall time in schedules (train steps) ...
         self.busy_seconds = 0.0  # ... of which computing: 1 - busy/wall is the idle fraction
         # (start, end, busy seconds) of the last train schedules: with the other stages'
@@ -153,6 +154,7 @@ class StageRuntime:
         total = n if total is None else int(total)
         result = self.executor.run(TRAIN, x_flat, y, sample_weight, sizes, max(total, 1))
         self.peak_live = max(self.peak_live, result.peak_live)
+        self.peak_taped = max(self.peak_taped, result.peak_taped)
         self.schedule_seconds += result.seconds
         self.busy_seconds += result.busy_seconds
         self.windows.append((*result.window, result.busy_seconds))

@@ -20,8 +20,8 @@ from .._core.strategy import ParallelStrategy, Strategy, register
 from ._model import PipelinedModel, check_micro_batches
 from ._plan import plan as make_plan
 from ._plan import stages_from_markers
-from ._saving import read_stage_state
 from ._remat import check_remat
+from ._saving import read_stage_state
 from ._schedule import check_schedule
 
 #: The options of a pipeline, declared once (ALL takes them too).
