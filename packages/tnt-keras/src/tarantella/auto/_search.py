@@ -174,7 +174,8 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
         raise MemoryBudgetError(
             f"tnt.plan_parallel: no layout of {num_ranks} rank(s) fits memory_budget={_mib(budget)} per rank "
             f"({source}). The smallest feasible budget is {_mib(smallest.estimate.total_bytes)} "
-            f"({smallest.layout.describe()}); raise memory_budget= to at least that, use more ranks, "
+            f"({smallest.estimate.total_bytes} bytes, "
+            f"{smallest.layout.describe()}); raise memory_budget= to at least that, use more ranks, "
             "or a smaller global batch.")
     feasible.sort(key=lambda c: (c.estimate.step_s, c.layout.num_ranks, c.layout.stages, c.layout.tensor,
                                  c.layout.sharding))
