@@ -26,7 +26,17 @@ tensor groups. Launch with ``tarantella -n N -- train.py``; ``python train.py`` 
 
 from __future__ import annotations
 
-from . import auto, data_parallel, hybrid, keras, models, native, pipelining, tensor_parallel, timeline
+from . import (
+    auto,
+    data_parallel,
+    hybrid,
+    keras,
+    models,
+    native,
+    pipelining,
+    tensor_parallel,
+    timeline,
+)
 from ._core.deferred import deferred_variables
 from ._core.inputs import InputError
 from ._core.internals import UnsupportedVersionError

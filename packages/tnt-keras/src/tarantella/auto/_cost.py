@@ -7,7 +7,7 @@ gradient accumulator, activations of the micro-batches in flight (1F1B: ``min(p 
 on stage s), the engine's gradient buffer when gradients are reduced over replicas and
 received boundary tensors. Time: the profile's forward + backward of the layers a rank
 runs (tensor-split layers at ``1/t``) at its rows, the pipeline's ``m + p - 1`` slots of
-its slowest stage, and the collectives from the α/β model (``_comm``).
+its slowest stage, and the collectives from the alpha-beta model (``_comm``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ class Estimate:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every category together."""
         return sum(self.memory.values())
 
 

@@ -22,10 +22,12 @@ class Layout:
 
     @property
     def num_ranks(self) -> int:
+        """Ranks the layout takes: d x p x t."""
         return self.replicas * self.stages * self.tensor
 
     @property
     def strategy(self) -> ParallelStrategy:
+        """The strategy that builds it (two or more of d, p, t above 1: ALL)."""
         if self.stages == 1 and self.tensor == 1:
             return ParallelStrategy.DATA
         if self.tensor == 1 and self.replicas == 1:
@@ -35,6 +37,7 @@ class Layout:
         return ParallelStrategy.ALL
 
     def describe(self) -> str:
+        """``DATA(d=2, sharding=1)``, ``PIPELINING(d=1, p=2 m=4)``, ...: the summary's name."""
         parts = [f"d={self.replicas}"]
         if self.stages > 1:
             parts.append(f"p={self.stages} m={self.micro_batches}")

@@ -42,14 +42,17 @@ class Plan:
 
     @property
     def layout(self) -> Layout:
+        """The chosen layout."""
         return self.choice.layout
 
     @property
     def step_time_s(self) -> float:
+        """Predicted seconds per training step of the chosen layout."""
         return self.choice.estimate.step_s
 
     @property
     def samples_per_s(self) -> float:
+        """Predicted training throughput of the chosen layout."""
         return self.global_batch_size / self.step_time_s
 
     @property

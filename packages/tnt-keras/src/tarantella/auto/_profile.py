@@ -38,6 +38,7 @@ class LayerCost:
     measured: bool
 
     def time_s(self, rows: float) -> float:
+        """Forward + backward seconds for ``rows`` samples."""
         return self.a_s + self.b_s * rows
 
 
@@ -51,15 +52,19 @@ class Profile:
     notes: list[str] = field(default_factory=list)
 
     def by_name(self) -> dict[str, LayerCost]:
+        """{layer name: its costs}."""
         return {c.name: c for c in self.layers}
 
     def weight_bytes(self) -> int:
+        """Bytes of every weight of the model."""
         return sum(c.weight_bytes for c in self.layers)
 
     def trainable_bytes(self) -> int:
+        """Bytes of the trainable weights (the gradients' size)."""
         return sum(c.trainable_bytes for c in self.layers)
 
     def activation_bytes_per_sample(self, names=None) -> int:
+        """Output bytes per sample of the layers ``names`` (all: None)."""
         keep = None if names is None else set(names)
         return sum(c.activation_bytes_per_sample for c in self.layers if keep is None or c.name in keep)
 
@@ -171,7 +176,7 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
         if run is not None:
             try:
                 points = [(r, run(r)) for r in sizes]
-            except Exception:  # noqa: BLE001 - a layer that cannot run alone gets the proxy
+            except Exception:  # a layer that cannot run alone gets the proxy
                 points = []
         if points:
             a, b = _fit(points)

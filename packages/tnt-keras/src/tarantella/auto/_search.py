@@ -67,7 +67,7 @@ def _split(model, t: int, prof: Profile) -> Split | str:
 
     try:
         tp = tensor_parallel.plan(model, tensor_parallel_size=t)
-    except Exception as e:  # noqa: BLE001 - any refusal is a rejection with its message
+    except Exception as e:  # any refusal is a rejection with its message
         return f"no tensor plan: {str(e).splitlines()[0][:120]}"
     split = {s.name: s for s in tp.layers if s.split_params}
     if not split:
@@ -85,7 +85,7 @@ def _stages(model, p: int) -> Stages | str:
 
     try:
         pp = pipelining.plan(model, p)
-    except Exception as e:  # noqa: BLE001 - any refusal is a rejection with its message
+    except Exception as e:  # any refusal is a rejection with its message
         return f"no pipeline plan: {str(e).splitlines()[0][:120]}"
     if pp.num_stages != p:
         return f"the model's markers make {pp.num_stages} stages, not {p}"
@@ -180,9 +180,8 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     feasible.sort(key=lambda c: (c.estimate.step_s, c.layout.num_ranks, c.layout.stages, c.layout.tensor,
                                  c.layout.sharding))
     rejected.sort(key=lambda c: (c.estimate is None, c.estimate.step_s if c.estimate else 0.0))
-    notes = list(prof.notes) + [f"optimizer slots per trainable weight: {slots}",
-                                f"communication: α = {net.alpha_s * 1e6:.0f} µs, β = {net.beta_Bps / 1e9:.2f} GB/s"
-                                f" ({net.name})",
-                                f"profile measured here at {', '.join(map(str, prof.rows_measured))} rows "
-                                "per forward (linear in between)"]
+    notes = [*prof.notes, f"optimizer slots per trainable weight: {slots}",
+             f"communication: alpha = {net.alpha_s * 1e6:.0f} us, beta = {net.beta_Bps / 1e9:.2f} GB/s ({net.name})",
+             f"profile measured here at {', '.join(map(str, prof.rows_measured))} rows per forward "
+             "(linear in between)"]
     return Plan(num_ranks, global_batch_size, budget, source, feasible[0], feasible, rejected, notes)

@@ -45,7 +45,7 @@ def _agreed_plan(model: keras.Model, options: dict) -> Plan:
     if _runtime.get_rank() == 0:
         try:
             result = plan_parallel(model, size, batch, options.get("memory_budget"))
-        except Exception as e:  # noqa: BLE001 - every rank raises rank 0's error, none hangs
+        except Exception as e:  # every rank raises rank 0's error, none hangs
             result = e
     result = tnt_comm.broadcast_object(result, root=0)
     if isinstance(result, Exception):
