@@ -17,6 +17,8 @@ import pytest
 from conftest import launch
 
 import tarantella as tnt
+from tarantella.auto import LayerCost, Profile
+from tarantella.auto._partition import time_split_after
 
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 
@@ -119,6 +121,36 @@ def test_auto_on_one_rank_and_bad_input():
         tnt.Model(two_convs(), plan=plan)
 
 
+def _profile_of(times: list[float]) -> Profile:
+    return Profile("m", [LayerCost(f"l{i}", 4, 4, 4, 0.0, t, True) for i, t in enumerate(times)], (1,))
+
+
+def test_time_partition_minimises_the_slowest_stage():
+    # the only best cuts, worked out by hand: [5, 1 | 1, 1, 4] (slowest 6), [6 | 1, 2, 3 | 4] (6)
+    assert time_split_after(_profile_of([5, 1, 1, 1, 4]), 2, rows=1) == ["l1"]
+    assert time_split_after(_profile_of([6, 1, 2, 3, 4]), 3, rows=1) == ["l0", "l3"]
+    assert time_split_after(_profile_of([1, 1, 1, 1]), 2, rows=1) == ["l1"]
+    assert time_split_after(_profile_of([1]), 2, rows=1) is None
+
+
+def test_pipelines_are_predicted_with_both_partitions():
+    inp = keras.Input((16, 16, 8))
+    x = keras.layers.Conv2D(32, 3, padding="same", name="c1")(inp)  # time, few bytes
+    x = keras.layers.Conv2D(32, 3, padding="same", name="c2")(x)
+    x = keras.layers.Conv2D(32, 3, padding="same", name="c3")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    out = keras.layers.Dense(16, name="d1")(x)  # most bytes, little time
+    m = keras.Model(inp, out)
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=16, memory_budget=100 * weight_bytes(m))
+    pipes = [c.layout for c in plan.feasible if c.layout.stages == 2]
+    assert {lay.partition for lay in pipes} == {"bytes", "time"}, plan.summary()
+    by_bytes = tuple(tnt.pipelining.plan(m, 2).split_after)  # the pipeline's own plan: d1 alone
+    assert by_bytes in {("c3",), ("flat",)}, by_bytes
+    assert all(lay.split_after == by_bytes for lay in pipes if lay.partition == "bytes")
+    # the convolutions hold the time: a time-balanced cut falls between them
+    assert any(lay.split_after in {("c1",), ("c2",)} for lay in pipes if lay.partition == "time"), plan.summary()
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto") / "auto.json"
@@ -143,3 +175,7 @@ def test_auto_under_a_budget_below_data_trains_as_serial_keras(launched):
     e = r.get("edited")
     assert e is not None and e["plan_layout"] == e["layout"], r
     assert e["history_diff"] <= TOL_LOSS and e["weight_diff"] <= TOL_WEIGHTS, e
+    pipe = r.get("pipeline")  # a pipeline layout of the plan, built from its cut points
+    assert pipe is not None and pipe["plan_layout"] == pipe["layout"] and "PIPELINING" in pipe["layout"], r
+    assert pipe["model_type"] == "PipelinedModel" and pipe["split_after"] == pipe["built_split_after"], pipe
+    assert pipe["history_diff"] <= TOL_LOSS and pipe["weight_diff"] <= TOL_WEIGHTS, pipe

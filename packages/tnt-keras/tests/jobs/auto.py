@@ -81,6 +81,16 @@ def main() -> None:
         res["edited"] = {"layout": other.describe(), "plan_layout": edited._tnt_plan.layout.describe(),
                          "history_diff": _job.history_diff(h2, ref_hist),
                          "weight_diff": _job.max_abs_diff(w2, ref_weights)}
+    # A pipeline layout passed back: its stages are the plan's cut points (time-balanced first).
+    pipes = sorted((c.layout for c in plan.feasible if c.layout.stages > 1), key=lambda lay: lay.partition != "time")
+    if pipes:
+        piped = tnt.Model(make_model(), plan=plan.with_layout(pipes[0]))
+        h3, w3 = _job.timed("pipeline plan fit", lambda: trained(piped))
+        res["pipeline"] = {"layout": pipes[0].describe(), "plan_layout": piped._tnt_plan.layout.describe(),
+                           "model_type": type(piped).__name__, "split_after": list(pipes[0].split_after),
+                           "built_split_after": list(piped.plan.split_after),
+                           "history_diff": _job.history_diff(h3, ref_hist),
+                           "weight_diff": _job.max_abs_diff(w3, ref_weights)}
     _job.write(out, res)
 
 

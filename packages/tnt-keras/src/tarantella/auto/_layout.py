@@ -19,6 +19,7 @@ class Layout:
     sharding: int = 0
     micro_batches: int = 1
     split_after: tuple[str, ...] | None = None  # the pipeline's cut points (None: automatic)
+    partition: str = ""  # how the stages were balanced: "bytes" (the pipeline's plan) or "time"
 
     @property
     def num_ranks(self) -> int:
@@ -40,7 +41,8 @@ class Layout:
         """``DATA(d=2, sharding=1)``, ``PIPELINING(d=1, p=2 m=4)``, ...: the summary's name."""
         parts = [f"d={self.replicas}"]
         if self.stages > 1:
-            parts.append(f"p={self.stages} m={self.micro_batches}")
+            by = f" {self.partition}" if self.partition else ""
+            parts.append(f"p={self.stages} m={self.micro_batches}{by}")
         if self.tensor > 1:
             parts.append(f"t={self.tensor}")
         if self.sharding:

@@ -10,6 +10,8 @@ bytes) and tensor splits from the tensor plan, so the prediction is of the layou
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import keras
 
 from .._core import memory as _memory
@@ -18,6 +20,7 @@ from . import _comm
 from ._budget import default_budget
 from ._cost import Split, Stages, estimate
 from ._layout import Layout
+from ._partition import time_split_after
 from ._plan import Candidate, Plan, _mib
 from ._profile import Profile, profile
 
@@ -79,12 +82,13 @@ def _split(model, t: int, prof: Profile) -> Split | str:
     return Split(frac, int((fwd + bwd) * mean_out))
 
 
-def _stages(model, p: int) -> Stages | str:
-    """The pipeline plan's stages, or why ``model`` cannot be cut into p."""
+def _stages(model, p: int, split_after: list[str] | None = None) -> Stages | str:
+    """The pipeline plan's stages (its own, or cut after ``split_after``), or why ``model``
+    cannot be cut into p."""
     from .. import pipelining
 
     try:
-        pp = pipelining.plan(model, p)
+        pp = pipelining.plan(model, p) if split_after is None else pipelining.plan(model, split_after=split_after)
     except Exception as e:  # any refusal is a rejection with its message
         return f"no pipeline plan: {str(e).splitlines()[0][:120]}"
     if pp.num_stages != p:
@@ -109,6 +113,33 @@ def _itemsize(dtype) -> int:
     import numpy as np
 
     return np.dtype(str(dtype)).itemsize
+
+
+class _StagePlans:
+    """Per p, the pipeline's own (bytes-balanced) stages and, where they differ and the
+    pipeline accepts the cuts, the stages balanced by measured time at the layout's rows."""
+
+    def __init__(self, model, prof: Profile) -> None:
+        self.model, self.prof = model, prof
+        self.by_bytes: dict[int, Stages | str] = {}
+        self.by_time: dict[tuple, Stages | str] = {}
+
+    def options(self, p: int, rows: int) -> list[tuple[str, Stages | str]]:
+        if p not in self.by_bytes:
+            self.by_bytes[p] = _stages(self.model, p)
+        out: list[tuple[str, Stages | str]] = [("bytes", self.by_bytes[p])]
+        cuts = time_split_after(self.prof, p, rows)
+        if cuts is None:
+            return out
+        key = tuple(cuts)
+        if key not in self.by_time:
+            self.by_time[key] = _stages(self.model, p, cuts)
+        timed = self.by_time[key]
+        bytes_plan = self.by_bytes[p]
+        if isinstance(timed, Stages) and not (isinstance(bytes_plan, Stages)
+                                              and bytes_plan.split_after == timed.split_after):
+            out.append(("time", timed))
+        return out
 
 
 def rows_considered(candidates: list[Layout], global_batch: int) -> list[int]:
@@ -145,26 +176,27 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     layouts_, rejected = layouts(num_ranks, global_batch_size)
     prof = profile_ or profile(model, rows_considered(layouts_, global_batch_size))
     splits: dict[int, Split | str] = {}
-    stages: dict[int, Stages | str] = {}
     feasible: list[Candidate] = []
-    for lay in layouts_:
-        if lay.tensor > 1 and lay.tensor not in splits:
-            splits[lay.tensor] = _split(model, lay.tensor, prof)
-        if lay.stages > 1 and lay.stages not in stages:
-            stages[lay.stages] = _stages(model, lay.stages)
-        split = splits.get(lay.tensor) if lay.tensor > 1 else None
-        stage = stages.get(lay.stages) if lay.stages > 1 else None
-        why = next((x for x in (split, stage) if isinstance(x, str)), None)
-        if why is not None:
-            rejected.append(Candidate(lay, None, why))
-            continue
-        if stage is not None and stage.split_after is not None:
-            lay = Layout(lay.replicas, lay.stages, lay.tensor, lay.sharding, lay.micro_batches, stage.split_after)
-        est = estimate(prof, lay, global_batch_size, slots, net, split, stage)
-        if budget is not None and est.total_bytes > budget:
-            rejected.append(Candidate(lay, est, f"over budget by {_mib(est.total_bytes - budget)}"))
-        else:
-            feasible.append(Candidate(lay, est))
+    stage_plans = _StagePlans(model, prof)
+    for base in layouts_:
+        if base.tensor > 1 and base.tensor not in splits:
+            splits[base.tensor] = _split(model, base.tensor, prof)
+        split = splits.get(base.tensor) if base.tensor > 1 else None
+        rows = global_batch_size // (base.replicas * base.micro_batches)
+        options = stage_plans.options(base.stages, rows) if base.stages > 1 else [("", None)]
+        for partition, stage in options:
+            lay = base
+            why = next((x for x in (split, stage) if isinstance(x, str)), None)
+            if why is not None:
+                rejected.append(Candidate(lay, None, why))
+                continue
+            if stage is not None and stage.split_after is not None:
+                lay = replace(lay, split_after=stage.split_after, partition=partition)
+            est = estimate(prof, lay, global_batch_size, slots, net, split, stage)
+            if budget is not None and est.total_bytes > budget:
+                rejected.append(Candidate(lay, est, f"over budget by {_mib(est.total_bytes - budget)}"))
+            else:
+                feasible.append(Candidate(lay, est))
     if not feasible:
         sized = [c for c in rejected if c.estimate is not None]
         if not sized:

@@ -59,6 +59,10 @@ def build_auto(model: keras.Model, member: ParallelStrategy, options: dict) -> k
 
     plan = _agreed_plan(model, options)
     chosen, chosen_options = plan.model_options()
+    if plan.layout.stages > 1 and plan.layout.split_after is not None:
+        from .. import pipelining  # the stages the plan predicted (bytes- or time-balanced)
+
+        chosen_options["pipeline_plan"] = pipelining.plan(model, split_after=list(plan.layout.split_after))
     built = None
     if chosen is not ParallelStrategy.DATA:
         built = strategy_for(chosen).build(model, chosen, chosen_options)
