@@ -1,8 +1,9 @@
 """The default per-rank memory budget of ``ParallelStrategy.AUTO`` / ``tnt.plan_parallel``.
 
-On a GPU the device's memory; on CPU this rank's share of the host: the cgroup's limit or
-``RLIMIT_DATA`` when one is set (a cap on this process), else the host's available
-memory divided by the ranks on this host.
+On a GPU the device's memory; on CPU this rank's share of the host: ``RLIMIT_DATA`` when
+set (a cap on this process, less what it already holds: TensorFlow and MPI take hundreds
+of MiB before a model exists), else the cgroup's limit or the host's available memory,
+divided by the ranks on this host.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def _available() -> int | None:
     return None
 
 
+def _vm_data() -> int:
+    """This process' private data in use (what ``RLIMIT_DATA`` limits), bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _gpu_bytes() -> int | None:
     import tensorflow as tf
 
@@ -61,7 +74,8 @@ def default_budget(num_ranks: int) -> tuple[int | None, str]:
         return gpu, "the GPU's memory"
     soft, _ = resource.getrlimit(resource.RLIMIT_DATA)
     if soft not in (resource.RLIM_INFINITY, -1) and soft > 0:
-        return int(soft), "RLIMIT_DATA of this process"
+        used = _vm_data()  # the cap counts what the process already holds (TensorFlow, MPI)
+        return max(int(soft) - used, 0), f"RLIMIT_DATA of this process minus its VmData now ({used // 2**20} MiB)"
     cgroup = _cgroup_limit()
     if cgroup:
         n = ranks_on_host(num_ranks)
