@@ -99,7 +99,7 @@ def main() -> int:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_DETERMINISTIC_OPS": "1", "OMP_NUM_THREADS": "1"}
     cap = ["prlimit", f"--data={args.cap_mib * 2**20}"]
     launcher = str(Path(PY).parent / "tarantella")
-    res: dict = {"cap_mib": args.cap_mib, "width": args.width, "params": 4 * (IN * args.width + 2 * args.width**2)
+    res: dict = {"cap_mib": args.cap_mib, "width": args.width, "weight_bytes": 4 * (IN * args.width + 2 * args.width**2)
                  + 4 * (3 * args.width + 4 * args.width + 4)}
     with tempfile.TemporaryDirectory() as tmp:
         ref, capped, auto = (str(Path(tmp) / n) for n in ("ref.npz", "capped.npz", "auto.npz"))

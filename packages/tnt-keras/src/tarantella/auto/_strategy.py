@@ -74,5 +74,13 @@ def build_auto(model: keras.Model, member: ParallelStrategy, options: dict) -> k
     return built
 
 
+def load_auto(filepath, member: ParallelStrategy, options: dict, **kwargs) -> keras.Model:
+    """AUTO plans a model, not a file: say how to load one."""
+    raise AutoError("tnt.models.load_model(parallel_strategy=AUTO) is not supported: load the file with "
+                    "keras.saving.load_model (or under tnt.deferred_variables() via tnt.models.load_model with "
+                    "a strategy), then wrap it: tnt.Model(model, parallel_strategy=tnt.ParallelStrategy.AUTO, "
+                    "global_batch_size=...).")
+
+
 register(Strategy(name="auto", handles=(ParallelStrategy.AUTO,), options=OPTIONS, error=AutoError,
-                  build=build_auto, load=lambda filepath, member, options, **kwargs: None))
+                  build=build_auto, load=load_auto))
