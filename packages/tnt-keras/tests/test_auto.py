@@ -121,6 +121,19 @@ def test_auto_on_one_rank_and_bad_input():
         tnt.Model(two_convs(), plan=plan)
 
 
+def test_profile_file_is_kept_and_reused_for_the_same_model_only(tmp_path):
+    m = two_convs()
+    path = tmp_path / "profile.json"
+    first = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, profile_file=str(path))
+    stored = path.read_text()
+    assert '"layers"' in stored and '"c1"' in stored
+    again = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, profile_file=str(path))
+    assert any("profile read from" in n for n in again.notes)  # measured nothing
+    assert again.step_time_s == first.step_time_s and again.layout == first.layout
+    other = tnt.plan_parallel(m, num_ranks=2, global_batch_size=16, profile_file=str(path))  # other rows
+    assert not any("profile read from" in n for n in other.notes)
+
+
 def _profile_of(times: list[float]) -> Profile:
     return Profile("m", [LayerCost(f"l{i}", 4, 4, 4, 0.0, t, True) for i, t in enumerate(times)], (1,))
 

@@ -16,7 +16,7 @@ import keras
 
 from .._core import memory as _memory
 from .._core.memory import MemoryBudgetError
-from . import _comm
+from . import _cache, _comm
 from ._budget import default_budget
 from ._cost import Split, Stages, estimate
 from ._layout import Layout
@@ -147,15 +147,28 @@ def rows_considered(candidates: list[Layout], global_batch: int) -> list[int]:
     return sorted({global_batch // (c.replicas * c.micro_batches) for c in candidates})
 
 
+def _profiled(model, rows: list[int], profile_file: str | None) -> Profile:
+    if profile_file is None:
+        return profile(model, rows)
+    wanted = _cache.key(model, rows)
+    prof = _cache.load(profile_file, wanted)
+    if prof is None:
+        prof = profile(model, rows)
+        _cache.store(profile_file, wanted, prof)
+    return prof
+
+
 def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, memory_budget=None, *,
                   network: _comm.Network | None = None, optimizer_slots: int | None = None,
-                  profile_: Profile | None = None) -> Plan:
+                  profile_: Profile | None = None, profile_file: str | None = None) -> Plan:
     """Choose how to run ``model`` on ``num_ranks`` ranks at ``global_batch_size`` within
     ``memory_budget`` bytes per rank (default: this machine's share, see ``_budget``).
 
     Runs on one process (nothing is launched): it times the model's layers here, predicts
     every layout and returns a :class:`Plan` (``plan.summary()`` says why). Raises
     ``tnt.MemoryBudgetError`` naming the smallest feasible budget when no layout fits.
+    ``profile_file``: keep the profile there and reuse it while the model's config, the
+    micro-batch sizes and the machine are the same.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"tnt.plan_parallel takes a Keras model, got {type(model).__name__}.")
@@ -174,7 +187,7 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     net = network or _comm.Network()
     slots = optimizer_slots if optimizer_slots is not None else _slots(model)
     layouts_, rejected = layouts(num_ranks, global_batch_size)
-    prof = profile_ or profile(model, rows_considered(layouts_, global_batch_size))
+    prof = profile_ or _profiled(model, rows_considered(layouts_, global_batch_size), profile_file)
     splits: dict[int, Split | str] = {}
     feasible: list[Candidate] = []
     stage_plans = _StagePlans(model, prof)
