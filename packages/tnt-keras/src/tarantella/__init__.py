@@ -26,7 +26,17 @@ tensor groups. Launch with ``tarantella -n N -- train.py``; ``python train.py`` 
 
 from __future__ import annotations
 
-from . import data_parallel, hybrid, keras, models, native, pipelining, tensor_parallel, timeline
+from . import (
+    auto,
+    data_parallel,
+    hybrid,
+    keras,
+    models,
+    native,
+    pipelining,
+    tensor_parallel,
+    timeline,
+)
 from ._core.deferred import deferred_variables
 from ._core.inputs import InputError
 from ._core.internals import UnsupportedVersionError
@@ -35,6 +45,7 @@ from ._core.runtime import get_master_rank, get_rank, get_size, is_master_rank, 
 from ._core.settings import SettingError
 from ._core.strategy import ParallelStrategy
 from ._core.sync import ReplicaMismatchError
+from .auto import plan_parallel
 from .data_parallel import Model, UnsyncedReplicasError, local_batch_size
 
 __version__ = "0.1.0"
@@ -52,6 +63,7 @@ __all__ = [
     "UnsupportedVersionError",
     "UnsyncedReplicasError",
     "__version__",
+    "auto",
     "data_parallel",
     "deferred_variables",
     "get_master_rank",
@@ -64,6 +76,7 @@ __all__ = [
     "models",
     "native",
     "pipelining",
+    "plan_parallel",
     "tensor_parallel",
     "timeline",
 ]

@@ -24,12 +24,14 @@ import keras
 
 class ParallelStrategy(enum.Enum):
     """How the model is parallelised: DATA, PIPELINING (N == p stages), ALL (N/p pipelines),
-    TENSOR (layers split over N == t ranks, see docs/tensor_parallel.md)."""
+    TENSOR (layers split over N == t ranks, see docs/tensor_parallel.md), AUTO (the planner
+    chooses one of them within a memory budget, see docs/auto.md)."""
 
     DATA = "data"
     PIPELINING = "pipelining"
     ALL = "all"
     TENSOR = "tensor"
+    AUTO = "auto"
 
 
 #: build(model, parallel_strategy, options) -> the distributed model, or None for the

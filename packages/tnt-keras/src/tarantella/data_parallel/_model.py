@@ -74,7 +74,8 @@ class Model(DistributedModel):
         # The strategy registry (``_core.strategy``) builds PIPELINING / TENSOR / ALL models;
         # None from it means the data-parallel wrapper (one rank, one stage, nothing split).
         model = args[0] if args else kwargs.get("model")
-        parallel_strategy = args[1] if len(args) > 1 else kwargs.get("parallel_strategy", ParallelStrategy.DATA)
+        default = ParallelStrategy.AUTO if kwargs.get("plan") is not None else ParallelStrategy.DATA
+        parallel_strategy = args[1] if len(args) > 1 else kwargs.get("parallel_strategy", default)
         budget = _memory.budget_from(kwargs.get("memory_budget"))  # every layout takes it
         member, strategy, options, rest = split_options(
             parallel_strategy, {k: v for k, v in kwargs.items()
@@ -86,6 +87,8 @@ class Model(DistributedModel):
                 raise unknown_options_error(strategy, member, unknown, where="tnt.Model",
                                             also=" (and Keras' name=/trainable=/dtype=)")
             _check_is_keras_model(model)
+            if member is ParallelStrategy.AUTO:  # plans within the budget every layout checks
+                options["memory_budget"] = kwargs.get("memory_budget")
             built = strategy.build(model, member, options)
             if built is not None:
                 built._tnt_memory_budget = budget
@@ -94,6 +97,8 @@ class Model(DistributedModel):
 
     def __init__(self, model: keras.Model, parallel_strategy=ParallelStrategy.DATA, *,
                  sync_batch_norm: bool = False, sharding: int | None = None, memory_budget=None, **kwargs):
+        if self.__dict__.get("_tnt_auto_built"):  # made by ParallelStrategy.AUTO (__new__)
+            return
         _check_is_keras_model(model)
         self_sharding = _make_sharding(model, sharding)
         # PIPELINING / TENSOR / ALL with nothing to distribute but data: their options were

@@ -1,0 +1,123 @@
+"""Predicted per-rank memory (by category, as ``tnt.Model.memory_report()`` counts it)
+and step time of one layout, from a measured :class:`~._profile.Profile`.
+
+Memory follows ``_core.memory.estimate`` (docs/memory.md) for what each layout holds:
+weights, gradients, optimizer slots (``/ d`` with sharding 1 or 2), the pipeline's
+gradient accumulator, activations of the micro-batches in flight (1F1B: ``min(p - s, m)``
+on stage s), the engine's gradient buffer when gradients are reduced over replicas and
+received boundary tensors. Time: the profile's forward + backward of the layers a rank
+runs (tensor-split layers at ``1/t``) at its rows, the pipeline's ``m + p - 1`` slots of
+its slowest stage, and the collectives from the alpha-beta model (``_comm``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _comm
+from ._layout import Layout
+from ._profile import Profile
+
+#: Open MPI's non-blocking reduce-scatter / allgather (no ring) measured 3.7-4.4x the ring
+#: allreduce of the same bytes (docs/sharding.md): sharding's collectives are charged so.
+NON_RING_FACTOR = 4.0
+
+
+@dataclass
+class Estimate:
+    """One layout's prediction: bytes per category on its fullest rank, and the step."""
+
+    memory: dict[str, int]
+    step_s: float
+    compute_s: float
+    comm_s: float
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every category together."""
+        return sum(self.memory.values())
+
+
+@dataclass(frozen=True)
+class Split:
+    """Per layer name, the fraction of its weights (and time) one tensor-group rank keeps,
+    and the activation bytes per sample of the collectives a step makes."""
+
+    local_fraction: dict[str, float]
+    collective_bytes_per_sample: int
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The pipeline plan's stages as layer names, and boundary bytes per sample."""
+
+    layer_names: tuple[tuple[str, ...], ...]
+    receive_bytes_per_sample: tuple[int, ...]
+    split_after: tuple[str, ...] | None
+
+
+def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layout, rows: int,
+            in_flight: int, accumulate: bool, receive_per_sample: int) -> dict[str, int]:
+    keep = None if names is None else set(names)
+    frac = split.local_fraction if split is not None else {}
+    layers = [c for c in prof.layers if keep is None or c.name in keep]
+    params = int(sum(c.weight_bytes * frac.get(c.name, 1.0) for c in layers))
+    grads = int(sum(c.trainable_bytes * frac.get(c.name, 1.0) for c in layers))
+    acts = int(sum(c.activation_bytes_per_sample * frac.get(c.name, 1.0) for c in layers))
+    d = layout.replicas
+    slot_bytes = slots * grads // (d if layout.sharding else 1)
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer_slots": slot_bytes,
+        "gradient_accumulators": grads if accumulate else 0,
+        "activations": acts * rows * in_flight,
+        "communication_buffers": grads if d > 1 else 0,
+        "receive_buffers": receive_per_sample * rows * in_flight,
+    }
+
+
+def _replica_sync_s(layout: Layout, grad_bytes: int, param_bytes: int, net: _comm.Network) -> float:
+    d = layout.replicas
+    if layout.sharding == 1:
+        return _comm.allreduce_s(d, grad_bytes, net) + NON_RING_FACTOR * _comm.allgather_s(d, param_bytes, net)
+    if layout.sharding == 2:
+        return NON_RING_FACTOR * (_comm.allgather_s(d, grad_bytes, net) + _comm.allgather_s(d, param_bytes, net))
+    return _comm.allreduce_s(d, grad_bytes, net)
+
+
+def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: _comm.Network,
+             split: Split | None = None, stages: Stages | None = None) -> Estimate:
+    """Memory and step time of ``layout`` (``split``: its tensor plan when t > 1;
+    ``stages``: its pipeline plan when p > 1)."""
+    d, p, t, m = layout.replicas, layout.stages, layout.tensor, layout.micro_batches
+    scale = {n: f for n, f in (split.local_fraction.items() if split is not None else ())}
+    tensor_comm = 0.0
+    if p == 1:
+        rows = -(-global_batch // d)
+        mem = _memory(prof, None, split, slots, layout, rows, 1, False, 0)
+        compute = prof.time_s(rows, scale=scale)
+        if split is not None:
+            tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)
+        sync = _replica_sync_s(layout, mem["gradients"], mem["parameters"], net)
+        return Estimate(mem, compute + tensor_comm + sync, compute, tensor_comm + sync)
+    assert stages is not None
+    rows = -(-global_batch // (d * m))
+    worst: dict[str, int] | None = None
+    slowest = 0.0
+    sync = 0.0
+    for s, names in enumerate(stages.layer_names):
+        mem = _memory(prof, names, split, slots, layout, rows, min(p - s, m), m > 1,
+                      stages.receive_bytes_per_sample[s])
+        if worst is None or sum(mem.values()) > sum(worst.values()):
+            worst = mem
+        stage_time = prof.time_s(rows, names, scale=scale)
+        slowest = max(slowest, stage_time)
+        sync = max(sync, _comm.allreduce_s(d, mem["gradients"], net))
+    boundary = max(stages.receive_bytes_per_sample) * rows
+    p2p = 2 * _comm.p2p_s(boundary, net)  # a forward send and a backward send per slot
+    if split is not None:
+        tensor_comm = (m + p - 1) * _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net) / p
+    compute = (m + p - 1) * slowest
+    comm = (m + p - 1) * p2p + tensor_comm + sync
+    return Estimate(worst or {}, compute + comm, compute, comm)

@@ -1,0 +1,193 @@
+"""The measured per-layer profile the planner's cost model reads.
+
+For each layer of the model (nested functional models opened): its weight bytes, its
+output (activation) bytes per sample, and its forward + backward time at the micro-batch
+sizes the search considers, fitted to ``a + b * rows``. A layer is timed on its own, with
+random inputs of its input's shape and a ``tf.function`` computing the gradients of its
+outputs' sum with respect to its weights and inputs, so profiling materialises one layer
+at a time. A layer that cannot be timed alone (deferred weights, several calls, no
+symbolic input) gets a FLOP-proxy time, and the profile says which layers did.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import keras
+import numpy as np
+
+from .._core.deferred import is_deferred
+
+#: Floating point operations per second assumed for a layer that could not be timed.
+PROXY_FLOPS = 5e9
+_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer: bytes and the fitted time of forward + backward for ``rows`` samples."""
+
+    name: str
+    weight_bytes: int
+    trainable_bytes: int
+    activation_bytes_per_sample: int
+    a_s: float  # time at zero rows (launch overheads)
+    b_s: float  # time per row
+    measured: bool
+
+    def time_s(self, rows: float) -> float:
+        """Forward + backward seconds for ``rows`` samples."""
+        return self.a_s + self.b_s * rows
+
+
+@dataclass
+class Profile:
+    """Every layer's costs, in the model's order, and what was measured how."""
+
+    model_name: str
+    layers: list[LayerCost]
+    rows_measured: tuple[int, ...]
+    notes: list[str] = field(default_factory=list)
+
+    def by_name(self) -> dict[str, LayerCost]:
+        """{layer name: its costs}."""
+        return {c.name: c for c in self.layers}
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight of the model."""
+        return sum(c.weight_bytes for c in self.layers)
+
+    def trainable_bytes(self) -> int:
+        """Bytes of the trainable weights (the gradients' size)."""
+        return sum(c.trainable_bytes for c in self.layers)
+
+    def activation_bytes_per_sample(self, names=None) -> int:
+        """Output bytes per sample of the layers ``names`` (all: None)."""
+        keep = None if names is None else set(names)
+        return sum(c.activation_bytes_per_sample for c in self.layers if keep is None or c.name in keep)
+
+    def time_s(self, rows: float, names=None, scale: dict[str, float] | None = None) -> float:
+        """Forward + backward of the layers ``names`` (all: None) for ``rows`` samples;
+        ``scale`` multiplies some layers' time (a tensor-split layer: 1/t)."""
+        keep = None if names is None else set(names)
+        scale = scale or {}
+        return sum(c.time_s(rows) * scale.get(c.name, 1.0) for c in self.layers
+                   if keep is None or c.name in keep)
+
+
+def _layers(model) -> list:
+    out = []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer):
+            continue
+        if isinstance(layer, keras.Model) and getattr(layer, "_is_graph_network", False) is not False \
+                and hasattr(layer, "layers") and layer.layers:
+            out.extend(_layers(layer))
+        else:
+            out.append(layer)
+    return out
+
+
+def _nbytes(variables) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables)
+
+
+def _symbolic(tensors):
+    return list(tensors) if isinstance(tensors, list | tuple) else [tensors]
+
+
+def _output_bytes(layer) -> int:
+    try:
+        outs = _symbolic(layer.output)
+    except (AttributeError, ValueError):
+        return 0
+    total = 0
+    for o in outs:
+        shape = tuple(o.shape)[1:]
+        if any(d is None for d in shape):
+            return 0
+        total += int(np.prod(shape)) * np.dtype(o.dtype).itemsize
+    return total
+
+
+def _timer(layer):
+    """A function timing forward + backward of ``layer`` for ``rows`` samples, or None."""
+    import tensorflow as tf
+
+    if any(is_deferred(v) for v in layer.weights) or len(getattr(layer, "_inbound_nodes", [])) > 1:
+        return None
+    try:
+        inputs = _symbolic(layer.input)
+    except (AttributeError, ValueError):
+        return None
+    if any(any(d is None for d in tuple(x.shape)[1:]) for x in inputs):
+        return None
+
+    @tf.function(reduce_retracing=True)
+    def step(xs):
+        with tf.GradientTape() as tape:
+            floats = [x for x in xs if x.dtype.is_floating]
+            tape.watch(floats)
+            y = layer(xs if len(xs) > 1 else xs[0], training=True)
+            loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)])
+        return tape.gradient(loss, list(layer.trainable_variables) + floats)
+
+    def run(rows: int) -> float:
+        xs = []
+        for x in inputs:
+            shape = (rows, *tuple(x.shape)[1:])
+            dtype = np.dtype(x.dtype)
+            xs.append(tf.zeros(shape, dtype) if dtype.kind in "iub" else tf.random.normal(shape, dtype=x.dtype))
+        step(xs)  # trace / warm up
+        times = []
+        for _ in range(_REPEATS):
+            t0 = time.perf_counter()
+            out = step(xs)
+            for g in out:
+                if g is not None:
+                    g.numpy()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return run
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    if len(points) == 1 or points[0][0] == points[-1][0]:
+        r, t = points[0]
+        return 0.0, t / max(r, 1)
+    (r0, t0), (r1, t1) = points[0], points[-1]
+    b = max((t1 - t0) / (r1 - r0), 0.0)
+    return max(t0 - b * r0, 0.0), b
+
+
+def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
+    """Measure ``model``'s layers at the smallest and largest of ``rows`` (samples)."""
+    sizes = sorted({int(r) for r in rows if int(r) > 0}) or [1]
+    sizes = [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes
+    costs, proxied = [], []
+    for layer in _layers(model):
+        wb, tb = _nbytes(layer.weights), _nbytes(layer.trainable_weights)
+        act = _output_bytes(layer)
+        run = _timer(layer)
+        points = []
+        if run is not None:
+            try:
+                points = [(r, run(r)) for r in sizes]
+            except Exception:  # a layer that cannot run alone gets the proxy
+                points = []
+        if points:
+            a, b = _fit(points)
+            measured = True
+        else:  # forward 2 FLOPs per weight per row, backward twice that
+            a, b = 0.0, 6.0 * max(wb // 4, 1) / PROXY_FLOPS
+            measured = False
+            proxied.append(layer.name)
+        costs.append(LayerCost(layer.name, wb, tb, act, a, b, measured))
+    notes = []
+    if proxied:
+        notes.append(f"{len(proxied)} layer(s) not timed alone, FLOP proxy at {PROXY_FLOPS:.0e} FLOP/s: "
+                     + ", ".join(proxied[:8]) + (" ..." if len(proxied) > 8 else ""))
+    return Profile(model.name, costs, tuple(sizes), notes)

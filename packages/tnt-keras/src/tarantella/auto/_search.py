@@ -1,0 +1,232 @@
+"""``tnt.plan_parallel``: enumerate every layout of ``num_ranks`` ranks, predict each from
+one measured profile, drop those over the memory budget, take the fastest.
+
+The space is small and searched exhaustively: d x p x t over the divisors of N, DATA's
+sharding levels 0-2 (d > 1), micro-batches m in {p, 2p, 4p} dividing the replica's batch.
+Stages come from the pipeline's own automatic plan (contiguous, balanced by parameter
+bytes) and tensor splits from the tensor plan, so the prediction is of the layout
+``tnt.Model`` will really build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import keras
+
+from .._core import memory as _memory
+from .._core.memory import MemoryBudgetError
+from . import _cache, _comm
+from ._budget import default_budget
+from ._cost import Split, Stages, estimate
+from ._layout import Layout
+from ._partition import time_split_after
+from ._plan import Candidate, Plan, _mib
+from ._profile import Profile, profile
+
+DEFAULT_OPTIMIZER_SLOTS = 2  # Adam's, when the model is not compiled yet
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(num_ranks: int, global_batch: int) -> tuple[list[Layout], list[Candidate]]:
+    """Every layout of ``num_ranks`` ranks; those the batch cannot feed, rejected."""
+    out: list[Layout] = []
+    bad: list[Candidate] = []
+    for d in _divisors(num_ranks):
+        for p in _divisors(num_ranks // d):
+            t = num_ranks // (d * p)
+            if global_batch % d:
+                bad.append(Candidate(Layout(d, p, t), None,
+                                     f"global batch {global_batch} does not divide by {d} replicas"))
+                continue
+            if p == 1:
+                levels = (0, 1, 2) if d > 1 and t == 1 else (0,)
+                out.extend(Layout(d, 1, t, sharding=s) for s in levels)
+                continue
+            ms = [m for m in (p, 2 * p, 4 * p) if (global_batch // d) % m == 0]
+            if not ms:
+                bad.append(Candidate(Layout(d, p, t, micro_batches=p), None,
+                                     f"the replica's batch {global_batch // d} does not divide into "
+                                     f"{p}, {2 * p} or {4 * p} micro-batches"))
+            out.extend(Layout(d, p, t, micro_batches=m) for m in ms)
+    return out, bad
+
+
+def _slots(model) -> int:
+    opt = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+    trainable = list(model.trainable_variables)
+    tb = _memory.variable_bytes(trainable)
+    if opt is None or not tb:
+        return DEFAULT_OPTIMIZER_SLOTS
+    return round(_memory.slot_bytes(opt, trainable) / tb)
+
+
+def _split(model, t: int, prof: Profile) -> Split | str:
+    """The tensor plan as fractions, or why t ranks cannot split the model."""
+    from .. import tensor_parallel
+
+    try:
+        tp = tensor_parallel.plan(model, tensor_parallel_size=t)
+    except Exception as e:  # any refusal is a rejection with its message
+        return f"no tensor plan: {str(e).splitlines()[0][:120]}"
+    split = {s.name: s for s in tp.layers if s.split_params}
+    if not split:
+        return f"nothing splits over t={t} (every layer replicated)"
+    frac = {n: (s.params - s.split_params * (t - 1) / t) / s.params for n, s in split.items() if s.params}
+    fwd, bwd = tp.collectives_per_step()
+    acts = prof.by_name()
+    mean_out = sum(acts[n].activation_bytes_per_sample for n in split if n in acts) / max(len(split), 1)
+    return Split(frac, int((fwd + bwd) * mean_out))
+
+
+def _stages(model, p: int, split_after: list[str] | None = None) -> Stages | str:
+    """The pipeline plan's stages (its own, or cut after ``split_after``), or why ``model``
+    cannot be cut into p."""
+    from .. import pipelining
+
+    try:
+        pp = pipelining.plan(model, p) if split_after is None else pipelining.plan(model, split_after=split_after)
+    except Exception as e:  # any refusal is a rejection with its message
+        return f"no pipeline plan: {str(e).splitlines()[0][:120]}"
+    if pp.num_stages != p:
+        return f"the model's markers make {pp.num_stages} stages, not {p}"
+    receive = []
+    for i, st in enumerate(pp.stages):
+        bds = [pp.boundaries[b] for b in (*st.inputs, *(() if i == p - 1 else st.outputs))]
+        receive.append(sum(_prod(b.shape) * _itemsize(b.dtype) for b in bds))
+    after = pp.split_after
+    return Stages(tuple(tuple(st.layer_names) for st in pp.stages), tuple(receive),
+                  tuple(after) if after is not None else None)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in tuple(shape):  # a boundary's shape is per sample
+        n *= int(d or 1)
+    return n
+
+
+def _itemsize(dtype) -> int:
+    import numpy as np
+
+    return np.dtype(str(dtype)).itemsize
+
+
+class _StagePlans:
+    """Per p, the pipeline's own (bytes-balanced) stages and, where they differ and the
+    pipeline accepts the cuts, the stages balanced by measured time at the layout's rows."""
+
+    def __init__(self, model, prof: Profile) -> None:
+        self.model, self.prof = model, prof
+        self.by_bytes: dict[int, Stages | str] = {}
+        self.by_time: dict[tuple, Stages | str] = {}
+
+    def options(self, p: int, rows: int) -> list[tuple[str, Stages | str]]:
+        if p not in self.by_bytes:
+            self.by_bytes[p] = _stages(self.model, p)
+        out: list[tuple[str, Stages | str]] = [("bytes", self.by_bytes[p])]
+        cuts = time_split_after(self.prof, p, rows)
+        if cuts is None:
+            return out
+        key = tuple(cuts)
+        if key not in self.by_time:
+            self.by_time[key] = _stages(self.model, p, cuts)
+        timed = self.by_time[key]
+        bytes_plan = self.by_bytes[p]
+        if isinstance(timed, Stages) and not (isinstance(bytes_plan, Stages)
+                                              and bytes_plan.split_after == timed.split_after):
+            out.append(("time", timed))
+        return out
+
+
+def rows_considered(candidates: list[Layout], global_batch: int) -> list[int]:
+    """Micro-batch sizes (samples per rank per forward) the layouts run at."""
+    return sorted({global_batch // (c.replicas * c.micro_batches) for c in candidates})
+
+
+def _profiled(model, rows: list[int], profile_file: str | None) -> Profile:
+    if profile_file is None:
+        return profile(model, rows)
+    wanted = _cache.key(model, rows)
+    prof = _cache.load(profile_file, wanted)
+    if prof is None:
+        prof = profile(model, rows)
+        _cache.store(profile_file, wanted, prof)
+    return prof
+
+
+def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, memory_budget=None, *,
+                  network: _comm.Network | None = None, optimizer_slots: int | None = None,
+                  profile_: Profile | None = None, profile_file: str | None = None) -> Plan:
+    """Choose how to run ``model`` on ``num_ranks`` ranks at ``global_batch_size`` within
+    ``memory_budget`` bytes per rank (default: this machine's share, see ``_budget``).
+
+    Runs on one process (nothing is launched): it times the model's layers here, predicts
+    every layout and returns a :class:`Plan` (``plan.summary()`` says why). Raises
+    ``tnt.MemoryBudgetError`` naming the smallest feasible budget when no layout fits.
+    ``profile_file``: keep the profile there and reuse it while the model's config, the
+    micro-batch sizes and the machine are the same.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"tnt.plan_parallel takes a Keras model, got {type(model).__name__}.")
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}.")
+    if not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r} "
+                         "(the batch size the dataset is batched with).")
+    if not model.built:
+        raise ValueError(f"tnt.plan_parallel: model {model.name!r} is not built; build it (call it on an "
+                         "input, or give it an Input) before planning.")
+    budget = _memory.parse_bytes(memory_budget)
+    source = "memory_budget="
+    if budget is None:
+        budget, source = default_budget(num_ranks)
+    net = network or _comm.Network()
+    slots = optimizer_slots if optimizer_slots is not None else _slots(model)
+    layouts_, rejected = layouts(num_ranks, global_batch_size)
+    prof = profile_ or _profiled(model, rows_considered(layouts_, global_batch_size), profile_file)
+    splits: dict[int, Split | str] = {}
+    feasible: list[Candidate] = []
+    stage_plans = _StagePlans(model, prof)
+    for base in layouts_:
+        if base.tensor > 1 and base.tensor not in splits:
+            splits[base.tensor] = _split(model, base.tensor, prof)
+        split = splits.get(base.tensor) if base.tensor > 1 else None
+        rows = global_batch_size // (base.replicas * base.micro_batches)
+        options = stage_plans.options(base.stages, rows) if base.stages > 1 else [("", None)]
+        for partition, stage in options:
+            lay = base
+            why = next((x for x in (split, stage) if isinstance(x, str)), None)
+            if why is not None:
+                rejected.append(Candidate(lay, None, why))
+                continue
+            if stage is not None and stage.split_after is not None:
+                lay = replace(lay, split_after=stage.split_after, partition=partition)
+            est = estimate(prof, lay, global_batch_size, slots, net, split, stage)
+            if budget is not None and est.total_bytes > budget:
+                rejected.append(Candidate(lay, est, f"over budget by {_mib(est.total_bytes - budget)}"))
+            else:
+                feasible.append(Candidate(lay, est))
+    if not feasible:
+        sized = [c for c in rejected if c.estimate is not None]
+        if not sized:
+            raise ValueError(f"tnt.plan_parallel: no layout of {num_ranks} rank(s) applies: "
+                             + "; ".join(f"{c.layout.describe()}: {c.rejected}" for c in rejected))
+        smallest = min(sized, key=lambda c: c.estimate.total_bytes)
+        raise MemoryBudgetError(
+            f"tnt.plan_parallel: no layout of {num_ranks} rank(s) fits memory_budget={_mib(budget)} per rank "
+            f"({source}). The smallest feasible budget is {_mib(smallest.estimate.total_bytes)} "
+            f"({smallest.estimate.total_bytes} bytes, "
+            f"{smallest.layout.describe()}); raise memory_budget= to at least that, use more ranks, "
+            "or a smaller global batch.")
+    feasible.sort(key=lambda c: (c.estimate.step_s, c.layout.num_ranks, c.layout.stages, c.layout.tensor,
+                                 c.layout.sharding))
+    rejected.sort(key=lambda c: (c.estimate is None, c.estimate.step_s if c.estimate else 0.0))
+    notes = [*prof.notes, f"optimizer slots per trainable weight: {slots}",
+             f"communication: alpha = {net.alpha_s * 1e6:.0f} us, beta = {net.beta_Bps / 1e9:.2f} GB/s ({net.name})",
+             f"profile measured here at {', '.join(map(str, prof.rows_measured))} rows per forward "
+             "(linear in between)"]
+    return Plan(num_ranks, global_batch_size, budget, source, feasible[0], feasible, rejected, notes)

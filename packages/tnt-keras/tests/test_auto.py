@@ -1,0 +1,194 @@
+"""tnt.plan_parallel and ParallelStrategy.AUTO (issue 31, docs/auto.md).
+
+On one process: a budget that only sharded DATA meets picks sharding; one that only a
+pipeline meets picks the pipeline; an impossible budget is a MemoryBudgetError naming the
+smallest feasible budget (and that budget then plans); the summary lists rejections with
+how far over budget; the DATA prediction's categories match the weights counted here.
+Launched (jobs/auto.py, 2 ranks): AUTO under a budget below plain DATA's picks a
+memory-saving layout, the same on both ranks, and trains as serial Keras does.
+"""
+
+from __future__ import annotations
+
+import re
+
+import keras
+import pytest
+from conftest import launch
+
+import tarantella as tnt
+from tarantella.auto import LayerCost, Profile
+from tarantella.auto._partition import time_split_after
+
+TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
+
+
+def one_conv() -> keras.Model:
+    """One layer: no pipeline cut, nothing a tensor group splits; DATA levels only."""
+    inp = keras.Input((4, 4, 64))
+    return keras.Model(inp, keras.layers.Conv2D(64, 3, padding="same", name="conv")(inp))
+
+
+def two_convs() -> keras.Model:
+    """Two equal convolutions and a small head: a 2-stage pipeline halves the weights."""
+    inp = keras.Input((4, 4, 64))
+    x = keras.layers.Conv2D(64, 3, padding="same", name="c1")(inp)
+    x = keras.layers.Conv2D(64, 3, padding="same", name="c2")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inp, keras.layers.Dense(4, name="head")(x))
+
+
+def weight_bytes(model) -> int:
+    return 4 * model.count_params()  # float32
+
+
+def test_budget_between_sharded_and_plain_data_picks_sharding():
+    m = one_conv()
+    w = weight_bytes(m)
+    # Adam, d = 2: DATA holds 5 w (weights, gradients, 2 slots, engine buffer) + activations;
+    # sharding halves the slots: 4 w + activations.
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=int(4.5 * w))
+    assert plan.layout.strategy is tnt.ParallelStrategy.DATA and plan.layout.sharding in (1, 2), plan.summary()
+    assert plan.choice.estimate.total_bytes <= int(4.5 * w)
+    reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
+    assert reasons["DATA(d=2)"].startswith("over budget by"), reasons
+    assert "pipeline" in reasons["PIPELINING(d=1, p=2 m=2)"], reasons
+    assert "nothing splits" in reasons["TENSOR(d=1, t=2)"], reasons
+
+
+def test_budget_below_sharding_picks_the_pipeline():
+    m = two_convs()
+    w = weight_bytes(m)
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=int(3.2 * w))
+    assert plan.layout.strategy is tnt.ParallelStrategy.PIPELINING, plan.summary()
+    assert plan.layout.stages == 2 and plan.layout.micro_batches in (2, 4, 8)
+    assert plan.layout.split_after == ("c1",)  # the pipeline's own plan, bytes-balanced
+    strategy, options = plan.model_options()
+    assert strategy is tnt.ParallelStrategy.PIPELINING
+    assert options == {"num_pipeline_stages": 2, "num_micro_batches": plan.layout.micro_batches}
+    rejected = [c.layout.describe() for c in plan.rejected]
+    assert {"DATA(d=2)", "DATA(d=2, sharding=1)", "DATA(d=2, sharding=2)"} <= set(rejected), rejected
+
+
+def test_prediction_of_data_counts_the_weights_as_counted_here():
+    m = two_convs()
+    w = weight_bytes(m)
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=10 * w)
+    data = next(c for c in plan.feasible + plan.rejected if c.layout.describe() == "DATA(d=2)")
+    mem = data.estimate.memory
+    assert mem["parameters"] == w and mem["gradients"] == w
+    assert mem["optimizer_slots"] == 2 * w and mem["communication_buffers"] == w
+    # activations: every layer's output per sample x 4 rows (8 / 2 replicas)
+    per_sample = 4 * (4 * 4 * 64 * 2 + 64 + 4)
+    assert mem["activations"] == per_sample * 4
+
+
+def test_impossible_budget_names_the_smallest_feasible_one():
+    m = two_convs()
+    with pytest.raises(tnt.MemoryBudgetError, match="smallest feasible budget") as err:
+        tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=1000)
+    smallest = int(re.search(r"\((\d+) bytes", str(err.value)).group(1))
+    assert "raise memory_budget=" in str(err.value)
+    assert smallest < 5 * weight_bytes(m)  # less than plain DATA needs
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=smallest)
+    assert plan.choice.estimate.total_bytes == smallest
+    with pytest.raises(tnt.MemoryBudgetError):
+        tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=smallest - 1)
+
+
+def test_summary_lists_choice_alternatives_and_rejections():
+    m = two_convs()
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=int(3.2 * weight_bytes(m)))
+    text = plan.summary(print_fn=None)
+    assert text.startswith("tnt.plan_parallel: 2 rank(s), global batch 8")
+    assert f"chosen: {plan.layout.describe()}" in text
+    assert re.search(r"DATA\(d=2\)\s+[\d.,]+\s+[\d.,]+\s+rejected: over budget by [\d.]+ MiB", text), text
+    if len(plan.feasible) > 1:
+        assert "slower by" in text
+    assert plan.samples_per_s == pytest.approx(8 / plan.step_time_s)
+
+
+def test_auto_on_one_rank_and_bad_input():
+    m = two_convs()
+    model = tnt.Model(m, parallel_strategy=tnt.ParallelStrategy.AUTO, global_batch_size=8)
+    assert isinstance(model, tnt.Model) and model._tnt_plan.layout.describe() == "DATA(d=1)"
+    with pytest.raises(ValueError, match="global_batch_size="):
+        tnt.Model(two_convs(), parallel_strategy=tnt.ParallelStrategy.AUTO)
+    with pytest.raises(ValueError, match="global_batch_size must be a positive integer"):
+        tnt.plan_parallel(m, num_ranks=2, global_batch_size=0)
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=10 * weight_bytes(m))
+    with pytest.raises(ValueError, match="the plan is for 2 rank"):
+        tnt.Model(two_convs(), plan=plan)
+
+
+def test_profile_file_is_kept_and_reused_for_the_same_model_only(tmp_path):
+    m = two_convs()
+    path = tmp_path / "profile.json"
+    first = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, profile_file=str(path))
+    stored = path.read_text()
+    assert '"layers"' in stored and '"c1"' in stored
+    again = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, profile_file=str(path))
+    assert any("profile read from" in n for n in again.notes)  # measured nothing
+    assert again.step_time_s == first.step_time_s and again.layout == first.layout
+    other = tnt.plan_parallel(m, num_ranks=2, global_batch_size=16, profile_file=str(path))  # other rows
+    assert not any("profile read from" in n for n in other.notes)
+
+
+def _profile_of(times: list[float]) -> Profile:
+    return Profile("m", [LayerCost(f"l{i}", 4, 4, 4, 0.0, t, True) for i, t in enumerate(times)], (1,))
+
+
+def test_time_partition_minimises_the_slowest_stage():
+    # the only best cuts, worked out by hand: [5, 1 | 1, 1, 4] (slowest 6), [6 | 1, 2, 3 | 4] (6)
+    assert time_split_after(_profile_of([5, 1, 1, 1, 4]), 2, rows=1) == ["l1"]
+    assert time_split_after(_profile_of([6, 1, 2, 3, 4]), 3, rows=1) == ["l0", "l3"]
+    assert time_split_after(_profile_of([1, 1, 1, 1]), 2, rows=1) == ["l1"]
+    assert time_split_after(_profile_of([1]), 2, rows=1) is None
+
+
+def test_pipelines_are_predicted_with_both_partitions():
+    inp = keras.Input((16, 16, 8))
+    x = keras.layers.Conv2D(32, 3, padding="same", name="c1")(inp)  # time, few bytes
+    x = keras.layers.Conv2D(32, 3, padding="same", name="c2")(x)
+    x = keras.layers.Conv2D(32, 3, padding="same", name="c3")(x)
+    x = keras.layers.Flatten(name="flat")(x)
+    out = keras.layers.Dense(16, name="d1")(x)  # most bytes, little time
+    m = keras.Model(inp, out)
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=16, memory_budget=100 * weight_bytes(m))
+    pipes = [c.layout for c in plan.feasible if c.layout.stages == 2]
+    assert {lay.partition for lay in pipes} == {"bytes", "time"}, plan.summary()
+    by_bytes = tuple(tnt.pipelining.plan(m, 2).split_after)  # the pipeline's own plan: d1 alone
+    assert by_bytes in {("c3",), ("flat",)}, by_bytes
+    assert all(lay.split_after == by_bytes for lay in pipes if lay.partition == "bytes")
+    # the convolutions hold the time: a time-balanced cut falls between them
+    assert any(lay.split_after in {("c1",), ("c2",)} for lay in pipes if lay.partition == "time"), plan.summary()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto") / "auto.json"
+    res = launch(2, "auto.py", out)
+    print("\n" + res["summary"])
+    return res
+
+
+def test_auto_under_a_budget_below_data_trains_as_serial_keras(launched):
+    r = launched
+    assert r["ranks"] == 2
+    assert r["budget"] < 5 * r["weight_bytes"]  # plain DATA with Adam does not fit
+    assert r["plans_on_ranks"] == [r["chosen"]] * 2  # every rank built the same layout
+    assert r["chosen"] != "DATA(d=2)"
+    assert r["strategy"] != "DATA" or r["sharding"] in (1, 2)
+    assert r["predicted_total"] <= r["budget"]
+    # the built layout's own estimate (memory_report) agrees with the planner's within 15 %
+    for total in r["layout_estimate_totals"]:
+        assert total <= r["budget"] and abs(total - r["predicted_total"]) <= 0.15 * total, r
+    assert r["history_diff"] <= TOL_LOSS, r
+    assert r["weight_diff"] <= TOL_WEIGHTS, r
+    e = r.get("edited")
+    assert e is not None and e["plan_layout"] == e["layout"], r
+    assert e["history_diff"] <= TOL_LOSS and e["weight_diff"] <= TOL_WEIGHTS, e
+    pipe = r.get("pipeline")  # a pipeline layout of the plan, built from its cut points
+    assert pipe is not None and pipe["plan_layout"] == pipe["layout"] and "PIPELINING" in pipe["layout"], r
+    assert pipe["model_type"] == "PipelinedModel" and pipe["split_after"] == pipe["built_split_after"], pipe
+    assert pipe["history_diff"] <= TOL_LOSS and pipe["weight_diff"] <= TOL_WEIGHTS, pipe
