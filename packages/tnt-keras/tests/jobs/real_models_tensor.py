@@ -5,7 +5,9 @@ Each case trains serially (plain Keras, on the master) and with tnt.Model(TENSOR
 tensor_parallel_size=2) from the same initial weights on the same global batches, with
 Adam, and records: the largest differences to serial (History, gathered weights,
 predict), History keys, the share of the serial weights each rank holds, the plan's
-splits. Llama trains with the plan of keras-hub's own LayoutMap. Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
+splits. Llama trains with the plan of keras-hub's own LayoutMap, and (4 query, 2
+key/value heads) with the automatic plan splitting its grouped-query attention by heads.
+Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
 models first) train correctly; ranks that built different models all fail together with
 the same error (no hang).
 """
@@ -117,6 +119,42 @@ def llama_layout_map() -> dict:
     return _hub_case("llama", plan_edit=lambda _: layout_map)  # passed as tensor_parallel_plan=
 
 
+GQA_VOCAB = 64
+
+
+def _llama_gqa(seed: int) -> keras.Model:
+    """LlamaBackbone (vocabulary 64, 2 blocks, 4 query and 2 key/value heads, hidden 16,
+    FFN 32) under the pooled 3-way head: its grouped-query attention splits by heads."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=GQA_VOCAB, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+    inputs = {n: keras.Input((rm.LENGTH,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
+    return rm._head(backbone, inputs)
+
+
+def llama_gqa() -> dict:
+    """The automatic plan (min_split_params lowered so the small token embedding splits by
+    vocabulary too): both decoder blocks 'block' (grouped-query attention by heads, gated
+    FFN column/row); padded sequences (the mask path); the saved file in plain Keras.
+    Also the default automatic plan's splits and share (no training)."""
+    rng = np.random.default_rng(4)
+    ids = rng.integers(1, GQA_VOCAB, size=(rm.SAMPLES, rm.LENGTH)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[::3, -3:] = 0  # some padded sequences: the padding mask meets the causal one
+    x = {"token_ids": ids * mask, "padding_mask": mask}
+    y = (ids[:, 0] % 3).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
+    default = tnt.tensor_parallel.plan(_llama_gqa(5), tensor_parallel_size=2)
+    out = _train(_llama_gqa, x, y, ds, lambda m: rm.compile_(m, "llama"),
+                 lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024), save=True)
+    if out:
+        out["default_splits"] = default.split_layers()
+        out["default_share"] = default.params_per_rank() / sum(s.params for s in default.layers)
+    return out
+
+
 def _mlp(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     x = keras.Input((6,))
@@ -160,6 +198,7 @@ def plan_mismatch() -> dict:
 
 
 CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_vocab, "llama_layout_map": llama_layout_map,
+         "llama_gqa": llama_gqa,
          "names_differ": names_differ,
          "plan_mismatch": plan_mismatch}
 

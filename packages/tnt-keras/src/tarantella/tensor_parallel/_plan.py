@@ -12,7 +12,9 @@ computes the same one without talking. Rules (docs/architecture.md, "Layer paral
   SUM-allreduce (a reverse projection: vocabulary columns, allgather).
 - ``MultiHeadAttention`` / keras-hub ``CachedMultiHeadAttention``: by heads.
 - keras-hub ``TransformerEncoder``/``TransformerDecoder``: Megatron's block (attention by
-  heads, FFN column/row); ``LlamaTransformerDecoder``: its gated FFN only.
+  heads, FFN column/row); ``LlamaTransformerDecoder`` too (grouped-query attention by
+  query and key/value heads, gated FFN column/row), or, when its head counts do not
+  divide by t, its gated FFN only (``ffn``, with a warning naming why).
 - anything else: replicated (same inputs on every rank, so same gradients), listed with
   its bytes; more than 20 % of the bytes replicated is warned about.
 
@@ -40,6 +42,8 @@ import numpy as np
 from .._core import internals as _internals
 from .._core.errors import TensorParallelError
 from .._core.graph import ModelGraph, model_graph
+from .._core.log import logger
+from ._gqa import gqa_refusal
 
 #: Lone layers below this many weights are not worth a collective per step.
 DEFAULT_MIN_SPLIT_PARAMS = 1 << 16
@@ -50,7 +54,7 @@ COLUMN_GATHER = "column+allgather"
 VOCAB = "vocab"
 HEADS = "heads"
 BLOCK = "block"              # a keras-hub Transformer block: attention by heads, FFN column/row
-FFN = "ffn"                  # a keras-hub Llama block: its gated FFN column/row, its attention whole
+FFN = "ffn"                  # a keras-hub Llama block whose heads do not divide by t: its gated FFN only
 REPLICATED = "replicated"
 KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, BLOCK, FFN, REPLICATED)
 
@@ -72,7 +76,9 @@ SPLIT_AXES: dict[str, dict[str, int]] = {
     BLOCK: {**{f"{a}/{k}": v for a in ("self_attention", "self_attention_layer")
                for k, v in _ATTENTION_AXES.items()},
             "feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
-            "feedforward_output_dense/kernel": 0},
+            "feedforward_output_dense/kernel": 0,
+            # Llama's gated FFN (its attention is "self_attention", with the same variable names)
+            "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0},
     FFN: {"feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
           "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0, "feedforward_output_dense/kernel": 0},
     REPLICATED: {},
@@ -90,12 +96,13 @@ SUPPORTED = (
     "'vocab' (rows; a tied reverse projection by vocabulary columns); a MultiHeadAttention or keras-hub "
     "CachedMultiHeadAttention 'heads' (Q/K/V by heads, output projection by rows); a keras-hub "
     "TransformerEncoder/TransformerDecoder without cross-attention 'block' (its attention by heads, its "
-    "feed-forward Dense pair column/row); a keras-hub LlamaTransformerDecoder 'ffn' (its gated feed-forward "
-    "column/row, its attention whole); any layer 'replicated'")
+    "feed-forward Dense pair column/row); a keras-hub LlamaTransformerDecoder 'block' (its grouped-query "
+    "attention by query and key/value heads, both counts divisible by t; its gated feed-forward column/row) "
+    "or 'ffn' (its gated feed-forward only, its attention whole); any layer 'replicated'")
 _LAYER_CLASS = {COLUMN: "keras.layers.Dense", ROW: "keras.layers.Dense", COLUMN_GATHER: "keras.layers.Dense",
                 VOCAB: "keras.layers.Embedding or a ReversibleEmbedding",
                 HEADS: "keras.layers.MultiHeadAttention or keras-hub's CachedMultiHeadAttention",
-                BLOCK: "keras-hub TransformerEncoder or TransformerDecoder",
+                BLOCK: "keras-hub TransformerEncoder, TransformerDecoder or LlamaTransformerDecoder",
                 FFN: "keras-hub LlamaTransformerDecoder"}
 _HUB = "keras_hub."
 
@@ -124,8 +131,13 @@ def is_block(layer) -> bool:
 
 
 def is_ffn_block(layer) -> bool:
-    """keras-hub's Llama decoder block (gated FFN; its grouped-query attention is not split)."""
+    """keras-hub's Llama decoder block (gated FFN, grouped-query attention)."""
     return _hub(layer, "LlamaTransformerDecoder")
+
+
+def is_gqa_attention(layer) -> bool:
+    """keras-hub's LlamaAttention (grouped-query attention with rotary embeddings)."""
+    return _hub(layer, "LlamaAttention")
 
 
 def _accepts(kind: str, layer) -> bool:
@@ -137,7 +149,7 @@ def _accepts(kind: str, layer) -> bool:
         return is_attention(layer)
     if kind == FFN:
         return is_ffn_block(layer)
-    return is_block(layer) if kind == BLOCK else True
+    return (is_block(layer) or is_ffn_block(layer)) if kind == BLOCK else True
 
 
 def _has_weights(layer) -> bool:
@@ -471,6 +483,8 @@ def passes_inputs(inner: keras.Model, args: tuple, kwargs: dict) -> bool:
 
 def _block_refusal(layer, t: int, input_shape: tuple) -> str:
     """Why a keras-hub Transformer block cannot be split (empty: it can)."""
+    if is_ffn_block(layer):
+        return _ffn_refusal(layer, t) or _gqa_block_refusal(layer, t)
     if getattr(layer, "_cross_attention_layer", None) is not None:
         return "cross-attention blocks are not split"
     attention = getattr(layer, "_self_attention_layer", None)
@@ -488,6 +502,14 @@ def _ffn_refusal(layer, t: int) -> str:
     if None in dense:
         return "not built"
     return next(filter(None, (_refusal(d, dense[0].units, t) for d in dense)), "")
+
+
+def _gqa_block_refusal(layer, t: int) -> str:
+    """Why a Llama block's grouped-query attention cannot be split by heads (empty: it can)."""
+    attention = getattr(layer, "_self_attention_layer", None)
+    if not is_gqa_attention(attention):
+        return "its attention is not keras-hub's LlamaAttention"
+    return gqa_refusal(attention, t)
 
 
 def _vocab_refusal(layer, t: int, uses: int) -> str:
@@ -540,8 +562,15 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
                 kinds[layer.name] = (REPLICATED, why) if why else (BLOCK, "attention by heads, FFN column/row")
             elif is_ffn_block(layer):
                 why = _ffn_refusal(layer, t)
-                kinds[layer.name] = (REPLICATED, why) if why else (
-                    FFN, "gated FFN column/row; attention whole (grouped-query attention is not split)")
+                attention_why = "" if why else _gqa_block_refusal(layer, t)
+                if why:
+                    kinds[layer.name] = (REPLICATED, why)
+                elif attention_why:
+                    kinds[layer.name] = (FFN, f"gated FFN column/row; attention whole: {attention_why}")
+                    logger.warning("tensor-parallel plan: %s keeps its attention whole on every rank (%s); "
+                                   "only its gated FFN is split.", layer.name, attention_why)
+                else:
+                    kinds[layer.name] = (BLOCK, "attention by query and key/value heads, gated FFN column/row")
             elif type(layer) is keras.layers.Dense:
                 why = _refusal(layer, layer.units, t)
                 partner, _ = _row_partner(graph, call.index, uses) \
