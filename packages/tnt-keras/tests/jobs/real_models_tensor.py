@@ -136,9 +136,9 @@ def _llama_gqa(seed: int) -> keras.Model:
 
 def llama_gqa() -> dict:
     """The automatic plan (min_split_params lowered so the small token embedding splits by
-    vocabulary too): both decoder blocks 'block' (grouped-query attention by heads, gated
-    FFN column/row); padded sequences (the mask path); the saved file in plain Keras.
-    Also the default automatic plan's splits and share (no training)."""
+    vocabulary too; the default plan is checked in test_tensor_parallel_plan.py): both
+    decoder blocks 'block' (grouped-query attention by heads, gated FFN column/row); padded
+    sequences (the padding mask meets the causal one); the saved file in plain Keras."""
     rng = np.random.default_rng(4)
     ids = rng.integers(1, GQA_VOCAB, size=(rm.SAMPLES, rm.LENGTH)).astype("int32")
     mask = np.ones_like(ids)
@@ -146,13 +146,8 @@ def llama_gqa() -> dict:
     x = {"token_ids": ids * mask, "padding_mask": mask}
     y = (ids[:, 0] % 3).astype("int32")
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
-    default = tnt.tensor_parallel.plan(_llama_gqa(5), tensor_parallel_size=2)
-    out = _train(_llama_gqa, x, y, ds, lambda m: rm.compile_(m, "llama"),
-                 lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024), save=True)
-    if out:
-        out["default_splits"] = default.split_layers()
-        out["default_share"] = default.params_per_rank() / sum(s.params for s in default.layers)
-    return out
+    return _train(_llama_gqa, x, y, ds, lambda m: rm.compile_(m, "llama"),
+                  lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024), save=True)
 
 
 def _mlp(seed: int) -> keras.Model:

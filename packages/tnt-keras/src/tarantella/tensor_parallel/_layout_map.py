@@ -5,7 +5,8 @@ A ``keras.distribution.LayoutMap`` maps regular expressions over variable paths
 None. The tensor axis is ``"model"``; None (or a path no key matches) keeps the dimension
 whole. Each layer's layouts must be one of the patterns the shard layers implement:
 
-    Dense               kernel (None, "model"), bias ("model",) or whole  -> column
+    Dense (or an EinsumDense "abc,cd->abd")
+                        kernel (None, "model"), bias ("model",) or whole  -> column
                         kernel ("model", None), bias whole                -> row
     Embedding           embeddings ("model", None)                        -> vocab
     MultiHeadAttention  query/key/value kernel (None, "model", None), their biases
@@ -52,6 +53,7 @@ from ._plan import (
     flatten,
     is_attention,
     is_block,
+    is_dense,
     is_ffn_block,
     is_vocab_embedding,
     plan,
@@ -117,6 +119,8 @@ def _kind_of(layer, split: dict[str, int], tensor_parallel_size: int) -> str:
         on_attention = any(k.startswith("self_attention/") for k in split)
         return BLOCK if on_attention and not _block_refusal(layer, tensor_parallel_size, ()) else FFN
     kinds = _CLASS_KINDS.get(type(layer).__name__, ())
+    if is_dense(layer):  # an EinsumDense "abc,cd->abd" too
+        kinds = (COLUMN, ROW)
     if is_vocab_embedding(layer):
         kinds = (VOCAB,)
     elif is_attention(layer):
