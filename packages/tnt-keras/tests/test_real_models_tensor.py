@@ -2,7 +2,9 @@
 (jobs/real_models_tensor.py, in the 2-rank launch shared with DATA and PIPELINING): GPT-2 and BERT backbones with a head,
 their Transformer blocks split Megatron-style (attention by heads, FFN column/row); GPT-2's
 causal LM with its tied token embedding split by vocabulary (lookup and reverse
-projection); Llama with keras-hub's own LayoutMap; ranks whose Keras auto-generated names differ; ranks that built different
+projection); Llama with 4 query and 2 key/value heads under the automatic plan (grouped-query
+attention by heads, gated FFN column/row, token embedding by vocabulary; keras-hub's own
+LayoutMap gives the same plan; its saved file in plain Keras); ranks whose Keras auto-generated names differ; ranks that built different
 models all failing together.
 """
 
@@ -13,7 +15,7 @@ import re
 import pytest
 
 HUB_CASES = ["gpt2", "bert", "gpt2_causal_lm_vocab"]
-TRAINED = [*HUB_CASES, "llama_layout_map", "names_differ"]
+TRAINED = [*HUB_CASES, "llama_gqa", "names_differ"]
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 MAX_SHARE = 0.65  # issue 27: each rank holds at most 65 % of a keras-hub model's weights at t = 2
 
@@ -42,7 +44,7 @@ def test_history_weights_and_predictions_equal_serial(report, name):
     assert c["predict_diff"] <= TOL_WEIGHTS, c
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "gpt2_causal_lm_vocab", "llama_layout_map", "names_differ"])
+@pytest.mark.parametrize("name", TRAINED)
 def test_history_keys_are_serial(report, name):
     serial_keys, tnt_keys = report[name]["history_keys"]
     assert tnt_keys == serial_keys
@@ -61,14 +63,25 @@ def test_tied_embedding_split_by_vocabulary(report):
     assert report["gpt2_causal_lm_vocab"]["splits"]["token_embedding"] == "vocab"
 
 
-def test_keras_hub_layout_map_trains_with_embedding_and_gated_ffn_split(report):
-    assert report["llama_layout_map"]["splits"] == {"token_embedding": "vocab", "transformer_layer_0": "ffn",
-                                                    "transformer_layer_1": "ffn"}
-    assert all(s <= 0.66 for s in report["llama_layout_map"]["local_shares"])  # attention (GQA) whole
+def test_llama_grouped_query_attention_splits_by_heads_and_each_rank_holds_its_share(report):
+    c = report["llama_gqa"]
+    assert c["splits"] == {"token_embedding": "vocab", "transformer_layer_0": "block", "transformer_layer_1": "block"}
+    # serial: embeddings 2 * 64*16, per block q 16*4*4 + k, v 16*2*4 + out 4*4*16 + FFN 3 * 16*32 + 2 norms
+    # of 16, final norm 16, head 16*3 + 3; a rank holds half of the embeddings and of each block's projections
+    block, split = 768 + 1536 + 32, 768 + 1536
+    serial = 2 * 1024 + 2 * block + 16 + 51
+    local = 1024 + 2 * (block - split // 2) + 16 + 51
+    assert c["local_shares"] == pytest.approx([local / serial] * 2)  # 3459 / 6787 = 0.51
+    assert max(c["local_shares"]) <= MAX_SHARE
 
 
-def test_saved_file_opens_in_keras_and_predicts_as_serial(report):
-    assert report["gpt2"]["saved_predict_diff"] <= TOL_WEIGHTS
+def test_keras_hub_llama_layout_map_gives_the_trained_plan(report):
+    assert report["llama_gqa"]["layout_map_splits"] == report["llama_gqa"]["splits"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa"])
+def test_saved_file_opens_in_keras_and_predicts_as_serial(report, name):
+    assert report[name]["saved_predict_diff"] <= TOL_WEIGHTS
 
 
 def test_trains_although_auto_names_differ_between_ranks(report):

@@ -406,3 +406,84 @@ def test_a_keras_hub_layer_without_a_tnt_split_is_kept_whole_from_a_layout_map_a
     note = p.layers[0].note
     assert note == "the LayoutMap splits ['embeddings'], but tnt has no split for a PositionEmbedding: kept whole"
     assert "stay replicated on every rank" in p.replicated_warning()
+
+
+# -- grouped-query attention (keras-hub Llama) and EinsumDense projections -----------------------
+def llama_head(num_key_value_heads: int = 2) -> keras.Model:
+    """LlamaBackbone (vocabulary 64, 2 blocks, 4 query heads, hidden 16, FFN 32) + pooled head."""
+    import keras_hub  # a test dependency (issue 27)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=num_key_value_heads, hidden_dim=16,
+                                              intermediate_dim=32)
+    return _hub_head(backbone, ["token_ids", "padding_mask"])
+
+
+def test_llama_blocks_split_their_grouped_query_attention_by_heads():
+    p = plan(llama_head(), 2)
+    assert p.split_layers() == {"transformer_layer_0": "block", "transformer_layer_1": "block"}
+    block0 = next(s for s in p.layers if s.name == "transformer_layer_0")
+    # query 16*4*4, key and value 16*2*4 each, attention output 4*4*16; gate, intermediate, output 16*32 each
+    assert block0.split_params == 256 + 2 * 128 + 256 + 3 * 512
+    serial = 2 * 64 * 16 + 2 * (block0.split_params + 2 * 16) + 16 + 16 * 3 + 3
+    assert sum(s.params for s in p.layers) == serial == 6787
+    assert p.params_per_rank() == serial - 2 * block0.split_params // 2 == 4483  # 0.66: the embedding whole
+    small = plan(llama_head(), 2, min_split_params=1024)
+    assert small.split_layers()["token_embedding"] == "vocab"
+    assert small.params_per_rank() == 4483 - 2 * 64 * 16 // 2 == 3459  # 0.51 of the weights per rank
+    assert plan(llama_head(), 2).split("transformer_layer_0", "ffn").kind("transformer_layer_0") == "ffn"
+
+
+def test_llama_heads_not_divisible_keep_the_attention_whole_with_a_warning(caplog):
+    logger = logging.getLogger("tarantella")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tarantella"):
+            p = plan(llama_head(num_key_value_heads=1), 2)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert p.split_layers() == {"transformer_layer_0": "ffn", "transformer_layer_1": "ffn"}
+    note = next(s.note for s in p.layers if s.name == "transformer_layer_0")
+    assert "num_key_value_heads 1 must both divide by t=2" in note, note
+    warned = [r.getMessage() for r in caplog.records if "keeps its attention whole" in r.getMessage()]
+    assert len(warned) == 2 and "num_key_value_heads 1" in warned[0], warned
+    with pytest.raises(TensorParallelError, match="num_query_heads 4 and num_key_value_heads 1 must both divide"):
+        p.split("transformer_layer_0", "block")
+    assert plan(llama_head(), 4).kind("transformer_layer_0") == "ffn"  # 2 key/value heads over 4 ranks
+
+
+def test_keras_hub_llama_layout_map_splits_grouped_query_attention_when_the_heads_divide():
+    import keras_hub  # a test dependency (issue 27)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    model = llama_head()
+    p = from_layout_map(keras_hub.models.LlamaBackbone.get_layout_map(mesh), model, 2)
+    assert p.split_layers() == {"token_embedding": "vocab", "transformer_layer_0": "block",
+                                "transformer_layer_1": "block"}
+    assert p.split_layers() == plan(model, 2, min_split_params=0).split_layers()
+
+
+@pytest.mark.parametrize("equation, bias_axes, plain", [
+    ("abc,cd->abd", "d", True), ("ab,bc->ac", None, True), ("...b,bc->...c", "c", True),
+    ("abc,cd->abd", "b", False), ("abc,cd->adb", None, False), ("abc,bd->acd", None, False),
+    ("abc,cde->abde", None, False), ("abc,cc->abc", None, False)])
+def test_plain_projection_equations(equation, bias_axes, plain):
+    from tarantella.tensor_parallel._plan import plain_projection
+
+    assert plain_projection(equation, bias_axes) is plain
+
+
+def test_einsum_dense_projections_split_as_dense_and_others_stay_whole():
+    keras.utils.set_random_seed(0)
+    x = keras.Input((6, 10))
+    h = keras.layers.EinsumDense("abc,cd->abd", (6, 16), bias_axes="d", activation="relu", name="up")(x)
+    h = keras.layers.Dense(10, name="down")(h)
+    h = keras.layers.EinsumDense("abc,cd->abd", (6, 8), activation="softmax", name="lone")(h)
+    h = keras.layers.EinsumDense("abc,ce->abe", (6, 8), name="up2")(h)
+    h = keras.layers.EinsumDense("abc,cd->abd", (6, 8), name="down2")(h)
+    y = keras.layers.EinsumDense("abc,bd->acd", (8, 4), name="mixing")(h)  # contracts the sequence axis
+    p = plan(keras.Model(x, y), 2, min_split_params=0)
+    assert p.split_layers() == {"up": "column", "down": "row", "lone": "column+allgather", "up2": "column",
+                                "down2": "row"}
+    assert "is not a projection of the last axis" in next(s.note for s in p.layers if s.name == "mixing")
+    with pytest.raises(TensorParallelError, match="an EinsumDense projecting the last axis"):
+        p.split("mixing", "column+allgather")

@@ -5,7 +5,9 @@ Each case trains serially (plain Keras, on the master) and with tnt.Model(TENSOR
 tensor_parallel_size=2) from the same initial weights on the same global batches, with
 Adam, and records: the largest differences to serial (History, gathered weights,
 predict), History keys, the share of the serial weights each rank holds, the plan's
-splits. Llama trains with the plan of keras-hub's own LayoutMap. Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
+splits. Llama (4 query, 2 key/value heads) trains with the automatic plan splitting its
+grouped-query attention by heads (the plan keras-hub's own LayoutMap gives too).
+Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
 models first) train correctly; ranks that built different models all fail together with
 the same error (no hang).
 """
@@ -106,15 +108,43 @@ def gpt2_causal_lm_vocab() -> dict:
     return _hub_case("gpt2_causal_lm", plan_edit=lambda p: p.split("token_embedding", "vocab"))
 
 
-def llama_layout_map() -> dict:
-    """keras-hub's own LayoutMap (LlamaBackbone.get_layout_map, data axis "batch"): its token
-    embedding split by vocabulary (untied: its reverse table too), its decoder blocks' gated
-    FFNs column/row (their grouped-query attention stays whole)."""
+GQA_VOCAB = 64
+
+
+def _llama_gqa(seed: int) -> keras.Model:
+    """LlamaBackbone (vocabulary 64, 2 blocks, 4 query and 2 key/value heads, hidden 16,
+    FFN 32) under the pooled 3-way head: its grouped-query attention splits by heads."""
     import keras_hub
 
-    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
-    layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
-    return _hub_case("llama", plan_edit=lambda _: layout_map)  # passed as tensor_parallel_plan=
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=GQA_VOCAB, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=2, hidden_dim=16, intermediate_dim=32)
+    inputs = {n: keras.Input((rm.LENGTH,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
+    return rm._head(backbone, inputs)
+
+
+def llama_gqa() -> dict:
+    """The automatic plan (min_split_params lowered so the small token embedding splits by
+    vocabulary too; the default plan is checked in test_tensor_parallel_plan.py): both
+    decoder blocks 'block' (grouped-query attention by heads, gated FFN column/row); padded
+    sequences (the padding mask meets the causal one); the saved file in plain Keras.
+    keras-hub's own LayoutMap (LlamaBackbone.get_layout_map, data axis "batch") gives the
+    same plan (checked, not trained again: a plan trains the same whatever made it)."""
+    import keras_hub
+    rng = np.random.default_rng(4)
+    ids = rng.integers(1, GQA_VOCAB, size=(rm.SAMPLES, rm.LENGTH)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[::3, -3:] = 0  # some padded sequences: the padding mask meets the causal one
+    x = {"token_ids": ids * mask, "padding_mask": mask}
+    y = (ids[:, 0] % 3).astype("int32")
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
+    out = _train(_llama_gqa, x, y, ds, lambda m: rm.compile_(m, "llama"),
+                 lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024), save=True)
+    if out:
+        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+        layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+        out["layout_map_splits"] = tnt.tensor_parallel.from_layout_map(layout_map, _llama_gqa(5), 2).split_layers()
+    return out
 
 
 def _mlp(seed: int) -> keras.Model:
@@ -159,7 +189,7 @@ def plan_mismatch() -> dict:
     return {"errors": tnt_comm.allgather_object(outcome)}
 
 
-CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_vocab, "llama_layout_map": llama_layout_map,
+CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_vocab, "llama_gqa": llama_gqa,
          "names_differ": names_differ,
          "plan_mismatch": plan_mismatch}
 

@@ -83,18 +83,21 @@ def dropout(seed: int) -> keras.Model:
 
 def block(seed: int) -> keras.Model:
     """A Transformer encoder block: Embedding (vocab), attention by heads with dropout,
-    residuals and LayerNorm (replicated), an FFN pair with Dropout inside, a softmax head."""
+    residuals and LayerNorm (replicated), an FFN pair with Dropout inside, a softmax head.
+    The FFN's first layer and the head are EinsumDense projections ("abc,cd->abd",
+    "ab,bc->ac"): split as the Dense layers they are (column; column+allgather)."""
     keras.utils.set_random_seed(seed)
     x = keras.Input((6,), dtype="int32")
     e = keras.layers.Embedding(30, 16, name="emb")(x)
     a = keras.layers.MultiHeadAttention(4, 4, dropout=0.1, name="mha")(e, e)
     h = keras.layers.LayerNormalization(name="ln1")(keras.layers.Add(name="res1")([e, a]))
-    f = keras.layers.Dense(32, activation="relu", name="ffn_up")(h)
+    f = keras.layers.EinsumDense("abc,cd->abd", (None, 32), bias_axes="d", activation="relu", name="ffn_up")(h)
     f = keras.layers.Dropout(0.1, name="ffn_drop")(f)
     f = keras.layers.Dense(16, name="ffn_down")(f)
     h = keras.layers.LayerNormalization(name="ln2")(keras.layers.Add(name="res2")([h, f]))
     pooled = keras.layers.GlobalAveragePooling1D(name="pool")(h)
-    return keras.Model(x, keras.layers.Dense(4, activation="softmax", name="head")(pooled), name="block")
+    head = keras.layers.EinsumDense("ab,bc->ac", 4, bias_axes="c", activation="softmax", name="head")
+    return keras.Model(x, head(pooled), name="block")
 
 
 def data(kind: str, n: int):

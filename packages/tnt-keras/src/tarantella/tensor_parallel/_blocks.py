@@ -1,4 +1,5 @@
-"""The shard of a keras-hub Transformer block (``TransformerEncoder``/``TransformerDecoder``).
+"""The shard of a keras-hub Transformer block (``TransformerEncoder``/``TransformerDecoder``,
+``LlamaTransformerDecoder``).
 
 A block is a subclassed layer whose ``call`` is Python code: its sub-layers cannot be
 replaced in a graph. The shard is a fresh instance of the block's own class (so its
@@ -7,7 +8,9 @@ the heads shard and whose feed-forward pair is column/row split, Megatron's bloc
 SUM-allreduce after the attention output projection and one after the second Dense,
 forward; one each before the attention and the first Dense, backward. Every other
 sub-layer (layer norms, dropouts) is the serial block's own object, so its variables and
-dropout seeds are the serial ones and are not held twice.
+dropout seeds are the serial ones and are not held twice. Llama's block has a gated FFN
+(gate and intermediate Dense column-split, output Dense row-split) and grouped-query
+attention with rotary embeddings, split by query and key/value heads (``_gqa``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from __future__ import annotations
 import keras
 
 from ._collectives import TensorGroup
+from ._gqa import gqa_heads
 from ._layers import ColumnDense, RowDense, heads_attention
+from ._plan import is_gqa_attention
 
 #: sub-layer attributes of keras-hub's blocks that the shard replaces
 _ATTENTION = "_self_attention_layer"
@@ -42,7 +47,7 @@ def _fresh(serial: keras.layers.Layer) -> keras.layers.Layer:
 def block_shard(serial: keras.layers.Layer, group: TensorGroup, attention: bool = True) -> keras.layers.Layer:
     """This rank's shard of the built block ``serial`` (the plan checked it can be split);
     ``attention=False``: only the feed-forward layers split (Llama: gate and intermediate
-    column, output row; the attention is the serial block's own)."""
+    column, output row), the attention is the serial block's own."""
     shard = _fresh(serial)
     replaced = {
         _FFN_IN: ColumnDense(getattr(serial, _FFN_IN), group, gather=False),
@@ -50,8 +55,10 @@ def block_shard(serial: keras.layers.Layer, group: TensorGroup, attention: bool 
     }
     if getattr(serial, _FFN_GATE, None) is not None:
         replaced[_FFN_GATE] = ColumnDense(getattr(serial, _FFN_GATE), group, gather=False)
+    serial_attention = getattr(serial, _ATTENTION)
+    gqa = is_gqa_attention(serial_attention)
     if attention:
-        replaced[_ATTENTION] = heads_attention(getattr(serial, _ATTENTION), group)
+        replaced[_ATTENTION] = (gqa_heads if gqa else heads_attention)(serial_attention, group)
     # What the serial block's build() made, in its order (its weights' order): the replaced
     # sub-layers as shards (built on the first call, under the block's name scope), the
     # others shared with the serial block.
@@ -63,8 +70,9 @@ def block_shard(serial: keras.layers.Layer, group: TensorGroup, attention: bool 
     # block with its own compute_output_shape is never traced symbolically.
     ffn_in = getattr(serial, _FFN_IN)
     with keras.name_scope(serial.name):
-        if attention:
-            serial_attention = getattr(serial, _ATTENTION)
+        if attention and gqa:
+            replaced[_ATTENTION].build((None, None, int(serial_attention._query_dense.kernel.shape[0])))
+        elif attention:
             width = [int(getattr(serial_attention, p).kernel.shape[0])
                      for p in ("_query_dense", "_value_dense", "_key_dense")]
             replaced[_ATTENTION].build((None, None, width[0]), (None, None, width[1]), (None, None, width[2]))

@@ -21,13 +21,14 @@ from ._collectives import TensorGroup, copy_to_group, gather_last_axis, reduce_f
 
 class _DenseShard(keras.layers.Layer):
     """What both Dense shards hold: ``units`` outputs of a (possibly split) kernel and
-    the serial layer's bias and activation."""
+    the serial layer's bias and activation. The serial layer is a Dense or an EinsumDense
+    projecting the last axis (``"abc,cd->abd"``: the same matmul, kernel and bias)."""
 
-    def __init__(self, serial: keras.layers.Dense, group: TensorGroup, units: int) -> None:
+    def __init__(self, serial: keras.layers.Layer, group: TensorGroup, units: int) -> None:
         super().__init__(name=serial.name, dtype=serial.dtype_policy)
         self.group = group
         self.units = units
-        self.use_bias = serial.use_bias
+        self.use_bias = serial.bias is not None  # Dense, or an EinsumDense "abc,cd->abd" (bias "d")
         self.activation = serial.activation
 
     def build(self, input_shape) -> None:
@@ -50,10 +51,11 @@ class ColumnDense(_DenseShard):
     the activation, so the output is the serial one; without, the output stays split and
     a row-split layer must follow (through elementwise layers only)."""
 
-    def __init__(self, serial: keras.layers.Dense, group: TensorGroup, gather: bool) -> None:
-        super().__init__(serial, group, serial.units // group.size)
+    def __init__(self, serial: keras.layers.Layer, group: TensorGroup, gather: bool) -> None:
+        full_units = int(serial.kernel.shape[1])
+        super().__init__(serial, group, full_units // group.size)
         self.gather = gather
-        self.full_units = serial.units
+        self.full_units = full_units
 
     def call(self, inputs):
         """f, this rank's columns, then (with ``gather``) the allgather and the activation."""
@@ -74,8 +76,8 @@ class RowDense(_DenseShard):
     """A Dense layer fed with its input's column slice ``rank``: kernel rows of that
     slice; partial products SUM-allreduced, then the (replicated) bias and activation."""
 
-    def __init__(self, serial: keras.layers.Dense, group: TensorGroup) -> None:
-        super().__init__(serial, group, serial.units)
+    def __init__(self, serial: keras.layers.Layer, group: TensorGroup) -> None:
+        super().__init__(serial, group, int(serial.kernel.shape[1]))
 
     def call(self, inputs):
         """This rank's partial product, SUM over the group (g), bias, activation."""

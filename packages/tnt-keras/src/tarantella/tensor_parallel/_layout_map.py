@@ -5,7 +5,8 @@ A ``keras.distribution.LayoutMap`` maps regular expressions over variable paths
 None. The tensor axis is ``"model"``; None (or a path no key matches) keeps the dimension
 whole. Each layer's layouts must be one of the patterns the shard layers implement:
 
-    Dense               kernel (None, "model"), bias ("model",) or whole  -> column
+    Dense (or an EinsumDense "abc,cd->abd")
+                        kernel (None, "model"), bias ("model",) or whole  -> column
                         kernel ("model", None), bias whole                -> row
     Embedding           embeddings ("model", None)                        -> vocab
     MultiHeadAttention  query/key/value kernel (None, "model", None), their biases
@@ -14,6 +15,9 @@ whole. Each layer's layouts must be one of the patterns the shard layers impleme
     ReversibleEmbedding embeddings ("model", None), any reverse_embeddings   -> vocab
     CachedMultiHeadAttention  as MultiHeadAttention                        -> heads
     keras-hub TransformerEncoder/Decoder  any variable on "model"          -> block
+    keras-hub LlamaTransformerDecoder  an attention variable on "model", query and
+                        key/value heads divisible by t                  -> block
+                        else any variable on "model"                    -> ffn
     other keras-hub layers  any variable on "model": kept whole, noted in the plan
     any layer           every variable whole                              -> replicated
 
@@ -44,10 +48,12 @@ from ._plan import (
     SUPPORTED,
     VOCAB,
     Plan,
+    _block_refusal,
     _row_partner,
     flatten,
     is_attention,
     is_block,
+    is_dense,
     is_ffn_block,
     is_vocab_embedding,
     plan,
@@ -103,15 +109,18 @@ def _split_axes(layer, layout_map) -> dict[str, int]:
     return out
 
 
-def _kind_of(layer, split: dict[str, int]) -> str:
+def _kind_of(layer, split: dict[str, int], tensor_parallel_size: int) -> str:
     """The kind whose pattern ``split`` is, or a TensorParallelError naming the layer."""
     if not split:
         return REPLICATED
     if is_block(layer):  # any of its variables on "model": the block is split as tnt splits one
         return BLOCK
-    if is_ffn_block(layer):
-        return FFN
+    if is_ffn_block(layer):  # Llama: its attention by heads too when the map splits it and t divides the heads
+        on_attention = any(k.startswith("self_attention/") for k in split)
+        return BLOCK if on_attention and not _block_refusal(layer, tensor_parallel_size, ()) else FFN
     kinds = _CLASS_KINDS.get(type(layer).__name__, ())
+    if is_dense(layer):  # an EinsumDense "abc,cd->abd" too
+        kinds = (COLUMN, ROW)
     if is_vocab_embedding(layer):
         kinds = (VOCAB,)
     elif is_attention(layer):
@@ -145,7 +154,7 @@ def from_layout_map(layout_map, model: keras.Model, tensor_parallel_size: int) -
     flat = flatten(model)
     for layer in flat.layers:
         split = _split_axes(layer, layout_map)
-        kind = _kind_of(layer, split)
+        kind = _kind_of(layer, split, tensor_parallel_size)
         if kind != REPLICATED:
             kinds[layer.name] = kind
             notes[layer.name] = "from the LayoutMap" + (" (a Transformer block: attention by heads, FFN "

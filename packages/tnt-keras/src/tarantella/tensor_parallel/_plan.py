@@ -12,7 +12,12 @@ computes the same one without talking. Rules (docs/architecture.md, "Layer paral
   SUM-allreduce (a reverse projection: vocabulary columns, allgather).
 - ``MultiHeadAttention`` / keras-hub ``CachedMultiHeadAttention``: by heads.
 - keras-hub ``TransformerEncoder``/``TransformerDecoder``: Megatron's block (attention by
-  heads, FFN column/row); ``LlamaTransformerDecoder``: its gated FFN only.
+  heads, FFN column/row); ``LlamaTransformerDecoder`` too (grouped-query attention by
+  query and key/value heads, gated FFN column/row), or, when its head counts do not
+  divide by t, its gated FFN only (``ffn``, with a warning naming why).
+- a Keras ``EinsumDense`` whose equation is a plain projection of the last axis
+  (``"abc,cd->abd"``, ``"ab,bc->ac"``, ``"...b,bc->...c"``; bias on the output axis or
+  none) is a Dense for all the rules above (``is_dense``).
 - anything else: replicated (same inputs on every rank, so same gradients), listed with
   its bytes; more than 20 % of the bytes replicated is warned about.
 
@@ -40,6 +45,8 @@ import numpy as np
 from .._core import internals as _internals
 from .._core.errors import TensorParallelError
 from .._core.graph import ModelGraph, model_graph
+from .._core.log import logger
+from ._gqa import gqa_refusal
 
 #: Lone layers below this many weights are not worth a collective per step.
 DEFAULT_MIN_SPLIT_PARAMS = 1 << 16
@@ -50,7 +57,7 @@ COLUMN_GATHER = "column+allgather"
 VOCAB = "vocab"
 HEADS = "heads"
 BLOCK = "block"              # a keras-hub Transformer block: attention by heads, FFN column/row
-FFN = "ffn"                  # a keras-hub Llama block: its gated FFN column/row, its attention whole
+FFN = "ffn"                  # a keras-hub Llama block whose heads do not divide by t: its gated FFN only
 REPLICATED = "replicated"
 KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, BLOCK, FFN, REPLICATED)
 
@@ -72,7 +79,9 @@ SPLIT_AXES: dict[str, dict[str, int]] = {
     BLOCK: {**{f"{a}/{k}": v for a in ("self_attention", "self_attention_layer")
                for k, v in _ATTENTION_AXES.items()},
             "feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
-            "feedforward_output_dense/kernel": 0},
+            "feedforward_output_dense/kernel": 0,
+            # Llama's gated FFN (its attention is "self_attention", with the same variable names)
+            "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0},
     FFN: {"feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
           "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0, "feedforward_output_dense/kernel": 0},
     REPLICATED: {},
@@ -85,17 +94,20 @@ COLLECTIVES: dict[str, tuple[int, int]] = {
 
 #: The patterns a split must follow (named in every error about an unsupported split).
 SUPPORTED = (
-    "supported splits: a Dense 'column' feeding a Dense 'row' through elementwise layers only "
+    "supported splits (a Dense: keras.layers.Dense, or an EinsumDense projecting the last axis such as "
+    "'abc,cd->abd'): a Dense 'column' feeding a Dense 'row' through elementwise layers only "
     "(activations, Dropout); a lone Dense 'column+allgather'; an Embedding or ReversibleEmbedding "
     "'vocab' (rows; a tied reverse projection by vocabulary columns); a MultiHeadAttention or keras-hub "
     "CachedMultiHeadAttention 'heads' (Q/K/V by heads, output projection by rows); a keras-hub "
     "TransformerEncoder/TransformerDecoder without cross-attention 'block' (its attention by heads, its "
-    "feed-forward Dense pair column/row); a keras-hub LlamaTransformerDecoder 'ffn' (its gated feed-forward "
-    "column/row, its attention whole); any layer 'replicated'")
-_LAYER_CLASS = {COLUMN: "keras.layers.Dense", ROW: "keras.layers.Dense", COLUMN_GATHER: "keras.layers.Dense",
+    "feed-forward Dense pair column/row); a keras-hub LlamaTransformerDecoder 'block' (its grouped-query "
+    "attention by query and key/value heads, both counts divisible by t; its gated feed-forward column/row) "
+    "or 'ffn' (its gated feed-forward only, its attention whole); any layer 'replicated'")
+_DENSE = "keras.layers.Dense or an EinsumDense projecting the last axis ('abc,cd->abd')"
+_LAYER_CLASS = {COLUMN: _DENSE, ROW: _DENSE, COLUMN_GATHER: _DENSE,
                 VOCAB: "keras.layers.Embedding or a ReversibleEmbedding",
                 HEADS: "keras.layers.MultiHeadAttention or keras-hub's CachedMultiHeadAttention",
-                BLOCK: "keras-hub TransformerEncoder or TransformerDecoder",
+                BLOCK: "keras-hub TransformerEncoder, TransformerDecoder or LlamaTransformerDecoder",
                 FFN: "keras-hub LlamaTransformerDecoder"}
 _HUB = "keras_hub."
 
@@ -124,20 +136,53 @@ def is_block(layer) -> bool:
 
 
 def is_ffn_block(layer) -> bool:
-    """keras-hub's Llama decoder block (gated FFN; its grouped-query attention is not split)."""
+    """keras-hub's Llama decoder block (gated FFN, grouped-query attention)."""
     return _hub(layer, "LlamaTransformerDecoder")
+
+
+def plain_projection(equation: str, bias_axes: str | None) -> bool:
+    """An EinsumDense equation that is a Dense: ``<x>c,cd-><x>d`` (``x`` any other axes,
+    ``...`` included), bias on ``d`` or none."""
+    try:
+        lhs, rest = equation.replace(" ", "").split(",")
+        kernel, out = rest.split("->")
+    except ValueError:
+        return False
+    if len(kernel) != 2 or not lhs or kernel[0] == kernel[1]:
+        return False
+    c, d = kernel
+    return (lhs[-1] == c and c not in lhs[:-1] and d not in lhs and out == lhs[:-1] + d
+            and (bias_axes or "") in ("", d))
+
+
+def is_dense(layer) -> bool:
+    """A Keras Dense, or a Keras EinsumDense that is one (``plain_projection``, built)."""
+    if type(layer) is keras.layers.Dense:
+        return True
+    return (type(layer) is keras.layers.EinsumDense and getattr(layer, "built", False)
+            and len(layer.kernel.shape) == 2 and plain_projection(layer.equation, layer.bias_axes))
+
+
+def dense_units(layer) -> int:
+    """The outputs of a Dense (``is_dense``): its kernel's columns."""
+    return int(layer.kernel.shape[1])
+
+
+def is_gqa_attention(layer) -> bool:
+    """keras-hub's LlamaAttention (grouped-query attention with rotary embeddings)."""
+    return _hub(layer, "LlamaAttention")
 
 
 def _accepts(kind: str, layer) -> bool:
     if kind in (COLUMN, ROW, COLUMN_GATHER):
-        return type(layer) is keras.layers.Dense
+        return is_dense(layer)
     if kind == VOCAB:
         return is_vocab_embedding(layer)
     if kind == HEADS:
         return is_attention(layer)
     if kind == FFN:
         return is_ffn_block(layer)
-    return is_block(layer) if kind == BLOCK else True
+    return (is_block(layer) or is_ffn_block(layer)) if kind == BLOCK else True
 
 
 def _has_weights(layer) -> bool:
@@ -343,7 +388,7 @@ def _elementwise(layer) -> bool:
     return False
 
 
-def _dense_activation_elementwise(layer: keras.layers.Dense) -> bool:
+def _dense_activation_elementwise(layer) -> bool:
     return getattr(layer.activation, "__name__", "") not in _NOT_ELEMENTWISE
 
 
@@ -361,7 +406,7 @@ def _row_partner(graph: ModelGraph, c: int, uses: dict[int, int]) -> tuple[int |
         call = graph.calls[nxt[0]]
         if len(call.inputs) != 1 or len(call.outputs) != 1 or uses[id(call.layer)] != 1:
             return None, []
-        if isinstance(call.layer, keras.layers.Dense):
+        if isinstance(call.layer, keras.layers.Dense) or is_dense(call.layer):
             return call.index, dropouts
         if not _elementwise(call.layer):
             return None, []
@@ -471,6 +516,8 @@ def passes_inputs(inner: keras.Model, args: tuple, kwargs: dict) -> bool:
 
 def _block_refusal(layer, t: int, input_shape: tuple) -> str:
     """Why a keras-hub Transformer block cannot be split (empty: it can)."""
+    if is_ffn_block(layer):
+        return _ffn_refusal(layer, t) or _gqa_block_refusal(layer, t)
     if getattr(layer, "_cross_attention_layer", None) is not None:
         return "cross-attention blocks are not split"
     attention = getattr(layer, "_self_attention_layer", None)
@@ -478,8 +525,8 @@ def _block_refusal(layer, t: int, input_shape: tuple) -> str:
            getattr(layer, "_feedforward_output_dense", None)]
     if attention is None or None in ffn:
         return "not built"
-    return (_attention_refusal(attention, t, input_shape) or _refusal(ffn[0], ffn[0].units, t)
-            or _refusal(ffn[1], ffn[0].units, t))
+    return (_attention_refusal(attention, t, input_shape) or _refusal(ffn[0], dense_units(ffn[0]), t)
+            or _refusal(ffn[1], dense_units(ffn[0]), t))
 
 
 def _ffn_refusal(layer, t: int) -> str:
@@ -487,7 +534,15 @@ def _ffn_refusal(layer, t: int) -> str:
     dense = [getattr(layer, f"_feedforward_{n}_dense", None) for n in ("intermediate", "gate", "output")]
     if None in dense:
         return "not built"
-    return next(filter(None, (_refusal(d, dense[0].units, t) for d in dense)), "")
+    return next(filter(None, (_refusal(d, dense_units(dense[0]), t) for d in dense)), "")
+
+
+def _gqa_block_refusal(layer, t: int) -> str:
+    """Why a Llama block's grouped-query attention cannot be split by heads (empty: it can)."""
+    attention = getattr(layer, "_self_attention_layer", None)
+    if not is_gqa_attention(attention):
+        return "its attention is not keras-hub's LlamaAttention"
+    return gqa_refusal(attention, t)
 
 
 def _vocab_refusal(layer, t: int, uses: int) -> str:
@@ -540,15 +595,23 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
                 kinds[layer.name] = (REPLICATED, why) if why else (BLOCK, "attention by heads, FFN column/row")
             elif is_ffn_block(layer):
                 why = _ffn_refusal(layer, t)
-                kinds[layer.name] = (REPLICATED, why) if why else (
-                    FFN, "gated FFN column/row; attention whole (grouped-query attention is not split)")
-            elif type(layer) is keras.layers.Dense:
-                why = _refusal(layer, layer.units, t)
+                attention_why = "" if why else _gqa_block_refusal(layer, t)
+                if why:
+                    kinds[layer.name] = (REPLICATED, why)
+                elif attention_why:
+                    kinds[layer.name] = (FFN, f"gated FFN column/row; attention whole: {attention_why}")
+                    logger.warning("tensor-parallel plan: %s keeps its attention whole on every rank (%s); "
+                                   "only its gated FFN is split.", layer.name, attention_why)
+                else:
+                    kinds[layer.name] = (BLOCK, "attention by query and key/value heads, gated FFN column/row")
+            elif is_dense(layer):
+                why = _refusal(layer, dense_units(layer), t)
                 partner, _ = _row_partner(graph, call.index, uses) \
                     if _dense_activation_elementwise(layer) else (None, [])
                 if not why and partner is not None:
                     row = graph.calls[partner].layer
-                    row_why = _refusal(row, layer.units, t)
+                    row_why = (_refusal(row, dense_units(layer), t) if is_dense(row) else
+                               f"a {type(row).__name__} is not a plain Dense")
                     if not row_why:
                         kinds[layer.name] = (COLUMN, f"feeds {row.name}")
                         kinds[row.name] = (ROW, f"fed by {layer.name}")
@@ -557,6 +620,9 @@ def plan(model: keras.Model, tensor_parallel_size: int, *,
                 if not why and _params(layer) < min_split_params:
                     why = f"smaller than min_split_params={min_split_params}"
                 kinds[layer.name] = (REPLICATED, why) if why else (COLUMN_GATHER, "")
+            elif type(layer) is keras.layers.EinsumDense:
+                kinds[layer.name] = (REPLICATED, f"EinsumDense {layer.equation!r} is not a projection of the "
+                                                 "last axis ('abc,cd->abd')")
             elif type(layer).__name__ == "PositionEmbedding":
                 kinds[layer.name] = (REPLICATED, "position table: small, kept whole")
             else:
@@ -583,7 +649,7 @@ def _split_refusal(layer, kind: str, t: int, graph: ModelGraph, call, uses: int)
     if uses > 1:
         return "it is called more than once"
     if kind in (COLUMN, COLUMN_GATHER):
-        return _refusal(layer, layer.units, t)
+        return _refusal(layer, dense_units(layer), t)
     if kind == ROW:
         return _refusal(layer, int(layer.kernel.shape[0]), t)
     if kind == BLOCK:
