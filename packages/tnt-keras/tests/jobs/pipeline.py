@@ -603,7 +603,7 @@ def main() -> None:
             extra["save_load"] = save_load_checks(results[first], strategy, p, tmp, load_stages,
                                                   shared if size == 2 else None)
         if layout == "pipelining" and size == 3:
-            if shared is not None:
+            if shared is not None and (shared / "p2.keras").exists():  # absent: the 2-rank job failed
                 extra["load_p2_file"] = load_saved_at_p2(shared)
             extra["backup_resume"] = backup_resume_check(tmp)
         tnt_comm.barrier()
