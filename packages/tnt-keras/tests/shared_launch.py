@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from run_scripts import RUNNER, TOOK  # tests/ of the repository (conftest.py puts it on sys.path)
 
 JOBS = Path(__file__).parent / "jobs"
 
@@ -86,7 +87,6 @@ class SharedLaunches:
             args = [a.format(workdir=workdir, shared=self._shared_dir) for a in part.args]
             specs.append(f"{part.name}=" + shlex.join([str(workdir), str(JOBS / part.job),
                                                        "--out", str(outs[part.name]), *args]))
-        from run_scripts import RUNNER  # tests/ (conftest.py puts it on sys.path)
 
         t0 = time.perf_counter()
         try:
@@ -100,7 +100,8 @@ class SharedLaunches:
                 proc.stdout, proc.stderr = proc.stdout.decode(errors="replace"), (proc.stderr or b"").decode(
                     errors="replace")
             note = f"timed out after {e.timeout:.0f} s"
-        print(f"\nshared {ranks}-rank launch of {[p.name for p in parts]}: {time.perf_counter() - t0:.0f} s, {note}")
+        took = [line.removeprefix(TOOK).strip() for line in proc.stderr.splitlines() if line.startswith(TOOK)]
+        print(f"\nshared {ranks}-rank launch: {time.perf_counter() - t0:.0f} s, {note}; parts: {', '.join(took)}")
         self._launched[ranks] = (proc, note, outs)
 
     def out_file(self, ranks: int, name: str) -> Path:

@@ -23,11 +23,11 @@ import pytest
 CASES = ["gpt2", "bert", "llama", "gpt2_causal_lm", "mobilenet_v3_small"]
 CNNS = ["mobilenet_v3_small"]
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
-#: The CNN (jobs/real_models.py: Adam lr 1e-3, 2 steps): History, predictions as above (the
-#: loss with TOL_WEIGHTS: MobileNet's 50 normalisations over 3-4 rows a rank);
+#: The CNN (jobs/real_models.py: Adam lr 1e-3, 2 steps): History and predictions as above;
 #: weights relative to each array's largest magnitude above 1 (moving variances), within
-#: 2 x lr x steps, and at most CNN_FAR_FRACTION of the elements beyond TOL_WEIGHTS.
-CNN_LR, CNN_STEPS, CNN_FAR_FRACTION = 1e-3, 2, 0.01
+#: 2 x lr x steps, and at most CNN_FAR_FRACTION of the elements beyond TOL_WEIGHTS (measured:
+#: History 4e-6, predict 6e-7, weights 1.7e-3 with 0.04 % of the elements beyond 2e-5).
+CNN_LR, CNN_STEPS, CNN_FAR_FRACTION = 1e-3, 2, 0.005
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_history_weights_and_predictions_equal_serial(report, name):
 @pytest.mark.parametrize("name", CNNS)
 def test_cnn_with_sync_batch_norm_equals_serial_but_adam_on_rounding_noise(report, name):
     c = report[name]
-    assert c["history_diff"] <= TOL_WEIGHTS, c
+    assert c["history_diff"] <= TOL_LOSS, c
     assert c["predict_diff"] <= TOL_WEIGHTS, c
     worst, far = c["weight_rel_diff"]
     assert worst <= 2 * CNN_LR * CNN_STEPS, c

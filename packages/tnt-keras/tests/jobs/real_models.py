@@ -64,8 +64,8 @@ def gpt2_causal_lm() -> keras.Model:
 def mobilenet_v3_small() -> keras.Model:
     """keras.applications' MobileNetV3Small (issue 27), untrained (no download), on tiny
     images: inverted residual blocks of depthwise convolutions, each convolution followed by
-    BatchNormalization. ``minimalistic``: without squeeze-and-excite and hard-swish (half
-    the step's time here; neither meets the ranks: they act on each sample alone)."""
+    BatchNormalization. ``minimalistic``: without squeeze-and-excite and hard-swish (fewer
+    layers to trace; neither meets the ranks: they act on each sample alone)."""
     return keras.applications.MobileNetV3Small(weights=None, input_shape=(IMAGE, IMAGE, 3), classes=CLASSES,
                                                include_preprocessing=False, dropout_rate=0.0, minimalistic=True)
 
@@ -73,10 +73,10 @@ def mobilenet_v3_small() -> keras.Model:
 MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "gpt2_causal_lm": gpt2_causal_lm,
           "mobilenet_v3_small": mobilenet_v3_small}
 #: The CNNs: images in, batch normalisation synchronised over the ranks (``sync_batch_norm=True``,
-#: the global batch's statistics as serial Keras), one epoch of two steps (batches of 8 and
-#: 6: 4 and 3 rows a rank), Adam at the learning rate of tools/model_matrix/cell.py.
+#: the global batch's statistics as serial Keras), one epoch of two steps of 8 (4 rows a rank:
+#: one traced shape; uneven batches are the other cases'), Adam at tools/model_matrix's rate.
 CNNS = ("mobilenet_v3_small",)
-IMAGE, CLASSES, CNN_SAMPLES, CNN_BATCH, CNN_EPOCHS, CNN_LR = 32, 4, 14, 8, 1, 1e-3
+IMAGE, CLASSES, CNN_SAMPLES, CNN_BATCH, CNN_EPOCHS, CNN_LR = 32, 4, 16, 8, 1, 1e-3
 
 
 def data(name: str, seed: int):
