@@ -19,9 +19,11 @@ import re
 import runpy
 import shlex
 import sys
+import time
 from pathlib import Path
 
 STARTED, DONE = "docs-script-started:", "docs-script-done:"
+TOOK = "run_scripts: took"  # the master's stderr: where a shared launch's time goes
 RUNNER = Path(__file__)
 
 
@@ -38,6 +40,7 @@ def run(script_id: str, workdir: Path, script: Path, args: list[str]) -> None:
     master = tnt_comm.rank() == 0
     if master:
         print(STARTED, script_id, flush=True)
+    t0 = time.perf_counter()
     if "keras" in sys.modules:  # layer names and seeds as in a fresh process
         sys.modules["keras"].backend.clear_session()
     os.chdir(workdir)
@@ -50,6 +53,7 @@ def run(script_id: str, workdir: Path, script: Path, args: list[str]) -> None:
     tnt_comm.barrier()  # every rank finished this script
     if master:
         print(DONE, script_id, flush=True)
+        print(f"{TOOK} {script_id} {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def main(specs: list[str]) -> None:

@@ -25,6 +25,7 @@ EXAMPLES = ROOT / "examples"
 # imported once per rank for all of them; `script_output` cuts one script's output.
 sys.path.insert(0, str(ROOT / "tests"))
 from run_scripts import RUNNER, script_output  # noqa: E402
+from shared_launch import SharedLaunches, share  # noqa: E402
 
 # The examples of examples/ that tnt-keras' tests run, each at a small size: id -> script
 # and arguments. They share one 2-rank launch (fixture `examples_run`).
@@ -77,9 +78,8 @@ def examples_run(tmp_path_factory) -> ExamplesRun:
     return ExamplesRun(proc, workdirs)
 
 
-def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIMEOUT_S) -> dict:
-    """Run ``jobs/<job>`` on ``ranks`` processes; return the JSON rank 0 wrote to ``out``."""
-    env = {
+def _job_env() -> dict[str, str]:
+    return {
         **os.environ,
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "TF_DETERMINISTIC_OPS": "1",
@@ -87,6 +87,19 @@ def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIM
         # One compute thread per rank: ranks share 2 cores on the CI machine.
         "OMP_NUM_THREADS": "1",
     }
+
+
+@pytest.fixture(scope="session")
+def shared_launches(request, tmp_path_factory) -> SharedLaunches:
+    """The jobs registered with ``share`` by the test modules, one launch per rank count
+    (shared_launch.py): ``shared_launches.result(ranks, part)`` is a part's JSON."""
+    command = [_launcher(), "--python-interpreter", sys.executable, "--"]
+    return SharedLaunches(request.session, tmp_path_factory, command, _job_env(), JOB_TIMEOUT_S)
+
+
+def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIMEOUT_S) -> dict:
+    """Run ``jobs/<job>`` on ``ranks`` processes; return the JSON rank 0 wrote to ``out``."""
+    env = _job_env()
     cmd = [_launcher(), "-n", str(ranks), "--python-interpreter", sys.executable, "--",
            str(JOBS / job), "--out", str(out), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -98,20 +111,23 @@ def launch(ranks: int, job: str, out: Path, *args: str, timeout: float = JOB_TIM
     return json.loads(out.read_text())
 
 
+share(("test_real_models", "test_real_models_pipeline", "test_real_models_tensor"), 2, "real_models",
+      "real_models_2ranks.py")
+
+
 @pytest.fixture(scope="session")
-def real_models_parts(tmp_path_factory) -> dict:
-    """keras-hub models under DATA, PIPELINING and TENSOR on 2 ranks: one launch for the
-    three test files (jobs/real_models_2ranks.py); {part: {case: measurements}}."""
-    out = tmp_path_factory.mktemp("real_models") / "real_models_2ranks.json"
-    result = launch(2, "real_models_2ranks.py", out, timeout=3 * JOB_TIMEOUT_S)  # three jobs' work
+def real_models_parts(shared_launches) -> dict:
+    """keras-hub models under DATA, PIPELINING and TENSOR on 2 ranks (jobs/real_models_2ranks.py,
+    in the shared 2-rank launch); {part: {case: measurements}}."""
+    result = shared_launches.result(2, "real_models")
     assert result["ranks"] == 2
     return result["parts"]
 
 
-def launched_checks(ranks: int, job: str, tmp_path_factory) -> dict:
-    """Run a check-registry job (see jobs/api.py) and return its {name: {ok, detail}}."""
-    out = tmp_path_factory.mktemp(Path(job).stem) / f"{Path(job).stem}.json"
-    result = launch(ranks, job, out)
+def launched_checks(ranks: int, job: str, shared_launches: SharedLaunches) -> dict:
+    """A check-registry job's (see jobs/api.py) {name: {ok, detail}}, from the shared
+    ``ranks``-rank launch (the test module registers it: ``share(__name__, ranks, part, job)``)."""
+    result = shared_launches.result(ranks, Path(job).stem)
     assert result["ranks"] == ranks
     return result["checks"]
 

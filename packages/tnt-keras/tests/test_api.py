@@ -7,7 +7,7 @@ asserted here by name so a failure says which behaviour broke and shows its numb
 from __future__ import annotations
 
 import pytest
-from conftest import assert_check, launched_checks
+from conftest import assert_check, launched_checks, share
 
 CHECKS = [
     "rank_api",
@@ -41,9 +41,13 @@ CHECKS = [
 ]
 
 
+for _ranks in (2, 1):
+    share(__name__, _ranks, "api", "api.py")  # in the shared launches (shared_launch.py)
+
+
 @pytest.fixture(scope="module", params=[2, 1], ids=lambda n: f"{n}ranks")
-def checks(request, tmp_path_factory):
-    return launched_checks(request.param, "api.py", tmp_path_factory)
+def checks(request, shared_launches):
+    return launched_checks(request.param, "api.py", shared_launches)
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_check, launched_checks
+from conftest import assert_check, launched_checks, share
 
 CHECKS = [
     "global_batch_smaller_than_ranks_works",
@@ -36,9 +36,12 @@ CHECKS = [
 ]
 
 
+share(__name__, 2, "errors", "errors.py")  # in the shared 2-rank launch (shared_launch.py)
+
+
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory):
-    return launched_checks(2, "errors.py", tmp_path_factory)
+def checks(shared_launches):
+    return launched_checks(2, "errors.py", shared_launches)
 
 
 @pytest.mark.parametrize("name", CHECKS)

@@ -11,7 +11,7 @@ and the global batches whose last batch is smaller than 3 or that divide by 3.
 from __future__ import annotations
 
 import pytest
-from conftest import launch, print_diff_table
+from conftest import print_diff_table, share
 
 EXPECTED_CASES = 16
 #: The 1-rank launch: each model kind and input form once, and jit_compile.
@@ -24,11 +24,14 @@ THREE_RANK_CASES = [*ONE_RANK_CASES, "dense_momentum_B11_last1", "dense_adagrad_
 SUBSET = {1: ONE_RANK_CASES, 3: THREE_RANK_CASES}
 
 
+for _ranks in (1, 2, 3):  # in the shared launches (shared_launch.py)
+    share(__name__, _ranks, "exactness", "exactness.py",
+          *(("--only", ",".join(SUBSET[_ranks])) if _ranks in SUBSET else ()))
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")
-def report(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp("exact") / "exactness.json"
-    only = ("--only", ",".join(SUBSET[request.param])) if request.param in SUBSET else ()
-    result = launch(request.param, "exactness.py", out, *only)
+def report(request, shared_launches):
+    result = shared_launches.result(request.param, "exactness")
     assert result["ranks"] == request.param
     print_diff_table(f"exactness on {request.param} ranks", result["cases"])
     return result

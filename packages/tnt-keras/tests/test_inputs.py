@@ -12,7 +12,7 @@ import importlib.util
 import math
 
 import pytest
-from conftest import launch, print_diff_table
+from conftest import print_diff_table, share
 
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 B, N_TRAIN, N_VAL = 8, 42, 19  # as in jobs/inputs.py
@@ -20,11 +20,14 @@ EXACT = {2: ["pydataset", "generator", "loader_like", "pipelining", "tensor"],
          3: ["pydataset", "generator"]}
 
 
+for _ranks in (2, 3):
+    share(__name__, _ranks, "inputs", "inputs.py")  # in the shared launches (shared_launch.py)
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
-def report(request, tmp_path_factory):
+def report(request, shared_launches):
     ranks = request.param
-    out = tmp_path_factory.mktemp(f"inputs{ranks}") / "inputs.json"
-    result = launch(ranks, "inputs.py", out)
+    result = shared_launches.result(ranks, "inputs")
     assert result["ranks"] == ranks
     cases = result["cases"]
     print_diff_table(f"Python inputs, DATA (PIPELINING/TENSOR cases: p/t = ranks) on {ranks} ranks",

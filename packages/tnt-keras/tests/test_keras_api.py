@@ -9,7 +9,7 @@ smaller than it.
 from __future__ import annotations
 
 import pytest
-from conftest import assert_check, launched_checks
+from conftest import assert_check, launched_checks, share
 
 CHECKS = [
     # issue: custom train_step / test_step / predict_step
@@ -59,9 +59,13 @@ CHECKS = [
 ]
 
 
+for _ranks in (1, 2, 3):
+    share(__name__, _ranks, "keras_api", "keras_api.py")  # in the shared launches (shared_launch.py)
+
+
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")
-def checks(request, tmp_path_factory):
-    found = launched_checks(request.param, "keras_api.py", tmp_path_factory)
+def checks(request, shared_launches):
+    found = launched_checks(request.param, "keras_api.py", shared_launches)
     rows = [f"{name:48} {c['diff'] if c['diff'] is not None else '':>10}" for name, c in found.items()]
     print(f"\nkeras_api on {request.param} ranks (max abs difference to serial)\n" + "\n".join(rows))
     return found

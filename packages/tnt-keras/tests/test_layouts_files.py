@@ -1,5 +1,5 @@
 """Every layout saves, loads and exports alike (issue 28): launched on 2 and 4 ranks
-(jobs/layouts_files.py, one launch each); see the job's docstring for what each case does.
+(jobs/layouts_files.py, in the shared launch of each rank count); see the job's docstring for what each case does.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from conftest import launch
+from conftest import share
 
 import tarantella as tnt
 
@@ -21,8 +21,8 @@ STEPS = 4  # 32 samples, global batch 8
 TOL = 2e-5
 
 
-_FAILED: set[int] = set()
-_LAUNCHED: dict[int, dict] = {}
+for _ranks in EXPECTED:
+    share(__name__, _ranks, "layouts_files", "layouts_files.py")  # in the shared launches (shared_launch.py)
 
 
 @keras.saving.register_keras_serializable(package="tnt_tests")
@@ -31,24 +31,18 @@ class WithDefaults(keras.Model):
     in this process (its compile's default metric does not matter here)."""
 
 
-def _report(ranks: int, tmp_path_factory) -> dict:
-    """The job's report on ``ranks`` ranks (one launch per rank count in this session)."""
-    if ranks in _FAILED:  # a failed launch is not retried by every later test (minutes each)
-        pytest.fail(f"the {ranks}-rank layouts_files launch failed (see the first test's error)")
-    if ranks not in _LAUNCHED:
-        out = tmp_path_factory.mktemp(f"layouts{ranks}") / "layouts.json"
-        _FAILED.add(ranks)
-        result = launch(ranks, "layouts_files.py", out)
-        assert result["ranks"] == ranks
-        result["work"] = out.parent
-        _LAUNCHED[ranks] = result
-        _FAILED.discard(ranks)
-    return _LAUNCHED[ranks]
+def _report(ranks: int, shared_launches) -> dict:
+    """The job's report on ``ranks`` ranks (the shared launch of that rank count; a failed
+    launch is not rerun by each later test)."""
+    result = shared_launches.result(ranks, "layouts_files")
+    assert result["ranks"] == ranks
+    result["work"] = shared_launches.out_file(ranks, "layouts_files").parent
+    return result
 
 
 @pytest.fixture(params=sorted(EXPECTED), ids=lambda n: f"{n}ranks")
-def report(request, tmp_path_factory):
-    return _report(request.param, tmp_path_factory)
+def report(request, shared_launches):
+    return _report(request.param, shared_launches)
 
 
 def test_every_layout_ran_as_the_class_it_claims(report):
@@ -128,8 +122,8 @@ def test_set_weights_with_a_wrong_list_raises_value_error_on_every_rank(report):
         assert max(case["weights_kept_after_errors_per_rank"]) == 0.0, (name, case)
 
 
-def test_a_t2_file_loads_at_q1_as_data_replicas_and_on_one_rank(tmp_path_factory):
-    report = _report(2, tmp_path_factory)  # the 2-rank job writes the t = 2 file
+def test_a_t2_file_loads_at_q1_as_data_replicas_and_on_one_rank(shared_launches):
+    report = _report(2, shared_launches)  # the 2-rank job writes the t = 2 file
     got = report["t2_file_as_all_q1"]
     assert got["class"] == "Model" and got["predict_diff"] <= TOL, got
     # And in this 1-rank process: TENSOR with tensor_parallel_size=1.

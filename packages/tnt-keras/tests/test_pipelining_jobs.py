@@ -1,6 +1,6 @@
 """Pipelining on real ranks (jobs/pipeline.py through the launcher) against serial Keras.
 
-Three launches: PIPELINING on 2 and 3 ranks (one pipeline, one stage per rank) and ALL
+Three jobs: PIPELINING on 2 and 3 ranks (one pipeline, one stage per rank) and ALL
 on 4 ranks (two replicas of a 2-stage pipeline); fewer cannot cover p = 2 and 3 with N
 ranks (PIPELINING needs N == p, ALL N % p == 0). The 2-rank job leaves its p = 2 file in
 a directory the 3-rank job loads from (p = 2 -> q = 3). Tolerances are those of the
@@ -8,8 +8,8 @@ data-parallel tests (float32 summation order; docs/architecture.md, "The promise
 
 Each job runs its own cases and checks (EXPECTED_CASES, EXPECTED_CHECKS): a test is
 parametrised over the jobs that carry what it checks, so no test passes on a job where
-it checks nothing. Each job is launched once per session, by the first test that needs
-its report (in file order: the 2-rank job before the 3-rank one).
+it checks nothing. Each job runs once per session, in the shared launch of its rank count
+(shared_launch.py: launches go in ascending rank count, the 2-rank job before the 3-rank one).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import launch, print_diff_table
+from conftest import print_diff_table, share
 
 TOL = {"mlp": (1e-5, 2e-5), "skip": (1e-5, 2e-5), "cnn": (1e-4, 1e-3), "lso": (1e-5, 2e-5),  # (losses, weights)
        "emb": (1e-5, 2e-5), "unused": (1e-5, 2e-5),
@@ -67,36 +67,29 @@ LOSS_SCALE_JOBS = [P2, ALL4]  # the "lso" and "f16" cases (2 stages only)
 REPLICATED_JOBS = [ALL4]  # more than one replica of each stage
 
 
-class _Launches:
-    """Each job's report, launched on first use and kept for the session (a failed
-    launch is not retried: every later test of that job fails with its error)."""
+#: The 2-rank job leaves its p = 2 save in the session's shared directory for the 3-rank job:
+#: the session's launches go in ascending rank count (shared_launch.py), so it runs first.
+for _job_name, (_ranks, _layout) in JOBS.items():  # in the shared launches (shared_launch.py)
+    share(__name__, _ranks, _job_name, "pipeline.py", "--layout", _layout,
+          *(("--shared", "{shared}") if _layout == "pipelining" else ()))
 
-    def __init__(self, shared, tmp_path_factory) -> None:
-        self.shared = shared
-        self.tmp_path_factory = tmp_path_factory
+
+class _Launches:
+    """Each job's report, from the shared launch of its rank count (a failed launch is not
+    retried: every later test of that job fails with its error)."""
+
+    def __init__(self, shared_launches) -> None:
+        self.shared_launches = shared_launches
         self.reports: dict[str, dict] = {}
-        self.errors: dict[str, BaseException] = {}
-        self.loaded_p2_file: dict[str, bool] = {}
 
     def __getitem__(self, job: str) -> dict:
-        if job in self.errors:
-            raise self.errors[job]
         if job not in self.reports:
-            try:
-                self.reports[job] = self._launch(job)
-            except BaseException as e:  # pytest.fail raises a BaseException
-                self.errors[job] = e
-                raise
+            self.reports[job] = self._report(job)
         return self.reports[job]
 
-    def _launch(self, job: str) -> dict:
+    def _report(self, job: str) -> dict:
         ranks, layout = JOBS[job]
-        out = self.tmp_path_factory.mktemp("pipe") / "pipeline.json"
-        gives_p2 = ranks == 2 and layout == "pipelining"
-        loads_p2 = ranks == 3 and (self.shared / "p2.keras").exists()
-        self.loaded_p2_file[job] = loads_p2
-        share = ["--shared", str(self.shared)] if gives_p2 or loads_p2 else []
-        result = launch(ranks, "pipeline.py", out, "--layout", layout, *share)
+        result = self.shared_launches.result(ranks, job)
         assert result["ranks"] == ranks and result["layout"] == layout
         print_diff_table(f"pipelining, {layout} on {ranks} ranks", result["cases"], extra=lambda c: (
             f"  loss scale: serial {c['loss_scale']['serial']}, per rank {c['loss_scale']['per_rank']}"
@@ -111,9 +104,8 @@ class _Launches:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    # Where the 2-rank job leaves its p = 2 save for the 3-rank job.
-    return _Launches(tmp_path_factory.mktemp("pipe_shared"), tmp_path_factory)
+def launches(shared_launches):
+    return _Launches(shared_launches)
 
 
 @pytest.fixture
@@ -142,8 +134,6 @@ def test_every_check_ran_and_no_other(report, job, launches):
     validation_split, backup/resume, p = 2 file and unseeded-shuffle checks each run on
     the jobs named in EXPECTED_CHECKS only)."""
     expected = set(EXPECTED_CHECKS[job])
-    if job == P3 and not launches.loaded_p2_file[job]:
-        expected.discard("load_p2_file")  # the 2-rank job did not run first (see the p2 test)
     assert set(report) - REPORT_FIELDS == expected
     assert sorted(report["gpipe_equals_1f1b"]) == sorted(EXPECTED_SCHEDULE_PAIRS[job])
 
@@ -228,10 +218,7 @@ def test_validation_split_and_class_weight_match_serial(report):
 
 
 @on(P3)
-def test_file_saved_at_p2_loads_into_3_stages(report, job, launches):
-    if not launches.loaded_p2_file[job]:
-        pytest.skip("the 3-rank job ran without the 2-rank job's p = 2 file (the 2-rank job was "
-                    "deselected or ran after it); run the whole module")
+def test_file_saved_at_p2_loads_into_3_stages(report):
     got = report["load_p2_file"]
     assert got["stages"] == 3 and got["predict_diff"] <= 2e-5, got
     _assert_load_reads_only_the_stage(got["materialised_vs_stage_bytes"], "p2 -> q3")

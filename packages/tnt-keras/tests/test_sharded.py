@@ -7,7 +7,7 @@ level 1, and the errors."""
 from __future__ import annotations
 
 import pytest
-from conftest import launch
+from conftest import share
 
 from tarantella.data_parallel import assign_owners
 
@@ -23,11 +23,14 @@ SLOTS_PER_VARIABLE = {"sgd_momentum": 1, "lso_sgd": 1, "adam": 2, "adam_clip": 2
 _REPORTS: dict[int, dict] = {}
 
 
-def _report(ranks: int, tmp_path_factory) -> dict:
+for _ranks, _cases in RUNS.items():  # in the shared launches (shared_launch.py)
+    share(__name__, _ranks, "sharded", "sharded.py", "--only", ",".join(_cases))
+
+
+def _report(ranks: int, shared_launches) -> dict:
     if ranks in _REPORTS:
         return _REPORTS[ranks]
-    out = tmp_path_factory.mktemp(f"sharded{ranks}") / "sharded.json"
-    result = launch(ranks, "sharded.py", out, "--only", ",".join(RUNS[ranks]))
+    result = shared_launches.result(ranks, "sharded")
     assert result["ranks"] == ranks
     print(f"\nsharded DATA on {ranks} ranks (max abs difference to serial Keras)")
     for name, c in result["cases"].items():
@@ -38,14 +41,14 @@ def _report(ranks: int, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module", params=sorted(RUNS))
-def report(request, tmp_path_factory):
-    return _report(request.param, tmp_path_factory)
+def report(request, shared_launches):
+    return _report(request.param, shared_launches)
 
 
 @pytest.fixture(scope="module")
-def report2(tmp_path_factory):
+def report2(shared_launches):
     """The 2-rank launch: it also runs the file and error cases."""
-    return _report(2, tmp_path_factory)
+    return _report(2, shared_launches)
 
 
 def test_every_case_ran(report):

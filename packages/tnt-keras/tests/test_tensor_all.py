@@ -20,7 +20,7 @@ The 8-rank launch (2 replicas x 2 stages x t = 2) is ``tests/large/`` (``nox -s 
 from __future__ import annotations
 
 import pytest
-from conftest import launch, print_diff_table
+from conftest import print_diff_table, share
 
 RANKS, T = 4, 2
 PLANS = {
@@ -30,10 +30,12 @@ PLANS = {
 }
 
 
+share(__name__, RANKS, "tensor_all", "tensor_all.py", "--only", ",".join(PLANS))  # shared_launch.py
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tensor_all") / "tensor_all.json"
-    result = launch(RANKS, "tensor_all.py", out, "--only", ",".join(PLANS))
+def report(shared_launches):
+    result = shared_launches.result(RANKS, "tensor_all")
     assert result["ranks"] == RANKS
     print_diff_table(f"ALL: 2 replicas x t={T}; 2 stages x t={T}", result["cases"],
                      extra=lambda c: f"  wall {c['seconds'][0]:.1f} s, CPU of all ranks {c['seconds'][1]:.1f} s")

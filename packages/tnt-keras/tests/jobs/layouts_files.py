@@ -31,6 +31,7 @@ Against serial Keras trained in the same job (same model class, seed, batches):
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -112,6 +113,7 @@ def data():
     return x, y
 
 
+@functools.cache  # the same for every layout of a kind: trained once per job, not per layout
 def serial_reference(marked: bool) -> dict:
     """Serial Keras: the same model trained on the same batches, in this process."""
     x, y = data()

@@ -88,14 +88,15 @@ def build(name: str, seed: int) -> keras.Model:
 def run_case(name: str) -> dict:
     x, y = data(name, seed=3)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    initial = build(name, 5).get_weights()
     ref = None
-    if tnt.is_master_rank():
+    if tnt.is_master_rank():  # the master builds the serial model once: it also trains it
         serial = build(name, 5)
-        serial.set_weights(initial)
+        initial = serial.get_weights()
         compile_(serial, name)
         history = serial.fit(ds, epochs=EPOCHS, verbose=0).history
         ref = {"history": history, "weights": serial.get_weights(), "predict": serial.predict(x, batch_size=BATCH, verbose=0)}
+    else:
+        initial = build(name, 5).get_weights()
     model = tnt.Model(build(name, 100 + tnt.get_rank()))  # rank 0's initial weights must win
     model.set_weights(initial)
     compile_(model, name)
