@@ -42,10 +42,12 @@ ALL_JOBS = list(JOBS)
 EXPECTED_CASES = {
     P2: ["skip_p2_adam_clip_m4_1f1b", "mlp_p2_momentum_m3_gpipe", "mlp_p2_momentum_m3_1f1b",
          "mlp_p2_adam_m1_1f1b", "cnn_p2_momentum_m3_1f1b", "emb_p2_adam_m4_gpipe", "emb_p2_adam_m4_1f1b",
-         "lso_p2_lso_spe3_m3_1f1b", "f16_p2_adam_m3_1f1b", "unused_p2_adamw_m2_1f1b"],
+         "lso_p2_lso_spe3_m3_1f1b", "f16_p2_adam_m3_1f1b", "unused_p2_adamw_m2_1f1b",
+         "emb_p2_adam_m4_gpipe_remat"],
     P3: ["skip_p3_adam_clip_m4_1f1b", "mlp_p3_adam_m4_gpipe", "mlp_p3_adam_m4_1f1b"],
     ALL4: ["mlp_all2x2_adam_m4_gpipe", "mlp_all2x2_adam_m4_1f1b", "emb_all2x2_adam_m3_1f1b",
-           "lso_all2x2_lso_spe3_m3_1f1b", "f16_all2x2_adam_m3_1f1b", "unused_all2x2_adamw_m2_1f1b"],
+           "lso_all2x2_lso_spe3_m3_1f1b", "f16_all2x2_adam_m3_1f1b", "unused_all2x2_adamw_m2_1f1b",
+           "mlp_all2x2_adam_m4_1f1b_remat"],
 }
 #: The GPipe cases each job compares bitwise with their 1F1B twins.
 EXPECTED_SCHEDULE_PAIRS = {
@@ -56,9 +58,9 @@ EXPECTED_SCHEDULE_PAIRS = {
 #: The checks beside the cases each job runs (the report's other keys). The 3-rank job
 #: loads the p = 2 file ("load_p2_file") only if the 2-rank job ran before it.
 EXPECTED_CHECKS = {
-    P2: {"gpipe_equals_1f1b", "save_load", "validation_split_history_diff", "unseeded_shuffle"},
+    P2: {"gpipe_equals_1f1b", "save_load", "validation_split_history_diff", "unseeded_shuffle", "remat_equals_kept"},
     P3: {"gpipe_equals_1f1b", "load_p2_file", "backup_resume"},
-    ALL4: {"gpipe_equals_1f1b", "save_load"},
+    ALL4: {"gpipe_equals_1f1b", "save_load", "remat_equals_kept"},
 }
 REPORT_FIELDS = {"ranks", "layout", "cases", "pid"}
 #: The jobs that carry a check (where a test of it is generated).
@@ -160,6 +162,15 @@ def test_gpipe_and_1f1b_are_bitwise_identical(report):
     assert report["gpipe_equals_1f1b"] and all(report["gpipe_equals_1f1b"].values()), report["gpipe_equals_1f1b"]
 
 
+@on(P2, ALL4)
+def test_recomputing_stages_train_bitwise_as_keeping_activations(report):
+    # remat="stages" (Note [Stage recomputation]) on real ranks: GPipe with sparse gradients
+    # (p = 2), 1F1B over replicas (ALL 2 x 2); each against its twin that keeps activations
+    twins = report["remat_equals_kept"]
+    assert sorted(twins) == sorted(n for n in report["cases"] if n.endswith("_remat")) and twins, twins
+    assert all(twins.values()), twins
+
+
 @on(*REPLICATED_JOBS)
 def test_replicas_hold_bitwise_identical_stages(report):
     # Only where each stage has several replicas: with one rank per stage it holds trivially.
@@ -193,7 +204,7 @@ def test_1f1b_holds_at_most_min_p_minus_s_m_micro_batches(report):
     p = report["ranks"] if report["layout"] == "pipelining" else report["ranks"] // 2
     for name, c in report["cases"].items():
         m = int(re.search(r"_m(\d+)_", name).group(1))
-        expected = [min(p - r % p, m) if name.endswith("1f1b") else m for r in range(report["ranks"])]
+        expected = [min(p - r % p, m) if "_1f1b" in name else m for r in range(report["ranks"])]
         assert c["peak_in_flight"] == expected, (name, c["peak_in_flight"])
 
 

@@ -296,8 +296,9 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
     gc.collect()
     before = live_variables()
     user_model = deferred(make)
+    schedule, _, remat = schedule.partition("+")  # "gpipe+stages": remat="stages"
     model = tnt.Model(user_model, parallel_strategy=strategy, num_pipeline_stages=p, num_micro_batches=m,
-                      pipeline_schedule=schedule)
+                      pipeline_schedule=schedule, remat=remat or None)
     model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"], steps_per_execution=spe)
     t0 = time.perf_counter()
     seen = BatchLogs()
@@ -562,6 +563,8 @@ def main() -> None:
         cases = {
             f"mlp_all{p}x2_adam_m4_gpipe": ("mlp", mlp, "adam", 4, "gpipe", 13, 13 * 2 + 4, 2),
             f"mlp_all{p}x2_adam_m4_1f1b": ("mlp", mlp, "adam", 4, "1f1b", 13, 13 * 2 + 4, 2),
+            # remat="stages": bitwise the run that keeps its activations (shares its serial run)
+            f"mlp_all{p}x2_adam_m4_1f1b_remat": ("mlp", mlp, "adam", 4, "1f1b+stages", 13, 13 * 2 + 4, 2),
         }
         if p == 2:
             # sparse gradients: micro-batch slices concatenated, then gathered over replicas
@@ -584,6 +587,8 @@ def main() -> None:
             # sparse gradients (Embedding) with Adam: slices in micro-batch order, both schedules
             cases[f"emb_p{p}_adam_m4_gpipe"] = ("emb", embedding_model, "adam", 4, "gpipe", 10, 10 * 3 + 2, 2)
             cases[f"emb_p{p}_adam_m4_1f1b"] = ("emb", embedding_model, "adam", 4, "1f1b", 10, 10 * 3 + 2, 2)
+            cases[f"emb_p{p}_adam_m4_gpipe_remat"] = ("emb", embedding_model, "adam", 4, "gpipe+stages", 10,
+                                                      10 * 3 + 2, 2)
             cases[f"lso_p{p}_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
             # mixed_float16: compile wraps Adam in a LossScaleOptimizer; the last stage alone overflows
             cases[f"f16_p{p}_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)
@@ -602,6 +607,9 @@ def main() -> None:
     names = list(results)
     pairs = [(a, a.replace("_gpipe", "_1f1b")) for a in names if a.endswith("_gpipe")]
     extra["gpipe_equals_1f1b"] = {a: compare_schedules(results, a, b) for a, b in pairs if b in results}
+    twins = [a for a in names if a.endswith("_remat")]
+    if twins:
+        extra["remat_equals_kept"] = {a: compare_schedules(results, a.removesuffix("_remat"), a) for a in twins}
     with tempfile.TemporaryDirectory(prefix="tnt-pipe-") as tmp_local:
         tmp = Path(tnt_comm.broadcast_object(tmp_local, 0))  # one directory for all ranks
         first = next(n for n in names if n.startswith("mlp") and ("1f1b" in n))
