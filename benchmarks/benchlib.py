@@ -154,6 +154,19 @@ class EpochTimer:
         return _Timer()
 
 
+def step_times(keras, out: list[float]):
+    """A callback appending each training step's wall time (batch begin to end) to ``out``."""
+
+    class _StepTimes(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            out.append(time.perf_counter() - self._t0)
+
+    return _StepTimes()
+
+
 def lockstep_ceiling(step_seconds: list[list[float]]) -> float:
     """mean(t) / mean over steps of max over ranks: the efficiency ranks in lockstep reach.
 

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import benchlib  # light: no TensorFlow, no MPI at import
@@ -53,15 +52,8 @@ def worker(out: str) -> None:
     model = tnt.Model(mlp(keras), parallel_strategy=tnt.ParallelStrategy.DATA)
     model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     times: list[float] = []
-
-    class StepTimes(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t0)
-
-    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[StepTimes()])
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False,
+              callbacks=[benchlib.step_times(keras, times)])
     record = {"rank": tnt.get_rank(), "step_seconds": times, "median_step_seconds": statistics.median(times[1:]),
               "peak_bytes": max_rss() - baseline}
     Path(f"{out}.{record['rank']}.json").write_text(json.dumps(record))

@@ -71,16 +71,9 @@ def worker(level: int, steps: int) -> None:
     y = rng.integers(0, WIDTHS[-1], size=batch * steps)
     times: list[float] = []
 
-    class Steps(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter() - self.t0)
-
     tm.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, epochs=1, verbose=0, shuffle=False)  # warm-up
     times.clear()
-    tm.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[Steps()])
+    tm.fit(x, y, batch_size=batch, epochs=1, verbose=0, shuffle=False, callbacks=[bl.step_times(keras, times)])
     psi = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     sharding = getattr(tm, "_tnt_sharding", None)
     owned = model.trainable_variables if sharding is None else sharding.owned_variables()
