@@ -134,11 +134,19 @@ def synchronise(model: keras.Model) -> int:
     return changed
 
 
+def _is_global(layer) -> bool:
+    return isinstance(layer, SyncBatchNormalization) or "_moments" in vars(layer)
+
+
 def has_sync_batch_norm(model: keras.Model) -> bool:
     """True when some layer of ``model`` computes global statistics (a collective)."""
 
-    return any(
-        isinstance(layer, SyncBatchNormalization) or "_moments" in vars(layer)
-        for layer in _internals.all_layers(model)
-        if isinstance(layer, keras.layers.BatchNormalization)
-    )
+    return any(_is_global(layer) for layer in _internals.all_layers(model)
+               if isinstance(layer, keras.layers.BatchNormalization))
+
+
+def has_local_batch_norm(model: keras.Model) -> bool:
+    """True when some BatchNormalization layer of ``model`` normalises over this rank's rows only."""
+
+    return any(not _is_global(layer) for layer in _internals.all_layers(model)
+               if isinstance(layer, keras.layers.BatchNormalization))

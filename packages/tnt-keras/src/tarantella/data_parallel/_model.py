@@ -289,8 +289,8 @@ class Model(DistributedModel):
 
     def _warn_small_batch_norm(self, global_batch: int | None) -> None:
         size = _runtime.get_size()
-        if size == 1 or global_batch is None or not _sync.moving_statistics(self._model):
-            return
+        if size == 1 or global_batch is None or not _batch_norm.has_local_batch_norm(self._model):
+            return  # sync_batch_norm=True: every layer normalises over the global batch
         local = global_batch // size
         if local < _BATCH_NORM_MIN_LOCAL_BATCH:
             logger.warning(
