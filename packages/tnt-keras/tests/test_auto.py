@@ -70,6 +70,22 @@ def test_budget_below_sharding_picks_the_pipeline():
     assert {"DATA(d=2)", "DATA(d=2, sharding=1)", "DATA(d=2, sharding=2)"} <= set(rejected), rejected
 
 
+def test_budget_that_only_recomputation_meets_picks_remat_stages():
+    m = two_convs()
+    # a large batch: activations (4 KiB per sample and conv) outweigh the weights
+    full = tnt.plan_parallel(m, num_ranks=2, global_batch_size=512, memory_budget=None)
+    pipes = {c.layout.describe(): c.estimate for c in full.feasible if c.layout.stages == 2}
+    plain, remat = pipes["PIPELINING(d=1, p=2 m=8 bytes)"], pipes["PIPELINING(d=1, p=2 m=8 bytes remat)"]
+    # 1F1B keeps min(p - s, m) = 2 micro-batches' activations on stage 0; remat one
+    assert remat.memory["activations"] * 2 == plain.memory["activations"], (plain.memory, remat.memory)
+    assert remat.compute_s > plain.compute_s  # one more forward pass per micro-batch
+    budget = (plain.total_bytes + remat.total_bytes) // 2
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=512, memory_budget=budget)
+    assert plan.layout.remat and plan.layout.stages == 2, plan.summary()
+    strategy, options = plan.model_options()
+    assert strategy is tnt.ParallelStrategy.PIPELINING and options["remat"] == "stages", options
+
+
 def test_prediction_of_data_counts_the_weights_as_counted_here():
     m = two_convs()
     w = weight_bytes(m)

@@ -4,10 +4,13 @@ and step time of one layout, from a measured :class:`~._profile.Profile`.
 Memory follows ``_core.memory.estimate`` (docs/memory.md) for what each layout holds:
 weights, gradients, optimizer slots (``/ d`` with sharding 1 or 2), the pipeline's
 gradient accumulator, activations of the micro-batches in flight (1F1B: ``min(p - s, m)``
-on stage s), the engine's gradient buffer when gradients are reduced over replicas and
+on stage s; one set with ``remat``, whose inputs are still held per micro-batch), the engine's gradient buffer when gradients are reduced over replicas and
 received boundary tensors. Time: the profile's forward + backward of the layers a rank
 runs (tensor-split layers at ``1/t``) at its rows, the pipeline's ``m + p - 1`` slots of
-its slowest stage, and the collectives from the alpha-beta model (``_comm``).
+its slowest stage, and the collectives from the alpha-beta model (``_comm``). Recomputation
+(``remat``) runs each stage's forward twice: the profile times forward + backward together,
+so the second forward is taken as ``REMAT_FORWARD_SHARE`` of it (backward about twice the
+forward; benchmarks/remat.py measured 1.39x the 1F1B step on an MLP).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from ._profile import Profile
 #: Open MPI's non-blocking reduce-scatter / allgather (no ring) measured 3.7-4.4x the ring
 #: allreduce of the same bytes (docs/sharding.md): sharding's collectives are charged so.
 NON_RING_FACTOR = 4.0
+#: The forward pass's share of forward + backward, the extra cost of remat="stages".
+REMAT_FORWARD_SHARE = 1 / 3
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Stages:
 
 def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layout, rows: int,
             in_flight: int, accumulate: bool, receive_per_sample: int) -> dict[str, int]:
+    activation_sets = min(1, in_flight) if layout.remat else in_flight
     keep = None if names is None else set(names)
     frac = split.local_fraction if split is not None else {}
     layers = [c for c in prof.layers if keep is None or c.name in keep]
@@ -71,7 +77,7 @@ def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layou
         "gradients": grads,
         "optimizer_slots": slot_bytes,
         "gradient_accumulators": grads if accumulate else 0,
-        "activations": acts * rows * in_flight,
+        "activations": acts * rows * activation_sets,
         "communication_buffers": grads if d > 1 else 0,
         "receive_buffers": receive_per_sample * rows * in_flight,
     }
@@ -111,7 +117,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
                       stages.receive_bytes_per_sample[s])
         if worst is None or sum(mem.values()) > sum(worst.values()):
             worst = mem
-        stage_time = prof.time_s(rows, names, scale=scale)
+        stage_time = prof.time_s(rows, names, scale=scale) * (1 + REMAT_FORWARD_SHARE if layout.remat else 1)
         slowest = max(slowest, stage_time)
         sync = max(sync, _comm.allreduce_s(d, mem["gradients"], net))
     boundary = max(stages.receive_bytes_per_sample) * rows

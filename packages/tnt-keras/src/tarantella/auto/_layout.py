@@ -18,6 +18,7 @@ class Layout:
     tensor: int = 1
     sharding: int = 0
     micro_batches: int = 1
+    remat: bool = False  # the pipeline's stages recompute their activations (remat="stages")
     split_after: tuple[str, ...] | None = None  # the pipeline's cut points (None: automatic)
     partition: str = ""  # how the stages were balanced: "bytes" (the pipeline's plan) or "time"
 
@@ -42,7 +43,7 @@ class Layout:
         parts = [f"d={self.replicas}"]
         if self.stages > 1:
             by = f" {self.partition}" if self.partition else ""
-            parts.append(f"p={self.stages} m={self.micro_batches}{by}")
+            parts.append(f"p={self.stages} m={self.micro_batches}{by}" + (" remat" if self.remat else ""))
         if self.tensor > 1:
             parts.append(f"t={self.tensor}")
         if self.sharding:
@@ -58,6 +59,8 @@ class Layout:
         if self.stages > 1:
             options["num_pipeline_stages"] = self.stages
             options["num_micro_batches"] = self.micro_batches
+            if self.remat:
+                options["remat"] = "stages"
         if self.tensor > 1:
             options["tensor_parallel_size"] = self.tensor
         return member, options

@@ -51,7 +51,8 @@ def layouts(num_ranks: int, global_batch: int) -> tuple[list[Layout], list[Candi
                 bad.append(Candidate(Layout(d, p, t, micro_batches=p), None,
                                      f"the replica's batch {global_batch // d} does not divide into "
                                      f"{p}, {2 * p} or {4 * p} micro-batches"))
-            out.extend(Layout(d, p, t, micro_batches=m) for m in ms)
+            # each with and without recomputation of the stages' activations (remat="stages")
+            out.extend(Layout(d, p, t, micro_batches=m, remat=r) for m in ms for r in (False, True))
     return out, bad
 
 
