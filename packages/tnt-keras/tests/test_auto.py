@@ -43,6 +43,14 @@ def weight_bytes(model) -> int:
     return 4 * model.count_params()  # float32
 
 
+def given_profile(model: keras.Model, seconds_per_row: dict[str, float]) -> Profile:
+    """The profile of ``model``'s layers (float32 bytes from the layers) with the given times."""
+    return Profile(model.name, [LayerCost(layer.name, 4 * layer.count_params(), 4 * layer.count_params(),
+                                          4 * int(np.prod(layer.output.shape[1:])), 0.0,
+                                          seconds_per_row[layer.name], True)
+                                for layer in model.layers[1:]], (8,))
+
+
 def test_budget_between_sharded_and_plain_data_picks_sharding():
     m = one_conv()
     w = weight_bytes(m)
@@ -73,15 +81,16 @@ def test_budget_below_sharding_picks_the_pipeline():
 
 def test_budget_that_only_recomputation_meets_picks_remat_stages():
     m = two_convs()
+    prof = given_profile(m, {"c1": 1e-3, "c2": 1e-3, "pool": 1e-5, "head": 1e-5})  # not the machine's load
     # a large batch: activations (4 KiB per sample and conv) outweigh the weights
-    full = tnt.plan_parallel(m, num_ranks=2, global_batch_size=512, memory_budget=None)
+    full = tnt.plan_parallel(m, num_ranks=2, global_batch_size=512, memory_budget=None, profile_=prof)
     pipes = {c.layout.describe(): c.estimate for c in full.feasible if c.layout.stages == 2}
     plain, remat = pipes["PIPELINING(d=1, p=2 m=8 bytes)"], pipes["PIPELINING(d=1, p=2 m=8 bytes remat)"]
     # 1F1B keeps min(p - s, m) = 2 micro-batches' activations on stage 0; remat one
     assert remat.memory["activations"] * 2 == plain.memory["activations"], (plain.memory, remat.memory)
     assert remat.compute_s > plain.compute_s  # one more forward pass per micro-batch
     budget = (plain.total_bytes + remat.total_bytes) // 2
-    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=512, memory_budget=budget)
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=512, memory_budget=budget, profile_=prof)
     assert plan.layout.remat and plan.layout.stages == 2, plan.summary()
     strategy, options = plan.model_options()
     assert strategy is tnt.ParallelStrategy.PIPELINING and options["remat"] == "stages", options
@@ -173,10 +182,7 @@ def test_pipelines_are_predicted_with_both_partitions():
     m = keras.Model(inp, out)
     # the layers' times given, not measured (a measured profile made the cut depend on the
     # machine's load: CI once found no time cut differing from the bytes cut)
-    seconds_per_row = {"c1": 1e-3, "c2": 1e-3, "c3": 1e-3, "flat": 0.0, "d1": 1e-5}
-    prof = Profile("m", [LayerCost(layer.name, 4 * layer.count_params(), 4 * layer.count_params(),
-                                   4 * int(np.prod(layer.output.shape[1:])), 0.0, seconds_per_row[layer.name], True)
-                         for layer in m.layers[1:]], (8,))
+    prof = given_profile(m, {"c1": 1e-3, "c2": 1e-3, "c3": 1e-3, "flat": 0.0, "d1": 1e-5})
     plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=16, memory_budget=100 * weight_bytes(m),
                              profile_=prof)
     pipes = [c.layout for c in plan.feasible if c.layout.stages == 2]
