@@ -15,11 +15,13 @@ import re
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import launch
 
 import tarantella as tnt
 from tarantella.auto import LayerCost, Profile
 from tarantella.auto._partition import time_split_after
+from tarantella.auto._profile import profile
 
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 
@@ -162,6 +164,15 @@ def test_profile_file_is_kept_and_reused_for_the_same_model_only(tmp_path):
 
 def _profile_of(times: list[float]) -> Profile:
     return Profile("m", [LayerCost(f"l{i}", 4, 4, 4, 0.0, t, True) for i, t in enumerate(times)], (1,))
+
+
+def test_layers_are_timed_under_op_determinism():
+    # TF_DETERMINISTIC_OPS=1 (as every launched test sets): unseeded random inputs raised and
+    # every layer fell back to the FLOP proxy (found in CI, where another module enables it)
+    tf.config.experimental.enable_op_determinism()
+    prof = profile(two_convs(), [2, 8])
+    assert [c.measured for c in prof.layers] == [True] * len(prof.layers), prof.notes
+    assert not prof.notes
 
 
 def test_time_partition_minimises_the_slowest_stage():

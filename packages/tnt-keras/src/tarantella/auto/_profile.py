@@ -139,7 +139,10 @@ def _timer(layer):
         for x in inputs:
             shape = (rows, *tuple(x.shape)[1:])
             dtype = np.dtype(x.dtype)
-            xs.append(tf.zeros(shape, dtype) if dtype.kind in "iub" else tf.random.normal(shape, dtype=x.dtype))
+            # stateless: a seeded op also runs under op determinism (TF_DETERMINISTIC_OPS=1), where
+            # tf.random.normal without a seed raises and every layer fell back to the FLOP proxy
+            xs.append(tf.zeros(shape, dtype) if dtype.kind in "iub"
+                      else tf.random.stateless_normal(shape, seed=(0, 0), dtype=x.dtype))
         step(xs)  # trace / warm up
         times = []
         for _ in range(_REPEATS):
