@@ -24,27 +24,25 @@ def _cgroup_limit() -> int | None:
     return None
 
 
-def _available() -> int | None:
+def _proc_kib_field(path: str, field: str) -> int | None:
+    """A ``Field:   N kB`` line of a /proc file, in bytes (None: unreadable or absent)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def _available() -> int | None:
+    return _proc_kib_field("/proc/meminfo", "MemAvailable")
+
+
 def _vm_data() -> int:
     """This process' private data in use (what ``RLIMIT_DATA`` limits), bytes."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmData:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _proc_kib_field("/proc/self/status", "VmData") or 0
 
 
 def _gpu_bytes() -> int | None:
