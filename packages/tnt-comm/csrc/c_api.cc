@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -176,10 +177,41 @@ int api_fused_wait_buckets(std::int64_t engine, std::int64_t n, void* const* out
   });
 }
 
+// Note [Borrowed buckets]
+// A hold is a heap-allocated shared_ptr to the bucket's buffer: the engine reuses a buffer
+// only while nobody else holds it (reuse_or_allocate), so a borrowed bucket is never
+// written again while borrowed, whatever the caller's ordering. Native ops hand the bytes
+// to TensorFlow as an output tensor without copying them (tarantella's TntFusedWait).
+int api_fused_wait_buckets_borrow(std::int64_t engine, std::int64_t n, void** out, std::int64_t* nbytes,
+                                  void** hold, char* err, std::size_t err_len) {
+  return status_of(err, err_len, [&] {
+    const auto f = lookup(registry().engines, engine, "FusedAllreduce");
+    const Plan& plan = f->plan();
+    if (n != static_cast<std::int64_t>(plan.size())) {
+      throw std::invalid_argument("FusedAllreduce wait: " + std::to_string(n) + " outputs for " +
+                                  std::to_string(plan.size()) + " buckets");
+    }
+    const std::vector<FusedResult> results = f->wait_buckets();
+    std::vector<std::unique_ptr<std::shared_ptr<FusionBuffer>>> holds;  // all or nothing
+    holds.reserve(results.size());
+    for (const FusedResult& r : results) holds.push_back(std::make_unique<std::shared_ptr<FusionBuffer>>(r.buffer));
+    for (std::size_t b = 0; b < results.size(); ++b) {
+      const FusedResult& r = results[b];
+      const DType dt = f->specs()[static_cast<std::size_t>(plan[b].front())].dtype;
+      out[b] = r.buffer->data() + r.offset_bytes;
+      nbytes[b] = r.count * static_cast<std::int64_t>(dtype_size(dt));
+      hold[b] = holds[b].release();
+    }
+  });
+}
+
+void api_fused_release(void* hold) { delete static_cast<std::shared_ptr<FusionBuffer>*>(hold); }
+
 const tnt_comm_c_api kTable = {
-    TNT_COMM_C_API_VERSION, static_cast<std::int32_t>(sizeof(tnt_comm_c_api)),
-    api_allreduce,          api_allgather,
-    api_fused_submit,       api_fused_wait_buckets,
+    TNT_COMM_C_API_VERSION,        static_cast<std::int32_t>(sizeof(tnt_comm_c_api)),
+    api_allreduce,                 api_allgather,
+    api_fused_submit,              api_fused_wait_buckets,
+    api_fused_wait_buckets_borrow, api_fused_release,
 };
 
 }  // namespace

@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define TNT_COMM_C_API_VERSION 1
+#define TNT_COMM_C_API_VERSION 2
 
 enum tnt_status {
   TNT_OK = 0,
@@ -54,6 +54,15 @@ typedef struct tnt_comm_c_api {
    * capacity[b] bytes. n must equal the plan's bucket count. */
   int (*fused_wait_buckets)(int64_t engine, int64_t n, void* const* out, const int64_t* capacity,
                             char* err, size_t err_len);
+  /* Version 2. As fused_wait_buckets, without the copy: out[b] receives the address of
+   * bucket b's reduced bytes inside the engine (64-byte aligned, nbytes[b] long) and hold[b]
+   * a reference that keeps them alive and untouched until fused_release(hold[b]). While a
+   * hold exists, the engine reduces that bucket's next rounds in a fresh buffer, so a
+   * holder never sees its bytes change (memory, not correctness, is the price of holding
+   * on). Release each hold once, from any thread; nothing is held when the call fails. */
+  int (*fused_wait_buckets_borrow)(int64_t engine, int64_t n, void** out, int64_t* nbytes,
+                                   void** hold, char* err, size_t err_len);
+  void (*fused_release)(void* hold);
 } tnt_comm_c_api;
 
 #ifdef __cplusplus

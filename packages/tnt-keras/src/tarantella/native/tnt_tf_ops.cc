@@ -7,7 +7,8 @@
 //   TntAllgather      y[r] = x of rank r, stacked on a new axis 0 (layer parallelism)
 //   TntFusedSubmit    copies a bucket's tensors into the fused engine, which starts the
 //                     bucket's allreduce once it is complete       (data parallelism)
-//   TntFusedWait      every bucket's reduced bytes, one flat tensor per bucket
+//   TntFusedWait      every bucket's reduced bytes, one flat tensor per bucket: the bucket's
+//                     own memory, borrowed from the engine (no copy)
 //
 // `after` inputs only order ops (see tensor_parallel/_collectives.py); their values are unused.
 #include <atomic>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "tensorflow/core/framework/allocation_description.pb.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -182,6 +184,37 @@ class FusedSubmitOp : public OpKernel {
   int64_t keep_from_ = 0;
 };
 
+// Note [Wait outputs borrow the buckets]
+// The wait op's outputs are the engine's bucket buffers themselves, not copies of them:
+// a copy was a second full gradient set alive during every update (docs/memory.md). Each
+// output holds the engine's reference to its bucket (fused_wait_buckets_borrow), dropped
+// when TensorFlow frees the tensor and every slice of it. The engine writes a bucket only
+// while nobody else holds it, and otherwise reduces the next round in a fresh buffer
+// (tnt_comm's Note [Borrowed buckets]): an output kept past the next submit (a fetched
+// gradient, a second reduction in the same step) costs memory, never its values. In the
+// step graph nothing keeps them: the gradients die with the step, so the next step's
+// submits find the buckets free and reuse them. OwnsMemory() is false, so TensorFlow never
+// forwards an output's buffer to an op that would write into it (Tensor::RefCountIsOne):
+// a bucket's bytes are only ever written by the engine.
+class BorrowedBucket : public tensorflow::TensorBuffer {
+ public:
+  BorrowedBucket(void* data, size_t size, void* hold, void (*release)(void*))
+      : TensorBuffer(data), size_(size), hold_(hold), release_(release) {}
+  ~BorrowedBucket() override { release_(hold_); }
+  size_t size() const override { return size_; }
+  TensorBuffer* root_buffer() override { return this; }
+  void FillAllocationDescription(tensorflow::AllocationDescription* proto) const override {
+    proto->set_requested_bytes(static_cast<int64_t>(size_));
+    proto->set_allocator_name("tnt_comm_fused_bucket");
+  }
+  bool OwnsMemory() const override { return false; }
+
+ private:
+  size_t size_;
+  void* hold_;
+  void (*release_)(void*);
+};
+
 class FusedWaitOp : public OpKernel {
  public:
   explicit FusedWaitOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -192,17 +225,35 @@ class FusedWaitOp : public OpKernel {
     const tnt_comm_c_api* a = api(ctx);
     if (a == nullptr) return;
     const int n = static_cast<int>(counts_.size());
-    std::vector<void*> out(n);
-    std::vector<int64_t> capacity(n);
-    for (int b = 0; b < n; ++b) {
-      Tensor* t = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(b, TensorShape({counts_[b]}), &t));
-      out[b] = const_cast<char*>(t->tensor_data().data());
-      capacity[b] = static_cast<int64_t>(t->tensor_data().size());
-    }
+    std::vector<void*> data(n, nullptr);
+    std::vector<void*> hold(n, nullptr);
+    std::vector<int64_t> nbytes(n, 0);
     char err[kErrLen] = {0};
-    const int s = a->fused_wait_buckets(engine_, n, out.data(), capacity.data(), err, sizeof err);
-    if (s != TNT_OK) fail(ctx, s, err, {});
+    const int s = a->fused_wait_buckets_borrow(engine_, n, data.data(), nbytes.data(), hold.data(), err, sizeof err);
+    if (s != TNT_OK) {
+      fail(ctx, s, err, {});  // nothing is held after a failed call
+      return;
+    }
+    // Every hold is wrapped before anything can fail, so each is released exactly once.
+    std::vector<Tensor> out;
+    out.reserve(n);
+    int bad = -1;
+    int64_t bad_want = 0;
+    for (int b = 0; b < n; ++b) {
+      auto* buf = new BorrowedBucket(data[b], static_cast<size_t>(nbytes[b]), hold[b], a->fused_release);
+      const int64_t want = counts_[b] * static_cast<int64_t>(tensorflow::DataTypeSize(output_type(b)));
+      if (nbytes[b] != want && bad < 0) {
+        bad = b;
+        bad_want = want;
+      }
+      // A bucket whose size the graph got wrong gets an empty view (never read: the op fails).
+      out.emplace_back(output_type(b), TensorShape({nbytes[b] == want ? counts_[b] : 0}), buf);
+      buf->Unref();  // the tensor holds its own reference
+    }
+    OP_REQUIRES(ctx, bad < 0,
+                tensorflow::errors::InvalidArgument("TntFusedWait: bucket ", bad, " has ",
+                                                    bad < 0 ? 0 : nbytes[bad], " bytes, its output ", bad_want));
+    for (int b = 0; b < n; ++b) ctx->set_output(b, out[b]);
   }
 
  private:
