@@ -31,6 +31,11 @@ class CApi(ctypes.Structure):
         ("fused_wait_buckets", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                                 ctypes.POINTER(ctypes.c_void_p), I64P, ctypes.c_char_p,
                                                 ctypes.c_size_t)),
+        ("fused_wait_buckets_borrow", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                       ctypes.POINTER(ctypes.c_void_p), I64P,
+                                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
+                                                       ctypes.c_size_t)),
+        ("fused_release", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
     ]
 
 
@@ -47,7 +52,7 @@ def ptr(a: np.ndarray) -> ctypes.c_void_p:
 
 @check
 def c_api_table_and_header() -> None:
-    assert API.version == t.C_API_VERSION == 1, API.version
+    assert API.version == t.C_API_VERSION == 2, API.version
     assert API.struct_size == ctypes.sizeof(CApi), (API.struct_size, ctypes.sizeof(CApi))
     header = Path(t.c_api_include_dir()) / "tnt_comm_c_api.h"
     assert f"#define TNT_COMM_C_API_VERSION {t.C_API_VERSION}" in header.read_text()
@@ -122,3 +127,54 @@ def c_api_fused_engine_round() -> None:
     data = (ctypes.c_void_p * 1)(values[0].ctypes.data)
     assert API.fused_submit(handle, 1, one, data, err, ERR) == 1, err.value  # TNT_ERR_COMM
     assert b"the engine was closed" in err.value, err.value
+
+
+@check
+def c_api_borrowed_buckets_never_change_while_held() -> None:
+    """fused_wait_buckets_borrow hands out the bucket itself (no copy): a held bucket keeps
+    its round's values while later rounds reduce elsewhere; a released one is reused."""
+    specs = [t.TensorSpec(f"b{i}", 5 + i, "float32") for i in range(3)]
+    with t.FusedAllreduce(specs, 16, comm=W, slot_alignment=64) as f:
+        handle = f.native_handle()
+        err = ctypes.create_string_buffer(ERR)
+        nb = len(f.plan)
+
+        def round_(scale: float) -> tuple[list[int], list[int], list[np.ndarray]]:
+            values = [np.full(s.count, (R + 1 + i) * scale, np.float32) for i, s in enumerate(specs)]
+            for members in f.plan:
+                idx = (ctypes.c_int64 * len(members))(*members)
+                data = (ctypes.c_void_p * len(members))(*(values[i].ctypes.data for i in members))
+                assert API.fused_submit(handle, len(members), idx, data, err, ERR) == 0, err.value
+            out = (ctypes.c_void_p * nb)()
+            nbytes = (ctypes.c_int64 * nb)()
+            hold = (ctypes.c_void_p * nb)()
+            assert API.fused_wait_buckets_borrow(handle, nb, out, nbytes, hold, err, ERR) == 0, err.value
+            views = [np.ctypeslib.as_array(ctypes.cast(out[b], ctypes.POINTER(ctypes.c_float)),
+                                           (nbytes[b] // 4,)) for b in range(nb)]
+            return [out[b] for b in range(nb)], [hold[b] for b in range(nb)], views
+
+        def slot(views: list[np.ndarray], i: int) -> np.ndarray:
+            b = next(k for k, m in enumerate(f.plan) if i in m)
+            start = f.slot_offsets[i] - f.slot_offsets[f.plan[b][0]]
+            return views[b][start:start + specs[i].count]
+
+        want = lambda i, scale: sum((r + 1 + i) * scale for r in range(N))  # noqa: E731
+        addr1, hold1, views1 = round_(1.0)
+        assert all(a % 64 == 0 for a in addr1), addr1
+        addr2, hold2, views2 = round_(10.0)  # round 1 still held: reduced in fresh buffers
+        assert not set(addr1) & set(addr2), (addr1, addr2)
+        for i in range(len(specs)):
+            assert (slot(views1, i) == want(i, 1.0)).all(), (i, slot(views1, i))
+            assert (slot(views2, i) == want(i, 10.0)).all(), (i, slot(views2, i))
+        for h in hold1 + hold2:
+            API.fused_release(h)
+        addr3, hold3, views3 = round_(100.0)  # nothing held: the buckets are reused, not copied
+        assert addr3 == addr2, (addr3, addr2)
+        for i in range(len(specs)):
+            assert (slot(views3, i) == want(i, 100.0)).all(), (i, slot(views3, i))
+        for h in hold3:
+            API.fused_release(h)
+        bad = (ctypes.c_void_p * nb)()
+        assert API.fused_wait_buckets_borrow(handle, nb + 1, bad, (ctypes.c_int64 * (nb + 1))(), bad,
+                                             err, ERR) == 3
+        assert b"outputs for" in err.value, err.value
