@@ -49,7 +49,8 @@ def _check(engine: tnt_comm.FusedAllreduce, buckets: list[tf.Tensor], scale: flo
 
 
 def _address(t: tf.Tensor) -> int:
-    return t.numpy().__array_interface__["data"][0]  # a CPU tensor's numpy() shares its memory
+    # TensorFlow's numpy() copies; _numpy() is the view of a CPU tensor's own memory.
+    return t._numpy().__array_interface__["data"][0]
 
 
 def test_a_kept_output_keeps_its_values_and_dropped_outputs_are_reused(ops):
@@ -59,9 +60,10 @@ def test_a_kept_output_keeps_its_values_and_dropped_outputs_are_reused(ops):
         first_at = [_address(t) for t in first]
         second = _round(ops, engine, 10.0)  # `first` still held: reduced in fresh buckets
         second_at = [_address(t) for t in second]
-        assert not set(first_at) & set(second_at), (first_at, second_at)
         _check(engine, first, 1.0)
         _check(engine, second, 10.0)
+        assert all(a % 64 == 0 for a in first_at), first_at  # the bucket itself, not a copy
+        assert not set(first_at) & set(second_at), (first_at, second_at)
         del first, second
         third = _round(ops, engine, 100.0)  # nothing held: the engine's buckets again, no copy
         assert [_address(t) for t in third] == second_at, ([_address(t) for t in third], second_at)
