@@ -57,6 +57,13 @@ def llama_backbone_head():
     return _head(b, _tokens(["token_ids", "padding_mask"]))
 
 
+def gemma_backbone_head():
+    import keras_hub
+    b = keras_hub.models.GemmaBackbone(vocabulary_size=VOCAB, num_layers=2, num_query_heads=4,
+                                       num_key_value_heads=2, head_dim=8, hidden_dim=32, intermediate_dim=64)
+    return _head(b, _tokens(["token_ids", "padding_mask"]))
+
+
 def gpt2_causal_lm():
     import keras_hub
     b = keras_hub.models.GPT2Backbone(vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16,
@@ -78,6 +85,7 @@ MODELS = {
     "GPT2CausalLM": gpt2_causal_lm,
     "BertBackbone + head": bert_backbone_head,
     "LlamaBackbone + head": llama_backbone_head,
+    "GemmaBackbone + head": gemma_backbone_head,
     "MobileNetV3Small": mobilenet_v3_small,
     "ResNet50": resnet50,
 }

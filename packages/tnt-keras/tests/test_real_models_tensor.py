@@ -4,7 +4,8 @@ their Transformer blocks split Megatron-style (attention by heads, FFN column/ro
 causal LM with its tied token embedding split by vocabulary (lookup and reverse
 projection); Llama with 4 query and 2 key/value heads under the automatic plan (grouped-query
 attention by heads, gated FFN column/row, token embedding by vocabulary; keras-hub's own
-LayoutMap gives the same plan; its saved file in plain Keras); ranks whose Keras auto-generated names differ; ranks that built different
+LayoutMap gives the same plan; its saved file in plain Keras); Gemma with 4 query and 2 key/value
+heads likewise (heads-first kernels; gating layers column, ffw_linear row); ranks whose Keras auto-generated names differ; ranks that built different
 models all failing together.
 """
 
@@ -15,7 +16,7 @@ import re
 import pytest
 
 HUB_CASES = ["gpt2", "bert", "gpt2_causal_lm_vocab"]
-TRAINED = [*HUB_CASES, "llama_gqa", "names_differ"]
+TRAINED = [*HUB_CASES, "llama_gqa", "gemma_gqa", "names_differ"]
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 MAX_SHARE = 0.65  # issue 27: each rank holds at most 65 % of a keras-hub model's weights at t = 2
 
@@ -72,6 +73,20 @@ def test_llama_grouped_query_attention_splits_by_heads_and_each_rank_holds_its_s
     serial = 2 * 1024 + 2 * block + 16 + 51
     local = 1024 + 2 * (block - split // 2) + 16 + 51
     assert c["local_shares"] == pytest.approx([local / serial] * 2)  # 3459 / 6787 = 0.51
+    assert max(c["local_shares"]) <= MAX_SHARE
+
+
+def test_gemma_grouped_query_attention_and_gated_ffn_split_and_each_rank_holds_its_share(report):
+    c = report["gemma_gqa"]
+    assert c["splits"] == {"token_embedding": "vocab", "decoder_block_0": "block", "decoder_block_1": "block"}
+    # serial: tied embedding 64*32; per block: query 4*32*8 + key, value 2*32*8 each + output 4*8*32
+    # = 3072, FFN gating, gating_2, linear 32*32 each = 3072, two RMS norms of 32; final norm 32;
+    # head 32*3 + 3. A rank holds half of the embedding and of each block's projections.
+    block, split = 3072 + 3072 + 2 * 32, 3072 + 3072
+    serial = 64 * 32 + 2 * block + 32 + 99
+    local = 64 * 32 // 2 + 2 * (block - split // 2) + 32 + 99
+    assert (serial, local) == (14595, 7427)
+    assert c["local_shares"] == pytest.approx([local / serial] * 2)  # 0.509 (serial plan before: 1.0)
     assert max(c["local_shares"]) <= MAX_SHARE
 
 

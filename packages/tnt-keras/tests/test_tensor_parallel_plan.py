@@ -487,3 +487,65 @@ def test_einsum_dense_projections_split_as_dense_and_others_stay_whole():
     assert "is not a projection of the last axis" in next(s.note for s in p.layers if s.name == "mixing")
     with pytest.raises(TensorParallelError, match="an EinsumDense projecting the last axis"):
         p.split("mixing", "column+allgather")
+
+
+# -- keras-hub Gemma: heads-first grouped-query attention, gated FFN -------------------------------
+def gemma_head(num_key_value_heads: int = 2) -> keras.Model:
+    """GemmaBackbone (vocabulary 64, 2 blocks, 4 query heads of size 8, hidden 32, FFN 64) + pooled head."""
+    import keras_hub  # a test dependency (issue 27)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=64, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=num_key_value_heads, head_dim=8, hidden_dim=32,
+                                              intermediate_dim=64)
+    return _hub_head(backbone, ["token_ids", "padding_mask"])
+
+
+def test_gemma_blocks_split_their_attention_by_heads_and_their_gated_ffn_column_row():
+    p = plan(gemma_head(), 2)
+    assert p.split_layers() == {"decoder_block_0": "block", "decoder_block_1": "block"}
+    block0 = next(s for s in p.layers if s.name == "decoder_block_0")
+    # query 4*32*8, key and value 2*32*8 each, output 4*8*32; ffw_gating, ffw_gating_2, ffw_linear 32*32 each
+    assert block0.split_params == 1024 + 2 * 512 + 1024 + 3 * 1024
+    serial = 64 * 32 + 2 * (block0.split_params + 2 * 32) + 32 + 32 * 3 + 3
+    assert sum(s.params for s in p.layers) == serial == 14595
+    assert p.params_per_rank() == serial - 2 * block0.split_params // 2 == 8451  # 0.58: the embedding whole
+    assert plan(gemma_head(), 2, min_split_params=1024).params_per_rank() == 8451 - 64 * 32 // 2 == 7427
+    assert p.collectives_per_step() == (4, 4)  # per block: attention output and ffw_linear; f before each
+    assert plan(gemma_head(), 2).split("decoder_block_0", "ffn").kind("decoder_block_0") == "ffn"
+
+
+def test_gemma_heads_not_divisible_keep_the_attention_whole_with_a_warning(caplog):
+    logger = logging.getLogger("tarantella")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tarantella"):
+            p = plan(gemma_head(num_key_value_heads=1), 2)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert p.split_layers() == {"decoder_block_0": "ffn", "decoder_block_1": "ffn"}
+    block0 = next(s for s in p.layers if s.name == "decoder_block_0")
+    assert block0.split_params == 3 * 1024  # the gated FFN only
+    warned = [r.getMessage() for r in caplog.records if "keeps its attention whole" in r.getMessage()]
+    assert len(warned) == 2 and "num_query_heads 4 and num_key_value_heads 1 must both divide by t=2" in warned[0]
+    with pytest.raises(TensorParallelError, match="num_query_heads 4 and num_key_value_heads 1 must both divide"):
+        p.split("decoder_block_0", "block")
+    assert plan(gemma_head(), 4).kind("decoder_block_0") == "ffn"  # 2 key/value heads over 4 ranks
+
+
+def test_gemma_projection_of_another_layout_is_refused_naming_it():
+    model = gemma_head()
+    backbone = next(layer for layer in model.layers if layer.name.startswith("gemma_backbone"))
+    attention = backbone.get_layer("decoder_block_0").attention
+    attention.query_dense.equation = "btd,dnh->btnh"  # as another keras-hub version might write it
+    p = plan(model, 2)
+    assert p.kind("decoder_block_0") == "ffn"
+    assert "its query_dense projection is not 'btd,ndh->btnh'" in p.layers[1].note, p.layers[1].note
+
+
+def test_keras_hub_gemma_layout_map_gives_the_automatic_plan():
+    import keras_hub  # a test dependency (issue 27)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+    model = gemma_head()
+    p = from_layout_map(keras_hub.models.GemmaBackbone.get_layout_map(mesh), model, 2)
+    assert p.split_layers() == {"token_embedding": "vocab", "decoder_block_0": "block", "decoder_block_1": "block"}
+    assert p.split_layers() == plan(model, 2, min_split_params=0).split_layers()

@@ -6,7 +6,8 @@ tensor_parallel_size=2) from the same initial weights on the same global batches
 Adam, and records: the largest differences to serial (History, gathered weights,
 predict), History keys, the share of the serial weights each rank holds, the plan's
 splits. Llama (4 query, 2 key/value heads) trains with the automatic plan splitting its
-grouped-query attention by heads (the plan keras-hub's own LayoutMap gives too).
+grouped-query attention by heads (the plan keras-hub's own LayoutMap gives too); Gemma
+(4 query, 2 key/value heads, heads-first kernels) likewise, its gated FFN column/row.
 Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
 models first) train correctly; ranks that built different models all fail together with
 the same error (no hang).
@@ -123,6 +124,15 @@ def _llama_gqa(seed: int) -> keras.Model:
     return rm._head(backbone, inputs)
 
 
+def _padded_tokens() -> tuple[dict, np.ndarray]:
+    """Token ids of GQA_VOCAB with some padded sequences (the padding mask meets the causal one)."""
+    rng = np.random.default_rng(4)
+    ids = rng.integers(1, GQA_VOCAB, size=(rm.SAMPLES, rm.LENGTH)).astype("int32")
+    mask = np.ones_like(ids)
+    mask[::3, -3:] = 0
+    return {"token_ids": ids * mask, "padding_mask": mask}, (ids[:, 0] % 3).astype("int32")
+
+
 def llama_gqa() -> dict:
     """The automatic plan (min_split_params lowered so the small token embedding splits by
     vocabulary too; the default plan is checked in test_tensor_parallel_plan.py): both
@@ -131,12 +141,7 @@ def llama_gqa() -> dict:
     keras-hub's own LayoutMap (LlamaBackbone.get_layout_map, data axis "batch") gives the
     same plan (checked, not trained again: a plan trains the same whatever made it)."""
     import keras_hub
-    rng = np.random.default_rng(4)
-    ids = rng.integers(1, GQA_VOCAB, size=(rm.SAMPLES, rm.LENGTH)).astype("int32")
-    mask = np.ones_like(ids)
-    mask[::3, -3:] = 0  # some padded sequences: the padding mask meets the causal one
-    x = {"token_ids": ids * mask, "padding_mask": mask}
-    y = (ids[:, 0] % 3).astype("int32")
+    x, y = _padded_tokens()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
     out = _train(_llama_gqa, x, y, ds, lambda m: rm.compile_(m, "llama"),
                  lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024), save=True)
@@ -145,6 +150,30 @@ def llama_gqa() -> dict:
         layout_map = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
         out["layout_map_splits"] = tnt.tensor_parallel.from_layout_map(layout_map, _llama_gqa(5), 2).split_layers()
     return out
+
+
+def _gemma_gqa(seed: int) -> keras.Model:
+    """GemmaBackbone (vocabulary 64, 2 blocks, 4 query and 2 key/value heads of size 8,
+    hidden 32, FFN 64: two gating layers of 32) under the pooled 3-way head."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(vocabulary_size=GQA_VOCAB, num_layers=2, num_query_heads=4,
+                                              num_key_value_heads=2, head_dim=8, hidden_dim=32, intermediate_dim=64)
+    inputs = {n: keras.Input((rm.LENGTH,), dtype="int32", name=n) for n in ("token_ids", "padding_mask")}
+    return rm._head(backbone, inputs)
+
+
+def gemma_gqa() -> dict:
+    """The automatic plan (min_split_params lowered as for Llama): both Gemma decoder blocks
+    'block' (heads-first grouped-query attention by query and key/value heads, gating layers
+    column, ffw_linear row), the tied token embedding by vocabulary; padded sequences.
+    keras-hub's own LayoutMap (GemmaBackbone.get_layout_map) is checked in
+    test_tensor_parallel_plan.py (no launch)."""
+    x, y = _padded_tokens()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
+    return _train(_gemma_gqa, x, y, ds, lambda m: rm.compile_(m, "gemma"),
+                  lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024))
 
 
 def _mlp(seed: int) -> keras.Model:
@@ -190,7 +219,7 @@ def plan_mismatch() -> dict:
 
 
 CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_vocab, "llama_gqa": llama_gqa,
-         "names_differ": names_differ,
+         "gemma_gqa": gemma_gqa, "names_differ": names_differ,
          "plan_mismatch": plan_mismatch}
 
 

@@ -31,18 +31,22 @@ EQUATIONS = {"_query_dense": "bqm,muh->bquh", "_key_dense": "bkm,mvh->bkvh", "_v
              "_output_dense": "bquh,uhm->bqm"}
 
 
-def gqa_refusal(attention, t: int) -> str:
-    """Why a keras-hub LlamaAttention cannot be split by heads over ``t`` ranks (empty: it can)."""
+def gqa_refusal(attention, t: int, equations: dict[str, str] = EQUATIONS) -> str:
+    """Why a keras-hub grouped-query attention (LlamaAttention; Gemma's with its own
+    ``equations``: {projection attribute: einsum}) cannot be split by heads over ``t``
+    ranks (empty: it can)."""
     if not getattr(attention, "built", False):
         return "not built"
     u, v = attention.num_query_heads, attention.num_key_value_heads
     if u % t or v % t:
         return (f"num_query_heads {u} and num_key_value_heads {v} must both divide by t={t} "
                 "(a rank holds u/t query and v/t key/value heads)")
-    for attr, equation in EQUATIONS.items():
+    for attr, equation in equations.items():
         dense = getattr(attention, attr, None)
         if getattr(dense, "equation", None) != equation:
             return f"its {attr.strip('_')} projection is not {equation!r} (another keras-hub version)"
+        if getattr(dense, "bias", None) is not None:
+            return f"its {attr.strip('_')} projection has a bias"
         for name in ("kernel_regularizer", "bias_regularizer", "kernel_constraint", "bias_constraint"):
             if getattr(dense, name, None) is not None:
                 return f"its {attr.strip('_')} projection has a {name.replace('_', ' ')}"

@@ -15,7 +15,7 @@ whole. Each layer's layouts must be one of the patterns the shard layers impleme
     ReversibleEmbedding embeddings ("model", None), any reverse_embeddings   -> vocab
     CachedMultiHeadAttention  as MultiHeadAttention                        -> heads
     keras-hub TransformerEncoder/Decoder  any variable on "model"          -> block
-    keras-hub LlamaTransformerDecoder  an attention variable on "model", query and
+    keras-hub LlamaTransformerDecoder or GemmaDecoderBlock  an attention variable on "model", query and
                         key/value heads divisible by t                  -> block
                         else any variable on "model"                    -> ffn
     other keras-hub layers  any variable on "model": kept whole, noted in the plan
@@ -36,6 +36,7 @@ import keras
 
 from .._core.errors import TensorParallelError
 from .._core.log import logger
+from ._families import block_parts
 from ._plan import (
     BLOCK,
     COLUMN,
@@ -115,8 +116,8 @@ def _kind_of(layer, split: dict[str, int], tensor_parallel_size: int) -> str:
         return REPLICATED
     if is_block(layer):  # any of its variables on "model": the block is split as tnt splits one
         return BLOCK
-    if is_ffn_block(layer):  # Llama: its attention by heads too when the map splits it and t divides the heads
-        on_attention = any(k.startswith("self_attention/") for k in split)
+    if is_ffn_block(layer):  # Llama, Gemma: attention by heads too when the map splits it and t divides the heads
+        on_attention = any(k.startswith(f"{block_parts(layer).attention_path}/") for k in split)
         return BLOCK if on_attention and not _block_refusal(layer, tensor_parallel_size, ()) else FFN
     kinds = _CLASS_KINDS.get(type(layer).__name__, ())
     if is_dense(layer):  # an EinsumDense "abc,cd->abd" too

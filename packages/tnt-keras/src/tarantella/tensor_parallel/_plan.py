@@ -13,8 +13,10 @@ computes the same one without talking. Rules (docs/architecture.md, "Layer paral
 - ``MultiHeadAttention`` / keras-hub ``CachedMultiHeadAttention``: by heads.
 - keras-hub ``TransformerEncoder``/``TransformerDecoder``: Megatron's block (attention by
   heads, FFN column/row); ``LlamaTransformerDecoder`` too (grouped-query attention by
-  query and key/value heads, gated FFN column/row), or, when its head counts do not
-  divide by t, its gated FFN only (``ffn``, with a warning naming why).
+  query and key/value heads, gated FFN column/row) and Gemma's ``GemmaDecoderBlock``
+  (heads-first grouped-query attention by heads, ``gating_ffw``/``gating_ffw_2`` column,
+  ``ffw_linear`` row), or, when their head counts do not divide by t, their gated FFN only
+  (``ffn``, with a warning naming why).
 - a Keras ``EinsumDense`` whose equation is a plain projection of the last axis
   (``"abc,cd->abd"``, ``"ab,bc->ac"``, ``"...b,bc->...c"``; bias on the output axis or
   none) is a Dense for all the rules above (``is_dense``).
@@ -46,6 +48,8 @@ from .._core import internals as _internals
 from .._core.errors import TensorParallelError
 from .._core.graph import ModelGraph, model_graph
 from .._core.log import logger
+from ._families import block_parts
+from ._gemma import gemma_refusal
 from ._gqa import gqa_refusal
 
 #: Lone layers below this many weights are not worth a collective per step.
@@ -57,7 +61,7 @@ COLUMN_GATHER = "column+allgather"
 VOCAB = "vocab"
 HEADS = "heads"
 BLOCK = "block"              # a keras-hub Transformer block: attention by heads, FFN column/row
-FFN = "ffn"                  # a keras-hub Llama block whose heads do not divide by t: its gated FFN only
+FFN = "ffn"                  # a keras-hub Llama/Gemma block whose heads do not divide by t: its gated FFN only
 REPLICATED = "replicated"
 KINDS = (COLUMN, ROW, COLUMN_GATHER, VOCAB, HEADS, BLOCK, FFN, REPLICATED)
 
@@ -66,6 +70,10 @@ REPLICATED_WARNING = 0.20
 
 _ATTENTION_AXES = {"query/kernel": 1, "query/bias": 0, "key/kernel": 1, "key/bias": 0,
                    "value/kernel": 1, "value/bias": 0, "attention_output/kernel": 0}
+#: Gemma's block: heads-first attention kernels (heads on axis 0), gated FFN column/column/row
+_GEMMA_FFN_AXES = {"ffw_gating/kernel": 1, "ffw_gating_2/kernel": 1, "ffw_linear/kernel": 0}
+_GEMMA_AXES = {**{f"attention/{p}/kernel": 0 for p in ("query", "key", "value", "attention_output")},
+               **_GEMMA_FFN_AXES}
 
 #: kind -> {variable path inside the layer: axis it is split along}; others are replicated.
 SPLIT_AXES: dict[str, dict[str, int]] = {
@@ -81,9 +89,10 @@ SPLIT_AXES: dict[str, dict[str, int]] = {
             "feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
             "feedforward_output_dense/kernel": 0,
             # Llama's gated FFN (its attention is "self_attention", with the same variable names)
-            "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0},
+            "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0, **_GEMMA_AXES},
     FFN: {"feedforward_intermediate_dense/kernel": 1, "feedforward_intermediate_dense/bias": 0,
-          "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0, "feedforward_output_dense/kernel": 0},
+          "feedforward_gate_dense/kernel": 1, "feedforward_gate_dense/bias": 0, "feedforward_output_dense/kernel": 0,
+          **_GEMMA_FFN_AXES},
     REPLICATED: {},
 }
 #: kind -> (SUM-allreduce or allgather forward, allreduce backward) per step.
@@ -102,13 +111,16 @@ SUPPORTED = (
     "TransformerEncoder/TransformerDecoder without cross-attention 'block' (its attention by heads, its "
     "feed-forward Dense pair column/row); a keras-hub LlamaTransformerDecoder 'block' (its grouped-query "
     "attention by query and key/value heads, both counts divisible by t; its gated feed-forward column/row) "
-    "or 'ffn' (its gated feed-forward only, its attention whole); any layer 'replicated'")
+    "or 'ffn' (its gated feed-forward only, its attention whole); a keras-hub GemmaDecoderBlock the same "
+    "(its CachedGemmaAttention by heads, ffw_gating/ffw_gating_2 column, ffw_linear row); any layer "
+    "'replicated'")
 _DENSE = "keras.layers.Dense or an EinsumDense projecting the last axis ('abc,cd->abd')"
 _LAYER_CLASS = {COLUMN: _DENSE, ROW: _DENSE, COLUMN_GATHER: _DENSE,
                 VOCAB: "keras.layers.Embedding or a ReversibleEmbedding",
                 HEADS: "keras.layers.MultiHeadAttention or keras-hub's CachedMultiHeadAttention",
-                BLOCK: "keras-hub TransformerEncoder, TransformerDecoder or LlamaTransformerDecoder",
-                FFN: "keras-hub LlamaTransformerDecoder"}
+                BLOCK: "keras-hub TransformerEncoder, TransformerDecoder, LlamaTransformerDecoder or "
+                       "GemmaDecoderBlock",
+                FFN: "keras-hub LlamaTransformerDecoder or GemmaDecoderBlock"}
 _HUB = "keras_hub."
 
 
@@ -136,8 +148,9 @@ def is_block(layer) -> bool:
 
 
 def is_ffn_block(layer) -> bool:
-    """keras-hub's Llama decoder block (gated FFN, grouped-query attention)."""
-    return _hub(layer, "LlamaTransformerDecoder")
+    """keras-hub's Llama or Gemma decoder block (gated FFN, grouped-query attention)."""
+    parts = block_parts(layer)
+    return parts is not None and parts.gated
 
 
 def plain_projection(equation: str, bias_axes: str | None) -> bool:
@@ -171,6 +184,11 @@ def dense_units(layer) -> int:
 def is_gqa_attention(layer) -> bool:
     """keras-hub's LlamaAttention (grouped-query attention with rotary embeddings)."""
     return _hub(layer, "LlamaAttention")
+
+
+def is_gemma_attention(layer) -> bool:
+    """keras-hub's CachedGemmaAttention (heads-first grouped-query attention)."""
+    return _hub(layer, "CachedGemmaAttention")
 
 
 def _accepts(kind: str, layer) -> bool:
@@ -530,19 +548,26 @@ def _block_refusal(layer, t: int, input_shape: tuple) -> str:
 
 
 def _ffn_refusal(layer, t: int) -> str:
-    """Why a Llama block's gated FFN cannot be split (empty: it can)."""
-    dense = [getattr(layer, f"_feedforward_{n}_dense", None) for n in ("intermediate", "gate", "output")]
-    if None in dense:
+    """Why a Llama or Gemma block's gated FFN cannot be split (empty: it can)."""
+    parts = block_parts(layer)
+    names = (*parts.columns, parts.row)
+    dense = [getattr(layer, n, None) for n in names]
+    if None in dense or not all(getattr(d, "built", False) for d in dense):
         return "not built"
+    for name, d in zip(names, dense):
+        if not is_dense(d):
+            return f"its feed-forward {name.strip('_')} is not a projection of the last axis"
     return next(filter(None, (_refusal(d, dense_units(dense[0]), t) for d in dense)), "")
 
 
 def _gqa_block_refusal(layer, t: int) -> str:
-    """Why a Llama block's grouped-query attention cannot be split by heads (empty: it can)."""
-    attention = getattr(layer, "_self_attention_layer", None)
-    if not is_gqa_attention(attention):
-        return "its attention is not keras-hub's LlamaAttention"
-    return gqa_refusal(attention, t)
+    """Why a Llama or Gemma block's grouped-query attention cannot be split by heads (empty: it can)."""
+    attention = getattr(layer, block_parts(layer).attention, None)
+    if is_gqa_attention(attention):
+        return gqa_refusal(attention, t)
+    if is_gemma_attention(attention):
+        return gemma_refusal(attention, t)
+    return "its attention is not keras-hub's LlamaAttention or CachedGemmaAttention"
 
 
 def _vocab_refusal(layer, t: int, uses: int) -> str:
