@@ -16,6 +16,7 @@ from ._local import LocalPipeline
 from ._model import PipelinedModel
 from ._plan import Boundary, Plan, Stage, plan
 from ._schedule import (
+    INTERLEAVED,
     SCHEDULES,
     SPLIT_BACKWARD,
     Action,
@@ -23,6 +24,7 @@ from ._schedule import (
     ScheduleGrid,
     actions,
     activation_bound,
+    check_virtual_stages,
     compute_order,
     micro_batch_sizes,
     peak_in_flight,
@@ -34,6 +36,7 @@ from ._stats import pipeline_idle_fractions
 from ._strategy import load_model  # also registers PIPELINING (tarantella._core.strategy)
 
 __all__ = [
+    "INTERLEAVED",
     "SCHEDULES",
     "SPLIT_BACKWARD",
     "Action",
@@ -49,6 +52,7 @@ __all__ = [
     "actions",
     "activation_bound",
     "build_stage",
+    "check_virtual_stages",
     "compute_order",
     "deferred_variables",
     "is_deferred",
