@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .._core.deferred import deferred_variables, is_deferred
 from .._core.errors import PipelineError
+from ._interleaved import check_interleaved_strategy
 from ._local import LocalPipeline
 from ._model import PipelinedModel
 from ._plan import Boundary, Plan, Stage, plan
@@ -52,6 +53,7 @@ __all__ = [
     "actions",
     "activation_bound",
     "build_stage",
+    "check_interleaved_strategy",
     "check_virtual_stages",
     "compute_order",
     "deferred_variables",
