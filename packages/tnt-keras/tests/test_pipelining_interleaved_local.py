@@ -96,3 +96,19 @@ def test_errors_name_the_fix():
         LocalPipeline(mlp(), 2, num_micro_batches=4, pipeline_schedule="interleaved", virtual_stages=3)
     with pytest.raises(PipelineError, match=r"virtual_stages=2 needs pipeline_schedule='interleaved'"):
         LocalPipeline(mlp(), 2, num_micro_batches=4, pipeline_schedule="1f1b", virtual_stages=2)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"parallel_strategy": tnt.ParallelStrategy.ALL, "pipeline_schedule": "interleaved"},
+     r"runs with ParallelStrategy.PIPELINING only .*use ParallelStrategy.PIPELINING, or pipeline_schedule='1f1b'"),
+    ({"pipeline_schedule": "interleaved", "num_micro_batches": 3},
+     r"multiple of num_pipeline_stages=2.*got 3; pass num_micro_batches=2 or 4"),
+    ({"pipeline_schedule": "interleaved", "virtual_stages": 3}, r"2 x 3 = 6 chunks.*only 4 layer calls"),
+    ({"pipeline_schedule": "gpipe", "virtual_stages": 2}, r"virtual_stages=2 needs pipeline_schedule='interleaved'"),
+])
+def test_tnt_model_refuses_on_one_rank_as_on_many(options, message):
+    # Checked before the one-rank shortcut (the data-parallel wrapper): a script fails alike
+    # under python and under the launcher.
+    options = {"parallel_strategy": tnt.ParallelStrategy.PIPELINING, "num_pipeline_stages": 2, **options}
+    with pytest.raises(PipelineError, match=message):
+        tnt.Model(mlp(), **options)

@@ -17,7 +17,7 @@ from .._core.graph import model_graph
 from .._core.serial_files import deferred_from_file, open_model_file
 from .._core.split_layer import SplitLayer
 from .._core.strategy import ParallelStrategy, Strategy, register
-from ._interleaved import check_interleaved_strategy, chunk_plan
+from ._interleaved import check_interleaved_options, check_interleaved_strategy, chunk_plan
 from ._model import PipelinedModel, check_micro_batches
 from ._plan import stages_from_markers
 from ._remat import check_remat
@@ -47,6 +47,9 @@ def build(model: keras.Model, member: ParallelStrategy, options: dict) -> Pipeli
     plan, p, _ = chunk_plan(model, options.get("pipeline_schedule", "1f1b"), options.get("num_pipeline_stages"),
                             options.get("virtual_stages"), options.pop("pipeline_plan", None))
     options.pop("num_pipeline_stages", None)
+    if options.get("num_micro_batches") is not None:  # checked on one rank too: fails alike everywhere
+        check_interleaved_options(options.get("pipeline_schedule", "1f1b"), member.value, p,
+                                  options["num_micro_batches"])
     if _runtime.get_size() == 1 or p == 1:
         materialise(model)  # built under deferred_variables: the whole model trains here
         return None
