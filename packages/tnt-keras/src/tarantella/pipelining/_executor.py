@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from .._core import sparse as _sparse
 from .._core import trace as _trace
-from ._passes import PREDICT, TEST, TRAIN, ChunkPasses
+from ._passes import TRAIN, ChunkPasses
 from ._plan import Plan
 from ._receive_ahead import Receive, ReceiveAhead, as_tensor
 from ._remat import Recompute
@@ -50,8 +50,6 @@ from ._schedule import SPLIT_BACKWARD, num_chunks_per_stage, verify
 from ._shapes import BoundaryShapes
 from ._stages import StageModel
 from ._transport import ACTIVATION, GRADIENT, Transport, message_tag
-
-TRAIN, TEST, PREDICT = TRAIN, TEST, PREDICT  # re-exported: the runtime imports them from here
 
 
 @dataclass

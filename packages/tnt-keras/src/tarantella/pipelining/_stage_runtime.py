@@ -39,7 +39,8 @@ from .._core import trace as _trace
 from .._core.errors import PipelineError
 from .._core.metric_states import metric_variables
 from .._core.serial_files import clone_optimizer
-from ._executor import PREDICT, TEST, TRAIN, StageExecutor
+from ._executor import StageExecutor
+from ._passes import PREDICT, TEST, TRAIN
 from ._plan import Plan
 from ._schedule import micro_batch_sizes, num_chunks_per_stage
 from ._stages import ChunkStack, StageModel, build_chunks, build_stage
