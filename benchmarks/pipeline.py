@@ -25,6 +25,8 @@ are gone.
   each pass's measured time in the schedule's order and dependencies (the executor's own
   cost: receives, sends, copies, Python). timeline_overhead: 1F1B's step time with the
   timeline on / off - 1, runs alternating.
+  interleaved_bubble_vs_1f1b_p2_m8_v2: the same for the interleaved schedule with two
+  chunks per stage (4 chunks of the stack) / 1F1B; theory 1 / v = 0.5.
 - pipeline_speedup_p2_m8: samples/s of 2 stages (1F1B, m = 8) / plain Keras on rank 0
   alone, same global batch, one compute thread per rank, paired per round (median).
   Beside it: one process running the same 8 micro-batches (gradient accumulation) and
@@ -295,7 +297,13 @@ def schedule_overhead(stage_stats: list[dict], m: int) -> float:
 SCHED_B = 4096 if QUICK else 8192  # 512 / 1024-row micro-batches at m = 8: short runs
 SCHED_M = 8
 SCHED_ROUNDS = 1 if QUICK else 3
-SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+#: Chunks per stage of the interleaved schedule (4 chunks of the stack: 2 dense layers each).
+SCHED_V = 2
+
+
+def chunks_of(schedule: str) -> int:
+    return SCHED_V if schedule == "interleaved" else 1
 
 
 def sched_dataset(steps: int) -> tf.data.Dataset:
@@ -308,8 +316,9 @@ def sched_dataset(steps: int) -> tf.data.Dataset:
 
 
 def schedule_model(schedule: str) -> tnt.Model:
+    extra = {"virtual_stages": SCHED_V} if schedule == "interleaved" else {}
     model = tnt.Model(stack(stem=True), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
-                      num_pipeline_stages=2, num_micro_batches=SCHED_M, pipeline_schedule=schedule)
+                      num_pipeline_stages=2, num_micro_batches=SCHED_M, pipeline_schedule=schedule, **extra)
     model.compile(keras.optimizers.SGD(0.01), "sparse_categorical_crossentropy")
     model.fit(sched_dataset(2), epochs=1, verbose=0)  # traces
     return model
@@ -327,12 +336,15 @@ def timed_sched_fit(model, steps: int, path: str | None = None) -> float:
 
 
 def ideal_span(schedule: str, p: int, m: int, took: dict) -> float:
-    """The span of ``schedule`` if each pass took its measured time ``took[(kind, mb, stage)]``
-    and nothing else took any: the stages run their orders, a pass starting when its input
-    is there (tarantella.pipelining.ScheduleGrid's rules in continuous time)."""
+    """The span of ``schedule`` if each pass took its measured time ``took[(kind, mb, chunk)]``
+    (a chunk is a stage but under the interleaved schedule) and nothing else took any: the
+    stages run their orders, a pass starting when its input is there
+    (tarantella.pipelining.ScheduleGrid's rules in continuous time)."""
     from tarantella.pipelining import compute_order
 
-    orders = [compute_order(schedule, p, m, s) for s in range(p)]
+    v = chunks_of(schedule)
+    last = p * v - 1
+    orders = [compute_order(schedule, p, m, s, **({"virtual_stages": v} if v > 1 else {})) for s in range(p)]
     end: dict = {}
     free = [0.0] * p
     nxt = [0] * p
@@ -341,13 +353,13 @@ def ideal_span(schedule: str, p: int, m: int, took: dict) -> float:
         for s in range(p):
             while nxt[s] < len(orders[s]):
                 a = orders[s][nxt[s]]
-                kind, i = a.kind.value, a.micro_batch
-                dep = (("F", i, s - 1) if s > 0 else None) if kind == "F" else ("B", i, s) if kind == "W" else (
-                    ("B", i, s + 1) if s < p - 1 else ("F", i, s))
+                kind, i, c = a.kind.value, a.micro_batch, (a.chunk if a.chunk >= 0 else s)
+                dep = (("F", i, c - 1) if c > 0 else None) if kind == "F" else ("B", i, c) if kind == "W" else (
+                    ("B", i, c + 1) if c < last else ("F", i, c))
                 if dep is not None and dep not in end:
                     break
                 start = max(free[s], end[dep] if dep else 0.0)
-                free[s] = end[(kind, i, s)] = start + took[(kind, i, s)]
+                free[s] = end[(kind, i, c)] = start + took[(kind, i, c)]
                 nxt[s] += 1
                 moved = True
         if not moved:
@@ -362,7 +374,7 @@ def steps_from_trace(trace: dict) -> list[dict]:
         if e.get("ph") == "X" and e["cat"] in ("forward", "backward", "weight"):
             a = e["args"]
             st = steps.setdefault(a["step"], {"took": {}, "compute": {}, "lo": float("inf"), "hi": 0.0})
-            st["took"][(e["name"][0], a["mb"], a["stage"])] = e["dur"] * 1e-6
+            st["took"][(e["name"][0], a["mb"], a.get("chunk", a["stage"]))] = e["dur"] * 1e-6
             st["compute"][a["stage"]] = st["compute"].get(a["stage"], 0.0) + e["dur"] * 1e-6
             st["lo"] = min(st["lo"], e["ts"] * 1e-6)
             st["hi"] = max(st["hi"], (e["ts"] + e["dur"]) * 1e-6)
@@ -456,7 +468,14 @@ def schedule_result_rows(res: dict) -> list[dict]:
              "unit": "worst stage idle s, ZB-H1 / 1F1B",
              "detail": "; ".join(stages(n) for n in SCHEDULE_NAMES)
                        + f"; theory 1/3 with F = B = W; median of {SCHED_ROUNDS} rounds x {STEPS} steps, "
-                         f"B = {SCHED_B}, m = {SCHED_M} (pipeline.py --only-schedules)"}]
+                         f"B = {SCHED_B}, m = {SCHED_M} (pipeline.py --only-schedules)"},
+            {"name": f"interleaved_bubble_vs_1f1b_p2_m8_v{SCHED_V}",
+             "value": sch["interleaved"]["worst_stage_idle_s"] / sch["1f1b"]["worst_stage_idle_s"],
+             "target": 0.65, "higher_is_better": False, "unit": "worst stage idle s, interleaved / 1F1B",
+             "detail": stages("interleaved") + "; " + stages("1f1b")
+                       + f"; theory 1/v = {1 / SCHED_V:.2f} (bubble (p - 1) / (v m)); 4 chunks of 2 dense layers; "
+                         f"median of {SCHED_ROUNDS} rounds x {STEPS} steps, B = {SCHED_B}, m = {SCHED_M} "
+                         "(pipeline.py --only-schedules)"}]
     for name in SCHEDULE_NAMES:
         rows.append({"name": f"schedule_overhead_{name.replace('-', '_')}", "value": sch[name]["schedule_overhead"],
                      "target": 0.03, "higher_is_better": False,

@@ -43,7 +43,7 @@ EXPECTED_CASES = {
     P2: ["skip_p2_adam_clip_m4_1f1b", "mlp_p2_momentum_m3_gpipe", "mlp_p2_momentum_m3_1f1b",
          "mlp_p2_adam_m1_1f1b", "cnn_p2_momentum_m3_1f1b", "emb_p2_adam_m4_gpipe", "emb_p2_adam_m4_1f1b",
          "lso_p2_lso_spe3_m3_1f1b", "f16_p2_adam_m3_1f1b", "unused_p2_adamw_m2_1f1b",
-         "emb_p2_adam_m4_gpipe_remat"],
+         "emb_p2_adam_m4_gpipe_remat", "mlp_p2_adam_m4_1f1b", "mlp_p2_adam_m4_interleaved"],
     P3: ["skip_p3_adam_clip_m4_1f1b", "mlp_p3_adam_m4_gpipe", "mlp_p3_adam_m4_1f1b"],
     ALL4: ["mlp_all2x2_adam_m4_gpipe", "mlp_all2x2_adam_m4_1f1b", "emb_all2x2_adam_m3_1f1b",
            "lso_all2x2_lso_spe3_m3_1f1b", "f16_all2x2_adam_m3_1f1b", "unused_all2x2_adamw_m2_1f1b",
@@ -58,7 +58,8 @@ EXPECTED_SCHEDULE_PAIRS = {
 #: The checks beside the cases each job runs (the report's other keys). The 3-rank job
 #: loads the p = 2 file ("load_p2_file") only if the 2-rank job ran before it.
 EXPECTED_CHECKS = {
-    P2: {"gpipe_equals_1f1b", "save_load", "validation_split_history_diff", "unseeded_shuffle", "remat_equals_kept"},
+    P2: {"gpipe_equals_1f1b", "save_load", "validation_split_history_diff", "unseeded_shuffle", "remat_equals_kept",
+         "interleaved_equals_1f1b", "interleaved_save_load"},
     P3: {"gpipe_equals_1f1b", "load_p2_file", "backup_resume"},
     ALL4: {"gpipe_equals_1f1b", "save_load", "remat_equals_kept"},
 }
@@ -171,6 +172,19 @@ def test_recomputing_stages_train_bitwise_as_keeping_activations(report):
     assert all(twins.values()), twins
 
 
+@on(P2)
+def test_interleaved_trains_bitwise_as_1f1b_and_saves_one_keras_file(report):
+    # pipeline_schedule="interleaved", virtual_stages=2 on 2 ranks: 4 chunks, each rank two
+    # non-adjacent ones; bitwise its 1F1B twin (and, as every case, serial Keras within TOL:
+    # test_history_evaluate_predict_and_weights_match_serial)
+    pairs = report["interleaved_equals_1f1b"]
+    assert sorted(pairs) == ["mlp_p2_adam_m4_interleaved"] and all(pairs.values()), pairs
+    sl = report["interleaved_save_load"]
+    assert sl["chunks_per_rank"] == [2, 2] and sl["loaded_identical"], sl
+    assert sl["plain_keras_weight_diff"] <= 2e-5 and sl["plain_keras_optimizer_diff"] <= 2e-5, sl
+    assert sl["loaded_predict_diff"] <= 1e-5, sl
+
+
 @on(*REPLICATED_JOBS)
 def test_replicas_hold_bitwise_identical_stages(report):
     # Only where each stage has several replicas: with one rank per stage it holds trivially.
@@ -205,6 +219,9 @@ def test_1f1b_holds_at_most_min_p_minus_s_m_micro_batches(report):
     for name, c in report["cases"].items():
         m = int(re.search(r"_m(\d+)_", name).group(1))
         expected = [min(p - r % p, m) if "_1f1b" in name else m for r in range(report["ranks"])]
+        if name.endswith("_interleaved"):  # chunk activation sets (v = 2): the warm-up 2 (p - r - 1) + (v - 1) p,
+            # + 1; the last batch's 3 micro-batches (no multiple of p) run all 2 x 3 chunk forwards first
+            expected = [max(min(2 * (p - r - 1) + (2 - 1) * p + 1, 2 * m), 2 * 3) for r in range(p)]
         assert c["peak_in_flight"] == expected, (name, c["peak_in_flight"])
 
 

@@ -200,8 +200,9 @@ def layer_weights(model: keras.Model) -> dict[str, list]:
 def stage_weight_diff(model, ref_layers: dict[str, list]) -> float:
     """This rank's stage against the same-named layers of the serial model, max over ranks."""
     mine = 0.0
-    for name, weights in layer_weights(model.stage_model).items():
-        mine = max(mine, max_diff(weights, ref_layers[name]))
+    for layer in model.stage_layers():  # an interleaved stage's: each of its chunks'
+        if layer.weights:
+            mine = max(mine, max_diff(layer.get_weights(), ref_layers[layer.name]))
     return max(tnt_comm.allgather_object(mine))
 
 
@@ -297,8 +298,9 @@ def run_case(kind, make, opt, *, strategy, p, m, schedule, batch, n, epochs, spe
     before = live_variables()
     user_model = deferred(make)
     schedule, _, remat = schedule.partition("+")  # "gpipe+stages": remat="stages"
+    chunks = {"virtual_stages": 2} if schedule == "interleaved" else {}
     model = tnt.Model(user_model, parallel_strategy=strategy, num_pipeline_stages=p, num_micro_batches=m,
-                      pipeline_schedule=schedule, remat=remat or None)
+                      pipeline_schedule=schedule, remat=remat or None, **chunks)
     model.compile(OPTIMIZERS[opt](), LOSS, metrics=["accuracy"], steps_per_execution=spe)
     t0 = time.perf_counter()
     seen = BatchLogs()
@@ -356,6 +358,13 @@ def compare_schedules(results: dict, a: str, b: str) -> bool:
     return all(tnt_comm.allgather_object(same))
 
 
+def compare_serial_weights(results: dict, a: str, b: str) -> bool:
+    """Two cases' whole models bitwise identical (their stages may hold different layers:
+    the serial weight lists, gathered on every rank, are compared)."""
+    same = digest(results[a]["model"].get_weights()) == digest(results[b]["model"].get_weights())
+    return all(tnt_comm.allgather_object(same))
+
+
 # -- save / load ------------------------------------------------------------------------------
 def save_load_checks(case: dict, strategy, p: int, tmp: Path, load_stages: list[int],
                      shared: Path | None = None) -> dict:
@@ -407,6 +416,34 @@ def save_load_checks(case: dict, strategy, p: int, tmp: Path, load_stages: list[
     out["continue_history_diff"] = _job.history_diff(side["cont_history"], hist)
     out["continue_weight_diff"] = stage_weight_diff(cont, side["cont_layers"])
     return out
+
+
+def interleaved_save_load(case: dict, tmp: Path) -> dict:
+    """An interleaved model (two chunks per rank) saves one plain Keras file and loads back
+    into interleaved stages holding the very same weights and optimizer state."""
+    model, ref = case["model"], case["ref"]
+    path = tmp / "interleaved.keras"
+    model.save(path)
+    x, _ = data("mlp", 13, seed=21)
+
+    def serial_side():
+        plain = keras.saving.load_model(path)
+        return {"plain_keras_weight_diff": max_diff(plain.get_weights(), ref["model"].get_weights()),
+                "plain_keras_optimizer_diff": max_diff(
+                    [v.numpy() for v in plain.optimizer.variables if "iteration" not in v.path], ref["optimizer"]),
+                "predict": plain.predict(x, verbose=0)}
+
+    side = on_master(serial_side)
+    loaded = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2,
+                                   num_micro_batches=4, pipeline_schedule="interleaved", virtual_stages=2)
+    same = (digest(loaded.stage_model.get_weights()) == digest(model.stage_model.get_weights())
+            and digest([v.numpy() for v in loaded._tnt_stage.optimizer.variables])
+            == digest([v.numpy() for v in model._tnt_stage.optimizer.variables]))
+    return {"plain_keras_weight_diff": side["plain_keras_weight_diff"],
+            "plain_keras_optimizer_diff": side["plain_keras_optimizer_diff"],
+            "chunks_per_rank": tnt_comm.allgather_object(len(loaded._tnt_stage.chunks)),
+            "loaded_identical": all(tnt_comm.allgather_object(same)),
+            "loaded_predict_diff": max_diff(loaded.predict(x, batch_size=5, verbose=0), side["predict"])}
 
 
 def load_saved_at_p2(shared: Path) -> dict:
@@ -589,6 +626,11 @@ def main() -> None:
             cases[f"emb_p{p}_adam_m4_1f1b"] = ("emb", embedding_model, "adam", 4, "1f1b", 10, 10 * 3 + 2, 2)
             cases[f"emb_p{p}_adam_m4_gpipe_remat"] = ("emb", embedding_model, "adam", 4, "gpipe+stages", 10,
                                                       10 * 3 + 2, 2)
+            # interleaved, virtual_stages=2: 4 chunks of the mlp, rank r holds chunks r, r + 2;
+            # bitwise its 1F1B twin (2 stages cut elsewhere); the serial run of mlp_p2_adam_m1_1f1b;
+            # the last batch of 3 rows: 3 micro-batches, no multiple of p (all forwards first)
+            cases[f"mlp_p{p}_adam_m4_1f1b"] = ("mlp", mlp, "adam", 4, "1f1b", 10, 10 * 2 + 3, 2)
+            cases[f"mlp_p{p}_adam_m4_interleaved"] = ("mlp", mlp, "adam", 4, "interleaved", 10, 10 * 2 + 3, 2)
             cases[f"lso_p{p}_lso_spe3_m3_1f1b"] = ("lso", lso_mlp, "lso", 3, "1f1b", 10, 10 * 7 + 3, 1, 3)
             # mixed_float16: compile wraps Adam in a LossScaleOptimizer; the last stage alone overflows
             cases[f"f16_p{p}_adam_m3_1f1b"] = ("f16", f16_mlp, "adam", 3, "1f1b", 10, 10 * 7 + 3, 2)
@@ -610,6 +652,10 @@ def main() -> None:
     twins = [a for a in names if a.endswith("_remat")]
     if twins:
         extra["remat_equals_kept"] = {a: compare_schedules(results, a.removesuffix("_remat"), a) for a in twins}
+    interleaved = [a for a in names if a.endswith("_interleaved")]
+    if interleaved:
+        extra["interleaved_equals_1f1b"] = {a: compare_serial_weights(results, a.replace("_interleaved", "_1f1b"), a)
+                                            for a in interleaved}
     with tempfile.TemporaryDirectory(prefix="tnt-pipe-") as tmp_local:
         tmp = Path(tnt_comm.broadcast_object(tmp_local, 0))  # one directory for all ranks
         first = next(n for n in names if n.startswith("mlp") and ("1f1b" in n))
@@ -617,6 +663,8 @@ def main() -> None:
             load_stages = [size, 2] if layout == "all" else [size, 1]
             extra["save_load"] = save_load_checks(results[first], strategy, p, tmp, load_stages,
                                                   shared if size == 2 else None)
+        if interleaved:
+            extra["interleaved_save_load"] = interleaved_save_load(results[interleaved[0]], tmp)
         if layout == "pipelining" and size == 3:
             if shared is not None and (shared / "p2.keras").exists():  # absent: the 2-rank job failed
                 extra["load_p2_file"] = load_saved_at_p2(shared)

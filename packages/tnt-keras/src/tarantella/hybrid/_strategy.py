@@ -17,6 +17,7 @@ from .._core.graph import model_graph
 from .._core.mesh import check_layout
 from .._core.serial_files import deferred_from_file, open_model_file
 from .._core.strategy import ParallelStrategy, Strategy, register, strategy_for
+from ..pipelining import check_interleaved_strategy
 from ..pipelining import plan as pipeline_plan_of
 from ..tensor_parallel.parts import OPTIONS as TENSOR_OPTIONS
 from ..tensor_parallel.parts import (
@@ -60,6 +61,7 @@ def build_all(model: keras.Model, member: ParallelStrategy, options: dict) -> ke
             return None  # nothing to split: data replicas
         return strategy_for(ParallelStrategy.PIPELINING).build(model, member, stage_options)
     check_model(model)
+    check_interleaved_strategy(options.get("pipeline_schedule", "1f1b"), "all", options.get("virtual_stages"))
     pipeline = _pipeline_plan(model, options)
     if pipeline is not None and pipeline.num_stages > 1:
         kept = {k: options[k] for k in ("num_micro_batches", "pipeline_schedule", "remat") if k in options}

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from .._core.deferred import deferred_variables, is_deferred
 from .._core.errors import PipelineError
+from ._interleaved import check_interleaved_strategy
 from ._local import LocalPipeline
 from ._model import PipelinedModel
 from ._plan import Boundary, Plan, Stage, plan
 from ._schedule import (
+    INTERLEAVED,
     SCHEDULES,
     SPLIT_BACKWARD,
     Action,
@@ -23,6 +25,7 @@ from ._schedule import (
     ScheduleGrid,
     actions,
     activation_bound,
+    check_virtual_stages,
     compute_order,
     micro_batch_sizes,
     peak_in_flight,
@@ -34,6 +37,7 @@ from ._stats import pipeline_idle_fractions
 from ._strategy import load_model  # also registers PIPELINING (tarantella._core.strategy)
 
 __all__ = [
+    "INTERLEAVED",
     "SCHEDULES",
     "SPLIT_BACKWARD",
     "Action",
@@ -49,6 +53,8 @@ __all__ = [
     "actions",
     "activation_bound",
     "build_stage",
+    "check_interleaved_strategy",
+    "check_virtual_stages",
     "compute_order",
     "deferred_variables",
     "is_deferred",

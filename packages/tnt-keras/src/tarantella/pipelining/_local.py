@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 
+from ._interleaved import check_interleaved_options, chunk_plan
 from ._plan import Plan
-from ._plan import plan as make_plan
 from ._remat import check_remat
 from ._schedule import check_schedule
 from ._stage_runtime import StageRuntime
@@ -44,11 +44,13 @@ class LocalPipeline:
 
     def __init__(self, model, num_pipeline_stages: int | None = None, *, num_micro_batches: int = 4,
                  pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
-                 remat: str | None = None, timeout: float = 120.0) -> None:
-        self.plan = pipeline_plan or make_plan(model, num_pipeline_stages)
+                 remat: str | None = None, virtual_stages: int | None = None, timeout: float = 120.0) -> None:
         check_schedule(pipeline_schedule)
-        transports = LocalTransport.group(self.plan.num_stages, timeout)
-        self.stages = [StageRuntime(self.plan, t, pipeline_schedule, num_micro_batches, remat=check_remat(remat))
+        self.plan, p, v = chunk_plan(model, pipeline_schedule, num_pipeline_stages, virtual_stages, pipeline_plan)
+        check_interleaved_options(pipeline_schedule, "pipelining", p, num_micro_batches)
+        transports = LocalTransport.group(p, timeout)
+        self.stages = [StageRuntime(self.plan, t, pipeline_schedule, num_micro_batches, remat=check_remat(remat),
+                                    virtual_stages=v)
                        for t in transports]
 
     def compile(self, optimizer, loss=None, metrics=None, **kwargs) -> None:

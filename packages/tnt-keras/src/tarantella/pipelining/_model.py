@@ -27,8 +27,8 @@ from .._core.inputs import Sharding, at_epoch, fit_datasets, rank_dataset
 from .._core.mesh import check_layout
 from .._core.serial_files import assign_optimizer_state, optimizer_state
 from .._core.step_parts import split_sizes
+from ._interleaved import check_interleaved_options, check_interleaved_strategy, chunk_plan
 from ._plan import Plan
-from ._plan import plan as make_plan
 from ._remat import check_remat
 from ._saving import (
     fill_serial_model,
@@ -38,7 +38,7 @@ from ._saving import (
     serial_weight_keys,
     stage_payload,
 )
-from ._schedule import check_schedule, schedule_grid
+from ._schedule import INTERLEAVED, activation_bound, check_schedule, schedule_grid
 from ._stage_runtime import StageRuntime
 from ._stages import held_layers
 from ._transport import CommTransport
@@ -73,26 +73,29 @@ class PipelinedModel(DistributedModel):
     def __init__(self, model: keras.Model, *, parallel_strategy: str = "pipelining",
                  num_pipeline_stages: int | None = None, num_micro_batches: int | None = None,
                  pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
-                 remat: str | None = None, _stage_builder=None) -> None:
+                 remat: str | None = None, virtual_stages: int | None = None, _stage_builder=None) -> None:
         """``_stage_builder(plan, transport) -> StageModel``: how this rank's stage is made
         (default: the stage's layers cloned whole; tensor_parallel's stages of tensor groups
         pass their own, with ``tensor_parallel_size``: the mesh then has t > 1)."""
         super().__init__(name=f"tnt_{model.name}")
         self._tnt_settings = _runtime.setup()
-        if pipeline_plan is not None:
+        check_schedule(pipeline_schedule)
+        t = getattr(_stage_builder, "tensor_parallel_size", 1)
+        strategy = "pipelining" if t == 1 and str(getattr(parallel_strategy, "value", parallel_strategy)) == \
+            "pipelining" else "all"
+        check_interleaved_strategy(pipeline_schedule, strategy, virtual_stages)
+        if pipeline_plan is not None and pipeline_schedule not in INTERLEAVED:
             if num_pipeline_stages is not None and num_pipeline_stages != pipeline_plan.num_stages:
                 raise PipelineError(f"pipeline_plan has {pipeline_plan.num_stages} stages but "
                                     f"num_pipeline_stages={num_pipeline_stages}; make them agree.")
-            plan = pipeline_plan
-        else:
-            plan = make_plan(model, num_pipeline_stages)
-        t = getattr(_stage_builder, "tensor_parallel_size", 1)
-        mesh = check_layout(parallel_strategy, _runtime.get_size(), t, plan.num_stages)
-        check_schedule(pipeline_schedule)
+        plan, p, v = chunk_plan(model, pipeline_schedule, num_pipeline_stages, virtual_stages, pipeline_plan)
+        m = default_micro_batches(p) if num_micro_batches is None else check_micro_batches(num_micro_batches)
+        check_interleaved_options(pipeline_schedule, strategy, p, m)
+        mesh = check_layout(parallel_strategy, _runtime.get_size(), t, p)
         self.remat = check_remat(remat)
-        m = default_micro_batches(plan.num_stages) if num_micro_batches is None else \
-            check_micro_batches(num_micro_batches)
         self.plan = plan
+        self.num_pipeline_stages = p
+        self.virtual_stages = v
         self.parallel_strategy = parallel_strategy
         self.num_micro_batches = m
         self.pipeline_schedule = pipeline_schedule
@@ -102,7 +105,7 @@ class PipelinedModel(DistributedModel):
         self._tnt_check_same_plan(transport)
         self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m, stage_model=stage_model,
                                        fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes,
-                                       remat=self.remat)
+                                       remat=self.remat, virtual_stages=v)
         self._tnt_serial_config = (type(model), model.get_config())
         self._tnt_mixed_float16 = model.dtype_policy.name == "mixed_float16"
         self._tnt_compile_args: dict | None = None
@@ -147,7 +150,8 @@ class PipelinedModel(DistributedModel):
     def schedule_grid(self) -> str:
         """This model's schedule as a stage x time-slot grid with its bubble fraction
         (``tnt.pipelining.schedule_grid``)."""
-        return schedule_grid(self.pipeline_schedule, self.plan.num_stages, self.num_micro_batches)
+        return schedule_grid(self.pipeline_schedule, self.num_pipeline_stages, self.num_micro_batches,
+                             virtual_stages=self.virtual_stages if self.virtual_stages > 1 else None)
 
     @property
     def peak_micro_batches_in_flight(self) -> int:
@@ -323,14 +327,16 @@ class PipelinedModel(DistributedModel):
         """This stage: its weights, the sum of the micro-batches' gradients beside one
         micro-batch's, the activations of the micro-batches its schedule keeps in flight
         (1F1B: min(p - s, m); GPipe: m) and their received boundary tensors."""
-        p, m, s = self.plan.num_stages, self.num_micro_batches, self.stage
+        p, m, s = self.num_pipeline_stages, self.num_micro_batches, self.stage
         in_flight = m if self.pipeline_schedule == "gpipe" else min(p - s, m)
+        if self.virtual_stages > 1:  # in whole-stage sets: each chunk's is ~1/v of the stage's
+            in_flight = -(-activation_bound(self.pipeline_schedule, p, m, self.virtual_stages) // self.virtual_stages)
         # remat="stages": one micro-batch's activations at a time (its re-run), the inputs of all
         activation_sets = 1 if self.remat else in_flight
         batch = getattr(self, "_tnt_memory_global_batch", None)
         rows = -(-batch // (self.num_replicas * m)) if batch else None
-        st = self._tnt_stage.stage
-        bds = [self.plan.boundaries[b] for b in (*st.inputs, *(() if st.is_last else st.outputs))]
+        bds = [self.plan.boundaries[b] for st in self._tnt_stage.chunks
+               for b in (*st.inputs, *(() if st.is_last else st.outputs))]
         per_row = sum(int(np.prod(b.shape)) * np.dtype(b.dtype).itemsize for b in bds)
         return _memory.Holdings(
             model=self.stage_model, optimizer=self._tnt_stage.optimizer,

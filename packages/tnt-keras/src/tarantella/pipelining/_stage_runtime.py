@@ -36,29 +36,53 @@ import tensorflow as tf
 from .._core import internals as _internals
 from .._core import sparse as _sparse
 from .._core import trace as _trace
+from .._core.errors import PipelineError
 from .._core.metric_states import metric_variables
 from .._core.serial_files import clone_optimizer
-from ._executor import PREDICT, TEST, TRAIN, StageExecutor
+from ._executor import StageExecutor
+from ._passes import PREDICT, TEST, TRAIN
 from ._plan import Plan
-from ._schedule import micro_batch_sizes
-from ._stages import StageModel, build_stage
+from ._schedule import micro_batch_sizes, num_chunks_per_stage
+from ._stages import ChunkStack, StageModel, build_chunks, build_stage
 from ._ties import TiedGradients
 from ._transport import Transport
 
 
 class StageRuntime:
-    """Stage ``stage_index`` of ``plan`` on this rank, talking through ``transport``."""
+    """Stage ``stage_index`` of ``plan`` on this rank, talking through ``transport``.
+
+    Interleaved (``virtual_stages`` v > 1), ``plan``'s stages are the p * v chunks and this
+    stage holds chunks ``stage, stage + p, ...``: ``chunks`` their models, ``model`` a
+    ``ChunkStack`` of them (the variables the optimizer updates), ``metrics_model`` the
+    model's last chunk where this stage holds it (its loss and metrics).
+    """
 
     def __init__(self, plan: Plan, transport: Transport, schedule: str, num_micro_batches: int,
                  stage_model: StageModel | None = None, fusion_threshold_bytes: int = 8 << 20,
-                 remat: str | None = None) -> None:
+                 remat: str | None = None, virtual_stages: int | None = None) -> None:
         self.plan = plan
         self.transport = transport
         self.num_micro_batches = num_micro_batches
-        self.stage = stage_model or build_stage(plan, transport.stage)
-        self.model = self.stage.model
-        self.is_last = self.stage.is_last
-        self.executor = StageExecutor(self.stage, plan, transport, schedule, remat=remat)
+        p, v = num_chunks_per_stage(plan, schedule, virtual_stages)
+        if v > 1:
+            if stage_model is not None:
+                raise PipelineError("the interleaved schedule builds its stages' chunks itself: pipelines of "
+                                    "tensor groups (tensor_parallel_size > 1) run 1f1b, gpipe or zb-h1.")
+            if plan.ties:
+                raise PipelineError(
+                    f"the interleaved schedule does not run tied layers yet ({', '.join(t.layer for t in plan.ties)} "
+                    "is called on several chunks); use pipeline_schedule='1f1b' (or 'zb-h1') for this model.")
+            self.chunks = build_chunks(plan, transport.stage, p)
+            self.model = ChunkStack([c.model for c in self.chunks], name=f"{plan.graph.model_name}_stage{transport.stage}")
+        else:
+            self.chunks = [stage_model or build_stage(plan, transport.stage)]
+            self.model = self.chunks[0].model
+        self.stage = self.chunks[0]
+        self.is_last = any(c.is_last for c in self.chunks)
+        self.metrics_model = self.chunks[-1].model if self.is_last else self.model
+        self.last_stage = (plan.num_stages - 1) % p  # the stage holding the model's last chunk
+        self.executor = StageExecutor(self.chunks if v > 1 else self.stage, plan, transport, schedule,
+                                      remat=remat, virtual_stages=v)
         self.ties = TiedGradients(plan, self.model, transport)  # layers held on several stages
         self.optimizer: keras.optimizers.Optimizer | None = None
         self.global_clipnorm: float | None = None
@@ -96,14 +120,15 @@ class StageRuntime:
             clipping.global_clipnorm = None
         if self.loss_scaled:  # skip or apply as all stages decided (train_step), not this one
             opt.check_finite = lambda grads: self._all_stages_finite
-        if self.is_last:
-            self.model.compile(optimizer=opt, loss=loss, metrics=metrics, loss_weights=loss_weights,
-                               weighted_metrics=weighted_metrics, jit_compile=False, auto_scale_loss=False)
-        else:
-            self.model.compile(optimizer=opt, loss=None, jit_compile=False, auto_scale_loss=False)
+        for chunk in self.chunks:  # one optimizer for all of them: it scales every chunk's loss
+            if chunk.model is self.metrics_model:
+                chunk.model.compile(optimizer=opt, loss=loss, metrics=metrics, loss_weights=loss_weights,
+                                    weighted_metrics=weighted_metrics, jit_compile=False, auto_scale_loss=False)
+            else:
+                chunk.model.compile(optimizer=opt, loss=None, jit_compile=False, auto_scale_loss=False)
         opt.build(self.model.trainable_variables)
         self.optimizer = opt
-        self._float16_read = float16_read_variables(self.model)
+        self._float16_read = [f for chunk in self.chunks for f in float16_read_variables(chunk.model)]
         # reduce_retracing: sparse gradients hold as many slices as the step had tokens
         self._apply = tf.function(self._apply_gradients, autograph=False, reduce_retracing=True)
 
@@ -226,17 +251,17 @@ class StageRuntime:
                 info = graph.tensors[name]
                 local = np.concatenate(parts) if parts else np.zeros((0, *info.shape), info.dtype)
                 outputs.append(self.transport.replica_allgather(local))
-        outputs = self.transport.pipeline_broadcast_object(outputs, self.plan.num_stages - 1)
+        outputs = self.transport.pipeline_broadcast_object(outputs, self.last_stage)
         return keras.tree.pack_sequence_as(self.plan.graph.output_struct, outputs)
 
     # -- end-of-step pieces --------------------------------------------------------------------------
     def _add_other_stages_regularization(self, n: int) -> None:
         if not self._others_regularized:
             return
-        mine = 0.0 if self.is_last else self.executor.regularization_value()
+        mine = float(self.executor.regularization_value())  # the last chunk's is in its loss
         total = float(self.transport.pipeline_allreduce(np.array([mine], np.float64))[0])
         if self.is_last and n > 0:
-            tracker = _internals.loss_tracker(self.model)
+            tracker = _internals.loss_tracker(self.metrics_model)
             tracker.total.assign_add(tf.cast(total * n, tracker.total.dtype))
 
     def _reduce_over_replicas(self, grads: list) -> list:
@@ -285,12 +310,12 @@ class StageRuntime:
         logs = None
         if self.is_last:
             logs = self._global_metric_results()
-        logs = self.transport.pipeline_broadcast_object(logs, self.plan.num_stages - 1)
+        logs = self.transport.pipeline_broadcast_object(logs, self.last_stage)
         self.log_names = list(logs)  # Keras' order (loss first): evaluate's list follows it
         return logs
 
     def _global_metric_results(self) -> dict:
-        model = self.model
+        model = self.metrics_model
         if self.transport.num_replicas == 1:
             return _pythonify(model.get_metrics_result())
         mvars = metric_variables(model)
@@ -308,7 +333,7 @@ class StageRuntime:
 
     def reset_metrics(self) -> None:
         if self.is_last:
-            for metric in self.model.metrics:
+            for metric in self.metrics_model.metrics:
                 metric.reset_state()
 
 

@@ -129,8 +129,32 @@ def build_stage(plan: Plan, s: int, *, copy_weights: bool = True) -> StageModel:
     return StageModel(s, model, stage.data_inputs, stage.inputs, stage.outputs, last)
 
 
+class ChunkStack(keras.Model):
+    """The chunks one stage holds under the interleaved schedule, as one Keras model: its
+    variables are the chunks' in chunk order (what the stage's optimizer updates, saves and
+    loads); it is never called (the executor runs each chunk's own model)."""
+
+    def __init__(self, chunks: list[keras.Model], name: str) -> None:
+        super().__init__(name=name)
+        self.tnt_chunks = list(chunks)
+        self.built = True
+
+    def call(self, *args, **kwargs):  # pragma: no cover - the executor runs the chunks
+        raise TypeError("a ChunkStack is not called: run each of its tnt_chunks")
+
+
+def build_chunks(plan: Plan, stage: int, num_stages: int) -> list[StageModel]:
+    """The chunks ``stage``, ``stage + p``, ``stage + 2p`` ... of an interleaved ``plan``
+    (whose stages are the p * v chunks)."""
+    return [build_stage(plan, c) for c in range(stage, plan.num_stages, num_stages)]
+
+
 def held_layers(model: keras.Model) -> list:
-    """A stage model's layers, those whose outputs reach none of its outputs included."""
+    """A stage model's layers, those whose outputs reach none of its outputs included (of
+    each chunk of a ``ChunkStack``)."""
+    chunks = getattr(model, "tnt_chunks", None)
+    if chunks is not None:
+        return [layer for chunk in chunks for layer in held_layers(chunk)]
     return [*model.layers, *getattr(model, "tnt_unused_layers", ())]
 
 

@@ -1,0 +1,210 @@
+"""The compiled passes of one model chunk: its forward (taped or not), B, W and joint backward.
+
+A stage holds one chunk (GPipe, 1F1B, ZB-H1) or several (interleaved: chunks r, r + p, ...);
+the executor (``_executor``) runs the schedule and asks the chunk of each action for its
+pass. Everything here depends on one chunk's Keras model only: its compiled functions, which
+of its inputs and outputs carry gradients, its regularisation and (``remat="stages"``) the
+state a re-run must start from. Loss weighting and scaling: see ``_executor``.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .._core import internals as _internals
+from .._core import settings as _settings
+from .._core import sparse as _sparse
+from ._plan import Plan
+from ._remat import STAGES, Recompute, StageState
+from ._schedule import SPLIT_BACKWARD
+from ._stages import StageModel
+
+TRAIN, TEST, PREDICT = "train", "test", "predict"
+
+
+def _slice(structure, lo: int, hi: int):
+    return keras.tree.map_structure(lambda t: None if t is None else t[lo:hi], structure)
+
+
+class ChunkPasses:
+    """The passes of chunk ``stage`` (a plan stage) of ``plan`` under ``schedule``."""
+
+    def __init__(self, stage: StageModel, plan: Plan, schedule: str, remat: str | None = None) -> None:
+        self.stage = stage
+        self.remat = remat == STAGES
+        self.model = stage.model
+        self.plan = plan
+        # Positions (in the chunk's trainable variables) the loss does not reach: structural,
+        # known after the first backward pass. Their gradients travel as zeros, but the
+        # optimizer skips them, as serial Keras' does (the stage runtime's apply).
+        self.no_gradient: frozenset[int] | None = None
+        self._fns: dict = {}
+        self._sparse_as_dense = _settings.sparse_as_dense()
+        self._regularized = any(getattr(v, "regularizer", None) is not None
+                                for v in self.model.trainable_weights) or any(
+            getattr(layer, "activity_regularizer", None) is not None for layer in self.model.layers)
+        n_data = len(stage.data_inputs)
+        self._grad_positions = [n_data + k for k, b in enumerate(stage.inputs)
+                                if plan.boundaries[b].differentiable]
+        self._grad_outputs = [k for k, b in enumerate(stage.outputs) if plan.boundaries[b].differentiable]
+        self._split = schedule in SPLIT_BACKWARD
+        self._state = StageState(self.model) if self.remat else None
+
+    def _fn(self, key, make):
+        if key not in self._fns:
+            self._fns[key] = tf.function(make(), reduce_retracing=True, autograph=False)
+        return self._fns[key]
+
+    def _forward(self, training: bool):
+        model = self.model
+
+        def make():
+            def forward(inputs):
+                outs = keras.tree.flatten(model(inputs, training=training))
+                losses = model.losses
+                reg = tf.add_n([tf.cast(v, tf.float32) for v in losses]) if losses else tf.zeros(())
+                return outs, reg
+            return forward
+        return self._fn(("forward", training), make)
+
+    def _forward_loss(self, training: bool):
+        model = self.model
+
+        def make():
+            def forward_loss(inputs, y, sample_weight):
+                y_pred = model(inputs, training=training)
+                loss = model.compute_loss(x=None, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                          training=training)
+                return y_pred, loss
+            return forward_loss
+        return self._fn(("forward_loss", training), make)
+
+    def _update_metrics(self):
+        model = self.model
+
+        def make():
+            def update(y, y_pred, sample_weight, loss, n):
+                _internals.loss_tracker(model).update_state(loss, sample_weight=n)
+                model.compute_metrics(None, y, y_pred, sample_weight=sample_weight)
+                return tf.constant(True)
+            return update
+        return self._fn(("metrics",), make)
+
+    def regularization_value(self) -> float:
+        """This stage's weight-regularisation loss (what serial Keras adds to every step's loss)."""
+        terms = [v.regularizer(v) for v in self.model.trainable_weights
+                 if getattr(v, "regularizer", None) is not None]
+        return float(tf.add_n([tf.cast(t, tf.float32) for t in terms])) if terms else 0.0
+
+
+    def forward(self, mode, inputs, y, sample_weight, lo, hi, total):
+        """The forward of rows ``lo:hi`` (of a global batch ``total``): (what the backward
+        needs or None, the outputs to send by boundary or None, the prediction or None)."""
+        st = self.stage
+        training = mode == TRAIN
+        weight = tf.constant((hi - lo) / total, tf.float32)
+        if mode == PREDICT and st.is_last:
+            return None, None, self._forward(False)(inputs)[0]
+        y_i, sw_i = (_slice(y, lo, hi), _slice(sample_weight, lo, hi)) if st.is_last else (None, None)
+        before = self._state.snapshot() if training and self.remat else None
+        record = self._taped_forward(training, inputs, y_i, sw_i, weight,
+                                     taped=training and not self.remat)
+        tape, watched, targets, outs = record
+        sent = None
+        if st.is_last:
+            y_pred, loss = outs
+            self._update_metrics()(y_i, y_pred, sw_i, loss, tf.constant(hi - lo, tf.float32))
+        else:
+            sent = {b: np.asarray(o) for b, o in zip(st.outputs, outs)}
+        if before is not None:  # keep the inputs (and the state they met), not the activations
+            return Recompute(inputs, y_i, sw_i, weight, before), sent, None
+        return [tape, watched, targets], sent, None
+
+    def _taped_forward(self, training: bool, inputs, y_i, sw_i, weight, *, taped: bool):
+        """The stage's forward (with the loss on the last stage), under a tape when ``taped``:
+        (tape, watched boundary inputs, differentiated targets, outputs)."""
+        st = self.stage
+        tape = tf.GradientTape(persistent=self._split) if taped else None
+        watched = [inputs[k] for k in self._grad_positions]
+        if tape is not None:
+            tape.__enter__()
+            tape.watch(watched)
+        try:
+            if st.is_last:
+                y_pred, loss = self._forward_loss(training)(inputs, y_i, sw_i)
+                targets = [self._scaled(loss * tf.cast(weight, loss.dtype))]
+                outs = (y_pred, loss)
+            else:
+                outs, reg = self._forward(training)(inputs)
+                targets = [outs[k] for k in self._grad_outputs]
+                if self._regularized:
+                    targets.append(self._scaled(reg * weight))
+        finally:
+            if tape is not None:
+                tape.__exit__(None, None, None)
+        return tape, watched, targets, outs
+
+    def recomputed(self, record):
+        """A taped record for backward: ``record`` itself, or (remat) the forward of a
+        ``Recompute`` re-run under a tape from the state it first met."""
+        if not isinstance(record, Recompute):
+            return record
+        with self._state.restored(record.state):
+            tape, watched, targets, _ = self._taped_forward(True, record.inputs, record.y, record.sample_weight,
+                                                            record.weight, taped=True)
+        return [tape, watched, targets]
+
+    def _scaled(self, loss):
+        """``loss`` as Keras' train step differentiates it (the optimizer's loss scale)."""
+        optimizer = self.model.optimizer
+        return loss if optimizer is None else optimizer.scale_loss(loss)
+
+    def _output_gradients(self, targets, received: dict):
+        if self.stage.is_last:
+            return None
+        output_gradients = [received[self.stage.outputs[k]] for k in self._grad_outputs]
+        if self._regularized:
+            output_gradients.append(tf.ones((), targets[-1].dtype))
+        return output_gradients
+
+    def backward_inputs(self, record, received: dict) -> list:
+        """B of a split backward: the gradients of the boundary inputs; keeps the output
+        gradients in ``record`` for W."""
+        tape, watched, targets = record
+        output_gradients = self._output_gradients(targets, received)
+        record.append(output_gradients)
+        if not watched:
+            return []
+        grads = tape.gradient(targets, watched, output_gradients=output_gradients)
+        return [tf.zeros(tuple(src.shape), src.dtype) if g is None else g for g, src in zip(grads, watched)]
+
+    def backward_weights(self, record, variables) -> list:
+        """W of a split backward: the weight gradients of the micro-batch whose B ran."""
+        tape, _watched, targets, output_gradients = record
+        grads = tape.gradient(targets, list(variables), output_gradients=output_gradients)
+        del record[:], tape  # the persistent tape holds the activations until now
+        self.no_gradient = frozenset(i for i, g in enumerate(grads) if g is None)
+        grads = [tf.zeros(tuple(src.shape), tf.as_dtype(str(src.dtype))) if g is None else g
+                 for g, src in zip(grads, variables)]
+        if self._sparse_as_dense:
+            grads = [_sparse.to_dense(g) for g in grads]
+        return grads
+
+    def backward(self, record, received: dict, variables):
+        tape, watched, targets = record
+        output_gradients = self._output_gradients(targets, received)
+        sources = [*watched, *variables]
+        grads = tape.gradient(targets, sources, output_gradients=output_gradients)
+        self.no_gradient = frozenset(i - len(watched) for i, g in enumerate(grads) if g is None and i >= len(watched))
+        # A source without a path to the targets (an untied output embedding the model never
+        # calls) gets zeros, so that every stage/replica sends a tensor for it; the stage's
+        # optimizer step leaves it out (``no_gradient``), as serial Keras' does.
+        # (UnconnectedGradients.ZERO fails on Keras variables: their dtype is a string.)
+        grads = [tf.zeros(tuple(src.shape), tf.as_dtype(str(src.dtype))) if g is None else g
+                 for g, src in zip(grads, sources)]
+        weight_grads = grads[len(watched):]
+        if self._sparse_as_dense:
+            weight_grads = [_sparse.to_dense(g) for g in weight_grads]
+        return grads[: len(watched)], weight_grads
