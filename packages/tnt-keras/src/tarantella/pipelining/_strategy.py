@@ -58,7 +58,7 @@ def load(filepath, member: ParallelStrategy, options: dict, **kwargs) -> keras.M
 
 
 def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_micro_batches=None,
-               pipeline_schedule: str = "1f1b", remat: str | None = None, custom_objects=None,
+               pipeline_schedule: str = "1f1b", remat: str | None = None, sharding: int = 0, custom_objects=None,
                compile: bool = True,
                safe_mode: bool = True, **kwargs):
     """Load a ``.keras`` file (pipelined or serial save) into ``num_pipeline_stages`` stages.
@@ -76,7 +76,8 @@ def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_mic
         if _runtime.get_size() == 1 or pipeline_plan.num_stages == 1:
             return None  # one rank or one stage: the caller loads it data-parallel
         model = PipelinedModel(full, parallel_strategy=strategy, num_micro_batches=num_micro_batches,
-                               pipeline_schedule=pipeline_schedule, pipeline_plan=pipeline_plan, remat=remat)
+                               pipeline_schedule=pipeline_schedule, pipeline_plan=pipeline_plan, remat=remat,
+                               sharding=sharding)
         if not legacy:
             full_optimizer = full.optimizer if compile and getattr(full, "optimizer", None) is not None else None
             read_stage_state(model, full, full_optimizer, _internals.weights_store(local, archive))
