@@ -74,7 +74,7 @@ class StageShards:
         """Level 2: the SUM over the group of the owned ones of ``grads[positions]`` (dense)."""
         arrays = {i: np.asarray(grads[i]) for i in positions}
         out: dict[int, tf.Tensor] = {}
-        for dt, idx in self._layout(positions, lambda i: arrays[i].dtype):
+        for _, idx in self._layout(positions, lambda i: arrays[i].dtype):
             counts = [sum(arrays[i].size for i in idx if self.owners[i] == r) for r in range(self.size)]
             flat = np.concatenate([arrays[i].reshape(-1) for i in idx])
             mine = self.comm.reduce_scatter(flat, counts)
