@@ -3,7 +3,7 @@
 and weights, identical replicas, optimizer slots only for owned variables, global_clipnorm
 and a LossScaleOptimizer, a level-2 file saved at d = 2 read by serial Keras and resumed at
 level 1, and the errors. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
-level 2 (Adam), its file resumed at level 1, in the shared 4-rank launch; its error paths on one
+level 2 (Adam, global_clipnorm), its file resumed at level 1, in the shared 4-rank launch; its error paths on one
 process."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ _REPORTS: dict[int, dict] = {}
 #: ALL, 2 stages x 2 replicas (jobs/sharded.py all_case), in the shared 4-rank launch. Level 1
 #: trains there too: the level-2 file is loaded at level 1 and trained on (all_l1_adam, the
 #: same from a fresh model, passes as well; left out for suite time).
-ALL_RUN = ["all_l2_adam"]
+ALL_RUN = ["all_l2_adam_clip"]  # Adam with global_clipnorm (clipping active: test_global_clipnorm_was_active)
 
 
 for _ranks, _cases in RUNS.items():  # in the shared launches (shared_launch.py)
@@ -199,7 +199,7 @@ def test_all_saved_file_is_serial_keras_with_the_whole_optimizer_state(report_al
 
 
 def test_all_level_2_file_loads_at_level_1_and_trains_on_as_serial(report_all):
-    c = report_all["all_l2_adam"]
+    c = report_all["all_l2_adam_clip"]
     assert c["resumed_weight_diff"] <= TOL_WEIGHTS, c
     for stage, ds in _by_stage(c["resumed_stage_digests"]).items():
         assert len(ds) == 2 and len(set(ds)) == 1, (stage, ds)
