@@ -75,11 +75,11 @@ def main() -> None:
             subprocess.run(["tarantella", "-n", "4", "--python-interpreter", sys.executable, "--", __file__,
                             "--worker", str(level), "--steps", str(args.steps), "--out", out], check=True)
             rows.append(json.loads(Path(out).read_text()))
-    for row in rows:
+        row = rows[-1]  # printed as each level ends
         ranks = sorted(row["ranks"], key=lambda r: (r["stage"], r["replica"]))
         print(f"sharding={row['level']}: " + ", ".join(
             f"s{r['stage']}r{r['replica']} optimizer {r['optimizer_bytes'] / 1e6:.1f} MB peak {r['peak_bytes'] / 1e6:.0f} MB"
-            for r in ranks))
+            for r in ranks), flush=True)
 
 
 if __name__ == "__main__":
