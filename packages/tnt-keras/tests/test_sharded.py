@@ -2,14 +2,19 @@
 3 ranks (uneven byte shares) against serial Keras in the same job (jobs/sharded.py): History
 and weights, identical replicas, optimizer slots only for owned variables, global_clipnorm
 and a LossScaleOptimizer, a level-2 file saved at d = 2 read by serial Keras and resumed at
-level 1, and the errors."""
+level 1, and the errors. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
+level 2 (Adam, global_clipnorm), its file resumed at level 1, in the shared 4-rank launch; its error paths on one
+process."""
 
 from __future__ import annotations
 
+import keras
+import numpy as np
 import pytest
 from conftest import share
 
-from tarantella.data_parallel import assign_owners
+import tarantella as tnt
+from tarantella.data_parallel import ShardingError, assign_owners
 
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 # The cases each launch runs (suite time: two launches of a few fits each).
@@ -21,10 +26,15 @@ SLOTS_PER_VARIABLE = {"sgd_momentum": 1, "lso_sgd": 1, "adam": 2, "adam_clip": 2
 
 
 _REPORTS: dict[int, dict] = {}
+#: ALL, 2 stages x 2 replicas (jobs/sharded.py all_case), in the shared 4-rank launch. Level 1
+#: trains there too: the level-2 file is loaded at level 1 and trained on (all_l1_adam, the
+#: same from a fresh model, passes as well; left out for suite time).
+ALL_RUN = ["all_l2_adam_clip"]  # Adam with global_clipnorm (clipping active: test_global_clipnorm_was_active)
 
 
 for _ranks, _cases in RUNS.items():  # in the shared launches (shared_launch.py)
     share(__name__, _ranks, "sharded", "sharded.py", "--only", ",".join(_cases))
+share(__name__, 4, "sharded_all", "sharded.py", "--only", ",".join(ALL_RUN))
 
 
 def _report(ranks: int, shared_launches) -> dict:
@@ -122,3 +132,135 @@ def test_assignment_is_a_balanced_pure_function():
         assert max(loads) <= sum(sizes) / d + max(sizes)
     # Worked by hand: 4096 -> 0, 4096 -> 1, 1024 -> 0, 1024 -> 1, 256 -> 0, then the rest to 1.
     assert assign_owners(sizes, 2) == [0, 1, 1, 1, 0, 1, 1, 1, 0, 1]
+
+
+# -- ALL: 2 pipeline stages x 2 replicas on 4 ranks ----------------------------------------------
+@pytest.fixture(scope="module")
+def report_all(shared_launches) -> dict:
+    result = shared_launches.result(4, "sharded_all")
+    assert result["ranks"] == 4
+    print("\nsharded ALL 2 stages x 2 replicas (max abs difference to serial Keras)")
+    for name, c in result["all"].items():
+        print(f"{name:12} history {c['history_diff']:.2e}  weights {c['weight_diff']:.2e}  "
+              f"optimizer bytes per rank {c['optimizer_bytes_per_rank']}")
+    return result["all"]
+
+
+def _by_stage(pairs) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for stage, value, *rest in pairs:
+        out.setdefault(stage, []).append(rest[0] if rest else value)
+    return out
+
+
+def test_all_cases_ran_pipelined(report_all):
+    assert sorted(report_all) == sorted(ALL_RUN)
+    assert all(c["strategy"] == "PipelinedModel" for c in report_all.values())
+
+
+def test_all_history_and_weights_equal_serial(report_all):
+    for name, c in report_all.items():
+        assert c["history_diff"] <= TOL_LOSS, (name, c)
+        assert c["weight_diff"] <= TOL_WEIGHTS, (name, c)
+        applied, serial_applied = c["applied_steps"]
+        assert applied == serial_applied, (name, c)
+
+
+def test_all_replicas_of_a_stage_are_bitwise_identical(report_all):
+    for name, c in report_all.items():
+        digests = _by_stage(c["stage_digests"])  # stage -> digests of its replicas
+        assert sorted(digests) == [0, 1], (name, c)
+        for stage, ds in digests.items():
+            assert len(ds) == 2 and len(set(ds)) == 1, (name, stage, ds)
+
+
+def _assert_slots_partition(name: str, c: dict, slot_pairs) -> None:
+    scalars = c["serial_slot_elements"] - 2 * c["variable_elements"]  # Adam: 2 slots; iterations, lr
+    elements = dict(c["stage_variable_elements"])
+    for stage, slots in _by_stage(slot_pairs).items():
+        per_var = [s - scalars for s in slots]
+        # The replicas' Adam slots partition the stage's (serial Keras' for its variables).
+        assert sum(per_var) == 2 * elements[stage], (name, stage, slots)
+        assert len(per_var) == 2 and all(0 < s < 2 * elements[stage] for s in per_var), (name, stage, slots)
+
+
+def test_all_each_replica_holds_only_its_owned_slots(report_all):
+    for name, c in report_all.items():
+        _assert_slots_partition(name, c, c["slot_elements_per_rank"])
+        assert all(n >= 1 for n in c["owned_per_rank"]), (name, c)
+
+
+def test_all_saved_file_is_serial_keras_with_the_whole_optimizer_state(report_all):
+    for name, c in report_all.items():
+        assert c["loaded_weight_diff"] <= TOL_WEIGHTS, (name, c)
+        count, serial_count = c["loaded_optimizer_count"]
+        assert count == serial_count, (name, c)
+        assert c["loaded_optimizer_diff"] <= TOL_WEIGHTS, (name, c)
+
+
+def test_all_level_2_file_loads_at_level_1_and_trains_on_as_serial(report_all):
+    c = report_all["all_l2_adam_clip"]
+    assert c["resumed_weight_diff"] <= TOL_WEIGHTS, c
+    for stage, ds in _by_stage(c["resumed_stage_digests"]).items():
+        assert len(ds) == 2 and len(set(ds)) == 1, (stage, ds)
+    _assert_slots_partition("resumed", c, c["resumed_slot_elements_per_rank"])
+
+
+# -- ALL: error paths on one process ---------------------------------------------------------------
+def _mlp() -> keras.Model:
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+
+
+def test_all_level_3_names_levels_1_and_2():
+    with pytest.raises(ShardingError, match=r"sharding=3.*sharding=2"):
+        tnt.Model(_mlp(), parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2, sharding=3)
+
+
+def test_all_level_3_from_the_environment_names_it(monkeypatch):
+    monkeypatch.setenv("TNT_SHARDING", "3")
+    with pytest.raises(ShardingError, match="TNT_SHARDING=3"):
+        tnt.Model(_mlp(), parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2)
+
+
+def test_all_bad_level_lists_the_levels():
+    with pytest.raises(tnt.SettingError, match=r"sharding=7.*0 \(none\)"):
+        tnt.Model(_mlp(), parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2, sharding=7)
+
+
+@pytest.mark.parametrize("strategy, options", [
+    (tnt.ParallelStrategy.PIPELINING, {"num_pipeline_stages": 2}),
+    (tnt.ParallelStrategy.TENSOR, {"tensor_parallel_size": 2}),
+])
+def test_other_strategies_name_data_and_all(strategy, options):
+    with pytest.raises(TypeError, match=r"ParallelStrategy.DATA or ParallelStrategy.ALL"):
+        tnt.Model(_mlp(), parallel_strategy=strategy, sharding=1, **options)
+
+
+def test_all_replicas_of_tensor_groups_without_stages_are_refused(monkeypatch):
+    """4 ranks of 2-rank tensor groups, one stage: 2 replicas the sharding does not cover yet."""
+    from tarantella._core import runtime
+
+    monkeypatch.setattr(runtime, "get_size", lambda: 4)
+    with pytest.raises(ShardingError, match=r"num_pipeline_stages=p >= 2.*sharding=0"):
+        tnt.Model(_mlp(), parallel_strategy=tnt.ParallelStrategy.ALL, tensor_parallel_size=2, sharding=2)
+
+
+class _Pipeline:
+    """A stand-in transport of a 2-stage pipeline whose other stage reports ``other``."""
+
+    num_stages = 2
+
+    def __init__(self, other: float) -> None:
+        self.other = other
+
+    def pipeline_allreduce(self, array):
+        return np.asarray(array) + np.array([0.0, self.other])
+
+
+def test_a_stage_with_fewer_variables_than_replicas_fails_on_every_stage():
+    from tarantella.pipelining._shards import check_enough_variables
+
+    check_enough_variables(2, 2, 0, 2, _Pipeline(0.0))  # both stages hold enough: no error
+    # Stage 0 holds enough, stage 1 (seen through the allreduce) does not: stage 0 raises too.
+    with pytest.raises(ShardingError, match=r"stage\(s\) \[1\].*sharding=0"):
+        check_enough_variables(4, 2, 0, 2, _Pipeline(1.0))

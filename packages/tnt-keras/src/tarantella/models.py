@@ -42,7 +42,9 @@ def load_model(filepath, custom_objects=None, compile: bool = True, **kwargs) ->
         inner = keras.models.load_model(local, custom_objects=custom_objects, compile=compile, **rest)
     # Nothing to split: data-parallel replicas, with DATA's own options (``sharding=``) only;
     # another strategy's (``tensor_parallel_size=1``) were about what is not split.
-    return Model(inner, **(options if member is ParallelStrategy.DATA else {}))
+    # ALL's replica axis takes DATA's sharding= too.
+    kept = options if member is ParallelStrategy.DATA else {k: v for k, v in options.items() if k == "sharding"}
+    return Model(inner, **kept)
 
 
 def save_model(model, filepath, overwrite: bool = True, **kwargs) -> None:

@@ -6,13 +6,17 @@ replicas hold identical weights and that each holds only its owned variables' op
 slots. Files: a level-2 model saved at this number of ranks loads in serial Keras with serial
 Keras' weights and optimizer state, and loaded again with sharding=1 continues as serial
 Keras continues. Errors: level 3, a bad level, an optimizer not known to be per-variable,
-sharding= with another strategy. Rank 0 writes the JSON that tests/test_sharded.py checks.
+sharding= with another strategy. ALL (4 ranks: 2 pipeline stages x 2 replicas, Adam): levels
+1 and 2 against serial Keras, replicas of a stage bitwise alike, slots per rank, the saved
+file read by serial Keras, and (level 2) loaded at level 1 and trained on as serial Keras.
+Rank 0 writes the JSON that tests/test_sharded.py checks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 
 import _job
 import keras
@@ -182,14 +186,70 @@ def error_cases() -> dict:
     }
 
 
+def all_case(level: int, kind: str, tmp) -> dict:
+    """ALL, 2 stages x 2 replicas at ``level`` with optimizer ``kind`` (Adam, with or without an
+    active global_clipnorm), against serial Keras (one epoch: 5 steps, the last of 6 samples)."""
+    start = time.perf_counter()
+    x, y = data()
+    serial, serial_history = serial_run(kind, epochs=1)
+    tm = tnt.Model(make_model(), parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2,
+                   num_micro_batches=2, sharding=level)
+    tm.compile(optimizer(kind), "mse")
+    history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    stage_runtime = tm._tnt_stage
+    optimizer_vars = stage_runtime.optimizer.variables
+    shards = stage_runtime.shards
+    out = {
+        "strategy": type(tm).__name__,
+        "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
+        "weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
+        # (stage, replica, digest of the stage's weights) of every rank
+        "stage_digests": tnt_comm.allgather_object((tm.stage, tm.replica, digest(tm.stage_model))),
+        "slot_elements_per_rank": tnt_comm.allgather_object((tm.stage, elements(optimizer_vars))),
+        "optimizer_bytes_per_rank": tnt_comm.allgather_object(int(sum(
+            np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in optimizer_vars))),
+        "stage_variable_elements": tnt_comm.allgather_object((tm.stage, elements(tm.stage_model.trainable_variables))),
+        "owned_per_rank": tnt_comm.allgather_object(None if shards is None else len(shards.owned(shards.owners))),
+        "serial_slot_elements": elements(serial.optimizer.variables),
+        "variable_elements": elements(serial.trainable_variables),
+        "applied_steps": [int(stage_runtime.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())],
+    }
+    path = str(tmp / f"sharded_all_l{level}.keras")
+    tm.save(path)
+    tnt_comm.barrier()
+    if tnt.is_master_rank():  # the file, read by serial Keras (rank 0 reports)
+        loaded = keras.models.load_model(path)
+        out["loaded_weight_diff"] = _job.max_abs_diff(loaded.get_weights(), serial.get_weights())
+        out["loaded_optimizer_count"] = [len(loaded.optimizer.variables), len(serial.optimizer.variables)]
+        out["loaded_optimizer_diff"] = _job.max_abs_diff([v.numpy() for v in loaded.optimizer.variables],
+                                                         [v.numpy() for v in serial.optimizer.variables])
+    if level == 2:  # the file loaded at level 1 trains on as serial Keras does
+        resumed = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2,
+                                        num_micro_batches=2, sharding=1)
+        resumed.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        out["resumed_weight_diff"] = _job.max_abs_diff(resumed.get_weights(), serial.get_weights())
+        out["resumed_stage_digests"] = tnt_comm.allgather_object(
+            (resumed.stage, resumed.replica, digest(resumed.stage_model)))
+        out["resumed_slot_elements_per_rank"] = tnt_comm.allgather_object(
+            (resumed.stage, elements(resumed._tnt_stage.optimizer.variables)))
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+ALL_CASES = {"all_l1_adam": (1, "adam"), "all_l2_adam_clip": (2, "adam_clip")}
+
 CASES = {f"l{level}_{kind}": (level, kind)
          for level in (1, 2) for kind in ("sgd_momentum", "adam", "adam_clip", "lso_sgd")}
 
 
 def main() -> None:
     out = _job.out_path()
-    chosen = _job.only([*CASES, "files", "errors"])
+    chosen = _job.only([*CASES, *ALL_CASES, "files", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: case(*CASES[n]) for n in chosen if n in CASES}}
+    for name in chosen:
+        if name in ALL_CASES:
+            result.setdefault("all", {})[name] = all_case(*ALL_CASES[name], out.parent)
     if "files" in chosen:
         result["files"] = files_case(out.parent)
     if "errors" in chosen:

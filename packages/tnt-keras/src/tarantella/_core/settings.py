@@ -78,7 +78,7 @@ def timeline_path() -> str | None:
 
 
 def sharding_level(value=None) -> int:
-    """The sharding level of a data-parallel model: ``value`` (``tnt.Model(sharding=)``), else
+    """The sharding level of data replicas (DATA, ALL's replica axis): ``value`` (``sharding=``), else
     ``TNT_SHARDING`` (default 0: replicas hold everything, docs/sharding.md)."""
     name, raw = ("sharding", value) if value is not None else ("TNT_SHARDING", os.environ.get("TNT_SHARDING", "0"))
     try:

@@ -63,7 +63,8 @@ class Model(DistributedModel):
             does), so a model with batch normalisation trains as serial Keras does.
         sharding: 0 (default, or ``TNT_SHARDING``): every replica holds the whole optimizer
             state; 1: each replica keeps the optimizer state of the variables it owns;
-            2: and receives only their summed gradients (docs/sharding.md).
+            2: and receives only their summed gradients (docs/sharding.md). ``ALL`` with
+            pipeline stages takes it too: shards within each stage's replica group.
         memory_budget: bytes per rank (``"6GiB"``, ``"512MiB"``, an int; default none, or
             ``TNT_MEMORY_BUDGET``), taken by every strategy: ``fit`` first checks the plan's
             per-rank estimate against it and raises ``tnt.MemoryBudgetError`` on every rank

@@ -137,7 +137,10 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
                                        for w in layer.weights]
         state = {}
         if with_optimizer:
-            for key, value in optimizer_state(self.optimizer, self.stage_model).items():
+            sharded = self._tnt_stage.shards is not None  # the replicas' slots, on replica 0 (collective)
+            whole = self._tnt_stage.whole_optimizer_state() if sharded else \
+                optimizer_state(self.optimizer, self.stage_model)
+            for key, value in (whole or {}).items():
                 state[key] = self._gather(value, split.get(key.split("|", 1)[0]) if "|" in key else None)
         return {"weights": weights, "optimizer": state}
 

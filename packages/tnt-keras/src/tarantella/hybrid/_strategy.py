@@ -4,7 +4,8 @@ ALL combines whatever it is given: data replicas of pipelines (t = 1, pipelining
 strategy), of tensor groups (p = 1, layer parallelism's model with replicas), or of
 pipelines whose stages are tensor groups (``_model``); with nothing to split (t = 1 and
 no stages: no ``num_pipeline_stages``, plan or SplitLayer markers) it is data
-parallelism. It takes the options of both, as they declared them.
+parallelism. It takes the options of both, as they declared them, and DATA's
+``sharding=`` for its replica axis (``_sharding_level``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 import keras
 
 from .._core import runtime as _runtime
+from .._core import settings as _settings
 from .._core.errors import TensorParallelError
 from .._core.graph import model_graph
 from .._core.mesh import check_layout
 from .._core.serial_files import deferred_from_file, open_model_file
 from .._core.strategy import ParallelStrategy, Strategy, register, strategy_for
+from ..data_parallel import ShardingError
 from ..pipelining import check_interleaved_strategy
 from ..pipelining import plan as pipeline_plan_of
 from ..tensor_parallel.parts import OPTIONS as TENSOR_OPTIONS
@@ -47,24 +50,45 @@ def _pipeline_plan(model: keras.Model, options: dict):
     return None
 
 
+def _sharding_level(options: dict, t: int, stages: bool) -> int:
+    """The sharding level of ALL's replica axis (``sharding=``, else ``TNT_SHARDING``), refused
+    where it is not implemented (a ShardingError naming the fix, alike on every rank)."""
+    level = _settings.sharding_level(options.get("sharding"))
+    named = f"sharding={level}" if options.get("sharding") is not None else f"TNT_SHARDING={level}"
+    if level == 3:
+        raise ShardingError(f"tnt.Model(parallel_strategy=ALL, {named}) (parameters sharded too) is not "
+                            "implemented yet; use sharding=2 (optimizer state and gradients) or sharding=1 "
+                            "(optimizer state).")
+    if level and t > 1 and not stages and _runtime.get_size() > t:
+        raise ShardingError(
+            f"tnt.Model(parallel_strategy=ALL, {named}): the data replicas of tensor groups (one pipeline "
+            "stage) are not sharded yet; sharding applies to ALL's replicas of pipeline stages (pass "
+            "num_pipeline_stages=p >= 2) and to ParallelStrategy.DATA. Use sharding=0 here.")
+    return level
+
+
 def build_all(model: keras.Model, member: ParallelStrategy, options: dict) -> keras.Model | None:
     """ALL: replicas of pipelines, of tensor groups, or of pipelines of tensor groups."""
     t = size_from_options(options, member)
     stage_options = {k: options[k] for k in STAGE_OPTIONS if k in options}
+    level = _sharding_level(options, t, _has_stages(model, options))
+    if level:  # the replica groups of each stage (and shard) shard: pipelining's model takes it
+        stage_options["sharding"] = level
     if t == 1:
         if not _has_stages(model, options):
-            unused = sorted(set(stage_options))
+            unused = sorted(set(stage_options) - {"sharding"})
             if unused:
                 raise TensorParallelError(f"{', '.join(unused)} apply to pipeline stages, but the model has one "
                                           "stage: pass num_pipeline_stages=p (or put SplitLayer markers in the "
                                           "model), or drop the option(s).")
-            return None  # nothing to split: data replicas
+            return None  # nothing to split: data replicas (DATA's wrapper takes sharding= itself)
         return strategy_for(ParallelStrategy.PIPELINING).build(model, member, stage_options)
     check_model(model)
     check_interleaved_strategy(options.get("pipeline_schedule", "1f1b"), "all", options.get("virtual_stages"))
     pipeline = _pipeline_plan(model, options)
     if pipeline is not None and pipeline.num_stages > 1:
-        kept = {k: options[k] for k in ("num_micro_batches", "pipeline_schedule", "remat") if k in options}
+        kept = {k: stage_options[k] for k in ("num_micro_batches", "pipeline_schedule", "remat", "sharding")
+                if k in stage_options}
         return TensorPipelinedModel(model, tensor_plan=as_plan(options.get("tensor_parallel_plan"), model, t),
                                     pipeline_plan=pipeline, **kept)
     pipelined = sorted({"num_micro_batches", "pipeline_schedule", "remat"} & set(options))
@@ -83,6 +107,8 @@ def load_all(filepath, member: ParallelStrategy, options: dict, **kwargs) -> ker
     or whole into data replicas (t = 1 without stages)."""
     t = size_from_options(options, member)
     stage_options = {k: options[k] for k in STAGE_OPTIONS if k in options}
+    stages = stage_options.get("num_pipeline_stages") is not None or (t == 1 and _file_has_markers(filepath, kwargs))
+    level = _sharding_level(options, t, stages)
     if t > 1:
         if stage_options:
             raise TensorParallelError(
@@ -92,8 +118,9 @@ def load_all(filepath, member: ParallelStrategy, options: dict, **kwargs) -> ker
                 "with tnt.Model(..., parallel_strategy=ALL, num_pipeline_stages=p, tensor_parallel_size=t).")
         tensor_options = {k: options[k] for k in TENSOR_OPTIONS if k in options}
         return load_model(filepath, parallel_strategy="all", **tensor_options, **kwargs)
-    if stage_options.get("num_pipeline_stages") is not None or _file_has_markers(filepath, kwargs):
-        return strategy_for(ParallelStrategy.PIPELINING).load(filepath, member, stage_options, **kwargs)
+    if stages:
+        sharded = {"sharding": level} if level else {}
+        return strategy_for(ParallelStrategy.PIPELINING).load(filepath, member, {**stage_options, **sharded}, **kwargs)
     if stage_options:
         raise TensorParallelError(f"{', '.join(sorted(stage_options))} apply to pipeline stages; pass "
                                   "num_pipeline_stages=q to load into q stages, or drop the option(s).")
@@ -109,5 +136,5 @@ def _file_has_markers(filepath, kwargs: dict) -> bool:
     return any(call.is_split for call in model_graph(full).calls)
 
 
-register(Strategy(name="all", handles=(ParallelStrategy.ALL,), options=TENSOR_OPTIONS + STAGE_OPTIONS,
+register(Strategy(name="all", handles=(ParallelStrategy.ALL,), options=TENSOR_OPTIONS + STAGE_OPTIONS + ("sharding",),
                   error=TensorParallelError, build=build_all, load=load_all))

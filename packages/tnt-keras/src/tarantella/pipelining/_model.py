@@ -73,8 +73,10 @@ class PipelinedModel(DistributedModel):
     def __init__(self, model: keras.Model, *, parallel_strategy: str = "pipelining",
                  num_pipeline_stages: int | None = None, num_micro_batches: int | None = None,
                  pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
-                 remat: str | None = None, virtual_stages: int | None = None, _stage_builder=None) -> None:
-        """``_stage_builder(plan, transport) -> StageModel``: how this rank's stage is made
+                 remat: str | None = None, virtual_stages: int | None = None, sharding: int = 0,
+                 _stage_builder=None) -> None:
+        """``sharding`` (ALL's replica axis, 1 or 2): see ``_shards``.
+        ``_stage_builder(plan, transport) -> StageModel``: how this rank's stage is made
         (default: the stage's layers cloned whole; tensor_parallel's stages of tensor groups
         pass their own, with ``tensor_parallel_size``: the mesh then has t > 1)."""
         super().__init__(name=f"tnt_{model.name}")
@@ -105,7 +107,7 @@ class PipelinedModel(DistributedModel):
         self._tnt_check_same_plan(transport)
         self._tnt_stage = StageRuntime(plan, transport, pipeline_schedule, m, stage_model=stage_model,
                                        fusion_threshold_bytes=self._tnt_settings.fusion_threshold_bytes,
-                                       remat=self.remat, virtual_stages=v)
+                                       remat=self.remat, virtual_stages=v, sharding=sharding)
         self._tnt_serial_config = (type(model), model.get_config())
         self._tnt_mixed_float16 = model.dtype_policy.name == "mixed_float16"
         self._tnt_compile_args: dict | None = None

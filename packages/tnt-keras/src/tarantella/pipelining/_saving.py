@@ -59,13 +59,16 @@ def _recv_object(transport, stage: int, tag: int):
     return pickle.loads(data.tobytes())
 
 
-def stage_payload(pm, with_optimizer: bool = True) -> dict:
-    """This stage's weights by layer name (and optimizer state by key, if asked)."""
+def stage_payload(pm, with_optimizer: bool = True, state: dict | None = None) -> dict:
+    """This stage's weights by layer name (and optimizer state by key, if asked: ``state``
+    when given, the stage's whole state gathered from sharded replicas)."""
     model = pm.stage_model
+    if state is None:
+        state = optimizer_state(pm._tnt_stage.optimizer, model) if with_optimizer else {}
     return {
         "weights": {layer.name: layer.get_weights() for layer in held_layers(model)
                     if not isinstance(layer, keras.layers.InputLayer)},
-        "optimizer": optimizer_state(pm._tnt_stage.optimizer, model) if with_optimizer else {},
+        "optimizer": state,
     }
 
 
@@ -90,9 +93,11 @@ def serial_model_from_config(pm, deferred: bool = False) -> keras.Model:
 def gather_serial_model(pm, with_optimizer: bool = True) -> keras.Model | None:
     """The whole serial model, filled from all stages, on the master; None elsewhere."""
     transport = pm._tnt_stage.transport
+    # Sharded replicas: their slots to replica 0 of the stage first (collective over the group).
+    state = pm._tnt_stage.whole_optimizer_state() if with_optimizer else {}
     if transport.replica != 0:
         return None
-    payload = stage_payload(pm)
+    payload = stage_payload(pm, state=state)
     if transport.stage != 0:
         for request in _send_object(transport, payload, 0, transport.stage):
             request.wait()

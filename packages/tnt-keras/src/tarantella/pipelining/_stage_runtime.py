@@ -38,11 +38,12 @@ from .._core import sparse as _sparse
 from .._core import trace as _trace
 from .._core.errors import PipelineError
 from .._core.metric_states import metric_variables
-from .._core.serial_files import clone_optimizer
+from .._core.serial_files import clone_optimizer, optimizer_state
 from ._executor import StageExecutor
 from ._passes import PREDICT, TEST, TRAIN
 from ._plan import Plan
 from ._schedule import micro_batch_sizes, num_chunks_per_stage
+from ._shards import StageShards, check_enough_variables
 from ._stages import ChunkStack, StageModel, build_chunks, build_stage
 from ._ties import TiedGradients
 from ._transport import Transport
@@ -59,7 +60,9 @@ class StageRuntime:
 
     def __init__(self, plan: Plan, transport: Transport, schedule: str, num_micro_batches: int,
                  stage_model: StageModel | None = None, fusion_threshold_bytes: int = 8 << 20,
-                 remat: str | None = None, virtual_stages: int | None = None) -> None:
+                 remat: str | None = None, virtual_stages: int | None = None, sharding: int = 0) -> None:
+        """``sharding`` 1 or 2: the stage's replicas shard its optimizer state (and at 2 its
+        gradients) over the replica group (``_shards``); 0: each holds all of it."""
         self.plan = plan
         self.transport = transport
         self.num_micro_batches = num_micro_batches
@@ -108,6 +111,8 @@ class StageRuntime:
         self.loss_scaled = False  # a LossScaleOptimizer: its decision is the pipeline's
         self._all_stages_finite = tf.Variable(True, trainable=False, name="tnt_all_stages_finite")
         self._float16_read: list[bool] = []  # per trainable variable: read as float16
+        self.shards = StageShards(sharding, transport.replica_comm) \
+            if sharding and transport.num_replicas > 1 else None
 
     # -- set-up ----------------------------------------------------------------------------------
     def compile(self, optimizer, loss=None, metrics=None, loss_weights=None, weighted_metrics=None) -> None:
@@ -126,7 +131,13 @@ class StageRuntime:
                                     weighted_metrics=weighted_metrics, jit_compile=False, auto_scale_loss=False)
             else:
                 chunk.model.compile(optimizer=opt, loss=None, jit_compile=False, auto_scale_loss=False)
-        opt.build(self.model.trainable_variables)
+        trainable = self.model.trainable_variables
+        if self.shards is not None:  # the owned variables' slots only
+            check_enough_variables(len(trainable), self.shards.size, self.transport.stage, self.shards.level,
+                                   self.transport)
+            self.shards.assign(trainable)
+            trainable = self.shards.owned(trainable)
+        opt.build(trainable)
         self.optimizer = opt
         self._float16_read = [f for chunk in self.chunks for f in float16_read_variables(chunk.model)]
         # reduce_retracing: sparse gradients hold as many slices as the step had tokens
@@ -138,7 +149,9 @@ class StageRuntime:
         # not reach are left out, as serial Keras' apply_gradients leaves them out (a zero
         # gradient would still move them by weight decay).
         skip = self._no_gradient
-        pairs = [(g, v) for i, (g, v) in enumerate(zip(grads, self.model.trainable_variables)) if i not in skip]
+        shards = self.shards
+        pairs = [(g, v) for i, (g, v) in enumerate(zip(grads, self.model.trainable_variables))
+                 if i not in skip and (shards is None or shards.owns(i))]
         self.optimizer.apply([g for g, _ in pairs], [v for _, v in pairs])
         return tf.constant(True)
 
@@ -147,7 +160,7 @@ class StageRuntime:
         if self.transport.num_replicas == 1:
             return
         variables = list(self.model.variables)
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.shards is None:  # sharded: each its own slots
             variables += list(self.optimizer.variables)
         for var in variables:
             value = np.asarray(var.numpy())
@@ -209,6 +222,8 @@ class StageRuntime:
         if self.global_clipnorm and finite:  # a skipped step is not clipped (nor applied)
             grads = self._clip_over_pipeline(grads)
         self._apply(grads)
+        if self.shards is not None:  # the owners' updated values to every replica
+            self.shards.gather_values(self.model.trainable_variables)
         return self._logs()
 
     def _agree_no_gradient(self, count: int) -> None:
@@ -271,10 +286,25 @@ class StageRuntime:
         glue of the one step end (``_reducer``, Note [One step end])."""
         if self.transport.num_replicas == 1:
             return grads
+        variables = self.model.trainable_variables
+        gather = lambda g: _sparse.allgather_eager(g, self.transport.replica_allgather)  # noqa: E731
         if self._reducer is None:
             self._reducer = self.transport.eager_reducer(self.fusion_threshold_bytes)
-        return self._reducer.reduce(grads, self.model.trainable_variables,
-                                    lambda g: _sparse.allgather_eager(g, self.transport.replica_allgather))
+        if self.shards is None or self.shards.level < 2:
+            return self._reducer.reduce(grads, variables, gather)
+        # Level 2: the dense gradients reduce-scattered (None where another replica owns the
+        # variable); sparse ones and tied copies (summed over stages next) summed whole.
+        tied = self.ties.positions() if self.ties else set()
+        whole = [i for i, g in enumerate(grads) if _sparse.is_sparse(g) or i in tied]
+        out: list = [None] * len(grads)
+        if whole:
+            for i, g in zip(whole, self._reducer.reduce([grads[i] for i in whole], [variables[i] for i in whole],
+                                                         gather)):
+                out[i] = g
+        scattered = self.shards.reduce_scatter(grads, [i for i in range(len(grads)) if i not in whole])
+        for i, g in scattered.items():
+            out[i] = g
+        return out
 
     def _finite_over_pipeline(self, grads: list) -> bool:
         """True iff the gradients of every stage are finite (the same answer on all ranks).
@@ -285,8 +315,11 @@ class StageRuntime:
         in float16: it overflows where serial Keras' does (up to the rounding of the parts).
         """
         half = self._float16_read or [False] * len(grads)
-        mine = all(bool(_sparse.all_finite(g, as_float16=h)) for g, h in zip(grads, half))
-        non_finite = self.transport.pipeline_allreduce(np.array([0.0 if mine else 1.0], np.float64))[0]
+        mine = all(bool(_sparse.all_finite(g, as_float16=h)) for g, h in zip(grads, half) if g is not None)
+        flag = np.array([0.0 if mine else 1.0], np.float64)
+        if self.shards is not None and self.shards.level >= 2:  # a replica holds its own sums only
+            flag = self.transport.replica_allreduce(flag)
+        non_finite = self.transport.pipeline_allreduce(flag)[0]
         return bool(non_finite == 0)
 
     def _loss_scale(self):
@@ -298,13 +331,26 @@ class StageRuntime:
     def _clip_over_pipeline(self, grads: list) -> list:
         """Keras' ``clip_by_global_norm`` with the norm of all stages' unscaled gradients."""
         scale = self._loss_scale()
-        unscaled = grads if scale is None else [_sparse.divide(g, scale) for g in grads]
+        unscaled = grads if scale is None else [g if g is None else _sparse.divide(g, scale) for g in grads]
         own = [g for i, g in enumerate(unscaled) if i not in self.ties.replica_positions]  # a tie once
-        local = float(tf.add_n([_sparse.squared_sum(g) for g in own])) if own else 0.0
-        norm = np.float32(np.sqrt(self.transport.pipeline_allreduce(np.array([local], np.float64))[0]))
+        scattered = self.shards is not None and self.shards.level >= 2
+        if scattered:  # each gradient counted by its owner, then summed over the replica group
+            own = [g for i, g in enumerate(unscaled) if i not in self.ties.replica_positions and self.shards.owns(i)]
+        local = np.array([float(tf.add_n([_sparse.squared_sum(g) for g in own])) if own else 0.0], np.float64)
+        if scattered:
+            local = self.transport.replica_allreduce(local)
+        norm = np.float32(np.sqrt(self.transport.pipeline_allreduce(local)[0]))
         clip = np.float32(self.global_clipnorm)
         scale = clip * np.minimum(np.float32(1.0) / norm, np.float32(1.0) / clip) + (norm - norm)
-        return [_sparse.scale(g, scale) for g in grads]
+        return [g if g is None else _sparse.scale(g, scale) for g in grads]
+
+    def whole_optimizer_state(self) -> dict[str, np.ndarray] | None:
+        """The stage's whole optimizer state by key on replica 0 (None on the others);
+        collective over the replica group when the state is sharded."""
+        mine = optimizer_state(self.optimizer, self.model)
+        if self.shards is None:
+            return mine if self.transport.replica == 0 else None
+        return self.shards.whole_state(mine)
 
     def _logs(self) -> dict:
         logs = None

@@ -67,7 +67,7 @@ def load(filepath, member: ParallelStrategy, options: dict, **kwargs) -> keras.M
 
 def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_micro_batches=None,
                pipeline_schedule: str = "1f1b", remat: str | None = None, virtual_stages: int | None = None,
-               custom_objects=None,
+               sharding: int = 0, custom_objects=None,
                compile: bool = True,
                safe_mode: bool = True, **kwargs):
     """Load a ``.keras`` file (pipelined or serial save) into ``num_pipeline_stages`` stages.
@@ -88,7 +88,7 @@ def load_model(filepath, *, parallel_strategy, num_pipeline_stages=None, num_mic
             return None  # one rank or one stage: the caller loads it data-parallel
         model = PipelinedModel(full, parallel_strategy=strategy, num_micro_batches=num_micro_batches,
                                pipeline_schedule=pipeline_schedule, pipeline_plan=pipeline_plan, remat=remat,
-                               virtual_stages=virtual_stages)
+                               virtual_stages=virtual_stages, sharding=sharding)
         if not legacy:
             full_optimizer = full.optimizer if compile and getattr(full, "optimizer", None) is not None else None
             read_stage_state(model, full, full_optimizer, _internals.weights_store(local, archive))

@@ -205,6 +205,11 @@ class CommTransport:
             return np.asarray(array)
         return self._replicas.broadcast(np.ascontiguousarray(array), 0)
 
+    @property
+    def replica_comm(self):
+        """This stage's replica group (same stage and shard in every replica): a communicator."""
+        return self._replicas
+
     def eager_reducer(self, threshold_bytes: int):
         """The step end over this stage's replica group (``_reducer.EagerReducer``)."""
         from .._core.reducer import EagerReducer

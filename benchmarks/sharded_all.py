@@ -1,0 +1,86 @@
+"""Sharding on ALL's replica axis (docs/sharding.md, "ALL"): per-rank optimizer state and
+measured peak of 2 pipeline stages x 2 replicas at sharding 0, 1 and 2.
+
+    python benchmarks/sharded_all.py [--steps 3]   # one 4-rank launch per level
+
+Each rank reports the bytes of its stage's Keras optimizer variables (counted: at levels
+1 and 2 only the owned variables' slots) and its measured peak (VmHWM at the end minus
+VmRSS before the model was built). The model: a Dense stack (Psi ~ 8.4 M float32
+parameters), Adam, cut into 2 stages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+WIDTHS = [1024, 2048, 2048, 1024, 10]
+BATCH = 64
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def worker(level: int, steps: int, out: str) -> None:
+    import keras
+    import numpy as np
+
+    import tarantella as tnt
+    import tnt_comm
+
+    before = _status("VmRSS")
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((WIDTHS[0],))] + [keras.layers.Dense(w, name=f"d{i}") for i, w in enumerate(WIDTHS[1:])]
+    model = tnt.Model(keras.Sequential(layers), parallel_strategy=tnt.ParallelStrategy.ALL,
+                      num_pipeline_stages=2, num_micro_batches=2, sharding=level)
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * steps, WIDTHS[0])).astype("float32")
+    y = rng.normal(size=(BATCH * steps, WIDTHS[-1])).astype("float32")
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    optimizer = model._tnt_stage.optimizer
+    mine = {
+        "stage": model.stage, "replica": model.replica,
+        "optimizer_bytes": int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in optimizer.variables)),
+        "weight_bytes": int(sum(np.prod(v.shape) * 4 for v in model.stage_model.trainable_variables)),
+        "peak_bytes": _status("VmHWM") - before,
+    }
+    everyone = tnt_comm.allgather_object(mine)
+    if tnt.is_master_rank():
+        Path(out).write_text(json.dumps({"level": level, "ranks": everyone}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", type=int)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.steps, args.out)
+        return
+    rows = []
+    for level in (0, 1, 2):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            subprocess.run(["tarantella", "-n", "4", "--python-interpreter", sys.executable, "--", __file__,
+                            "--worker", str(level), "--steps", str(args.steps), "--out", out], check=True)
+            rows.append(json.loads(Path(out).read_text()))
+        row = rows[-1]  # printed as each level ends
+        ranks = sorted(row["ranks"], key=lambda r: (r["stage"], r["replica"]))
+        print(f"sharding={row['level']}: " + ", ".join(
+            f"s{r['stage']}r{r['replica']} optimizer {r['optimizer_bytes'] / 1e6:.1f} MB peak {r['peak_bytes'] / 1e6:.0f} MB"
+            for r in ranks), flush=True)
+
+
+if __name__ == "__main__":
+    main()

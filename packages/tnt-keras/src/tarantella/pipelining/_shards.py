@@ -1,0 +1,131 @@
+"""Sharded replicas of one pipeline stage: ``sharding=1|2`` on ALL's replica axis.
+
+Within the replica group of a stage (the same stage, and tensor shard, of every pipeline
+replica) each replica owns whole variables of the stage — DATA's byte-balanced assignment
+(``tnt.data_parallel.assign_owners``), a pure function of the stage's variable sizes and
+the group size, so every replica computes the same one. The stage's optimizer is built on
+the owned variables only (its slots are the memory saved) and applies their global
+gradients; then every owner's updated values are allgathered in the group, so the replicas
+hold bitwise identical weights. Level 1 sums gradients with the group's allreduce as at
+level 0; level 2 reduce-scatters the dense ones, so a replica receives only its own sums.
+
+This is the Python-driven step end of a pipeline stage (``_stage_runtime``): eager numpy
+collectives on the replica group's communicator, one call per dtype (docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import tnt_comm
+
+from ..data_parallel import ShardingError, assign_owners
+
+
+def _nbytes(v) -> int:
+    return int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+
+
+class StageShards:
+    """Who owns which trainable variable of a stage in its replica group, and the group's
+    reduce-scatter of gradients and allgather of updated values."""
+
+    def __init__(self, level: int, comm: tnt_comm.Communicator) -> None:
+        self.level = level
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.owners: list[int] = []
+
+    def assign(self, variables: Sequence) -> None:
+        """Fix the owners of ``variables`` (the stage's trainable ones, at compile)."""
+        self.owners = assign_owners([_nbytes(v) for v in variables], self.size) if len(variables) >= self.size \
+            else [i % self.size for i in range(len(variables))]
+
+    def owns(self, i: int) -> bool:
+        return self.owners[i] == self.rank
+
+    def owned(self, items: Sequence) -> list:
+        """The entries of ``items`` (one per trainable variable) this replica owns."""
+        return [x for i, x in enumerate(items) if self.owners[i] == self.rank]
+
+    def bytes_per_replica(self, variables: Sequence) -> list[int]:
+        loads = [0] * self.size
+        for v, o in zip(variables, self.owners):
+            loads[o] += _nbytes(v)
+        return loads
+
+    def _layout(self, positions: Sequence[int], dtype_of) -> list[tuple[np.dtype, list[int]]]:
+        """``positions`` by dtype, each ordered by (owner, position): the wire layout."""
+        out: list[tuple[np.dtype, list[int]]] = []
+        for i in positions:
+            dt = dtype_of(i)
+            for known, members in out:
+                if known == dt:
+                    members.append(i)
+                    break
+            else:
+                out.append((dt, [i]))
+        return [(dt, sorted(members, key=lambda i: (self.owners[i], i))) for dt, members in out]
+
+    def reduce_scatter(self, grads: list, positions: Sequence[int]) -> dict[int, tf.Tensor]:
+        """Level 2: the SUM over the group of the owned ones of ``grads[positions]`` (dense)."""
+        arrays = {i: np.asarray(grads[i]) for i in positions}
+        out: dict[int, tf.Tensor] = {}
+        for _, idx in self._layout(positions, lambda i: arrays[i].dtype):
+            counts = [sum(arrays[i].size for i in idx if self.owners[i] == r) for r in range(self.size)]
+            flat = np.concatenate([arrays[i].reshape(-1) for i in idx])
+            mine = self.comm.reduce_scatter(flat, counts)
+            offset = 0
+            for i in idx:
+                if self.owners[i] == self.rank:
+                    a = arrays[i]
+                    out[i] = tf.convert_to_tensor(np.asarray(mine[offset: offset + a.size]).reshape(a.shape))
+                    offset += a.size
+        return out
+
+    def gather_values(self, variables: Sequence) -> None:
+        """Every owner's (updated) values to every replica of the group, one allgather per dtype."""
+        for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype)):
+            mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
+            flat = np.concatenate(mine) if mine else np.zeros(0, dt)
+            whole = self.comm.allgather(np.ascontiguousarray(flat))
+            offset = 0
+            for i in idx:
+                n = int(np.prod(variables[i].shape))
+                if self.owners[i] != self.rank:
+                    variables[i].assign(np.asarray(whole[offset: offset + n]).reshape(variables[i].shape))
+                offset += n
+
+    def whole_state(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The stage's whole optimizer state (keys as ``optimizer_state``) on replica 0 of the
+        group, None on the others; ``state`` is this replica's own. Streamed one variable at a
+        time from its holder (collective over the group); replica 0's scalars win."""
+        holders = self.comm.allgather_object({k: (v.shape, v.dtype.str) for k, v in state.items()})
+        whole: dict[str, np.ndarray] = dict(state) if self.rank == 0 else {}
+        for r in range(1, self.size):
+            for key, (shape, dtype) in holders[r].items():
+                if key in holders[0]:
+                    continue  # iterations, learning rate: every replica holds them alike
+                buf = state[key] if self.rank == r else np.empty(shape, np.dtype(dtype))
+                value = self.comm.broadcast(np.ascontiguousarray(buf).reshape(-1), r)
+                if self.rank == 0:
+                    whole[key] = np.asarray(value).reshape(shape)
+        return whole if self.rank == 0 else None
+
+
+def check_enough_variables(count: int, size: int, stage: int, level: int, transport) -> None:
+    """Every rank raises alike when some stage has fewer trainable variables than replicas
+    (collective over the pipeline: the stages' counts differ)."""
+    short = np.zeros(transport.num_stages, np.float64)
+    if count < size:
+        short[stage] = 1.0
+    short = transport.pipeline_allreduce(short)
+    stages = [s for s in range(len(short)) if short[s]]
+    if stages:
+        raise ShardingError(
+            f"tnt.Model(sharding={level}) gives each of the {size} replicas of a pipeline stage whole "
+            f"variables to own, but stage(s) {stages} have fewer trainable variables than that; use "
+            "sharding=0, fewer replicas, or other stage cuts (pipeline_plan=, num_pipeline_stages=).")
