@@ -1,5 +1,5 @@
 """Serial-equivalence job: every case trains a model with plain Keras (serial reference,
-computed here on each rank) and with tnt.Model on all ranks, from the same initial weights
+computed once, by one of the ranks: the references are shared out, ``_job.spread``) and with tnt.Model on all ranks, from the same initial weights
 on the same global batches, and records the largest differences.
 
 Cases cover the optimizers, a dense net, a LeNet-like CNN, an Embedding (sparse gradients), B divisible and not divisible
@@ -141,7 +141,7 @@ def batched(x, y, w, batch: int, shuffle_seed):
 
 
 def run_serial(kind, opt, train, vx, vy, epochs, initial, jit) -> dict:
-    """Plain Keras on one process: the reference (computed on the master rank only)."""
+    """Plain Keras on one process: the reference (one rank computes it, see ``serial_reference``)."""
     serial = build(kind, seed=3)
     serial.set_weights(initial)
     serial.compile(optimizer=OPTIMIZERS[opt](), jit_compile=jit, **COMPILE_ARGS)
@@ -154,17 +154,35 @@ def run_serial(kind, opt, train, vx, vy, epochs, initial, jit) -> dict:
     }
 
 
-def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
+def _datasets(kind, batch, n, weighted, shuffle_seed):
+    """(serial's training dataset, tnt's, validation x, y), made as the case always made them:
+    under one global seed, serial's first (a seeded shuffle's order depends on the global seed
+    in force when the dataset is created)."""
     x, y, w = data(kind, n, seed=11)
     vx, vy, _ = data(kind, 29, seed=12)
     w = w if weighted else None
-    # Datasets first, under one global seed: a seeded shuffle's order depends on the
-    # global seed in force when the dataset is created.
     keras.utils.set_random_seed(0)
     train_serial = batched(x, y, w, batch, shuffle_seed)
     train_tnt = batched(x, y, w, batch, shuffle_seed)
+    return train_serial, train_tnt, vx, vy
+
+
+def serial_reference(name: str) -> dict:
+    kind, opt, batch, n, epochs, weighted, shuffle_seed, _, _ = CASES[name]
+    train_serial, _, vx, vy = _datasets(kind, batch, n, weighted, shuffle_seed)
     initial = build(kind, seed=3).get_weights()
-    ref = run_serial(kind, opt, train_serial, vx, vy, epochs, initial, jit) if tnt.is_master_rank() else None
+    return run_serial(kind, opt, train_serial, vx, vy, epochs, initial, _jit(name))
+
+
+def _jit(name: str):
+    return name.endswith("_xla") or "auto"
+
+
+def run_case(name: str, ref: dict) -> dict:
+    kind, opt, batch, n, epochs, weighted, shuffle_seed, _, _ = CASES[name]
+    jit = _jit(name)
+    _, train_tnt, vx, vy = _datasets(kind, batch, n, weighted, shuffle_seed)
+    initial = build(kind, seed=3).get_weights()
 
     model = tnt.Model(build(kind, seed=100 + tnt.get_rank()))  # rank-dependent init: rank 0's must win
     model.set_weights(initial)
@@ -175,8 +193,6 @@ def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
     weights = model.get_weights()
     digests = tnt_comm.allgather_object(
         hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in weights)).hexdigest())
-    if ref is None:
-        return {}
     return {
         "history_diff": _job.history_diff(ref["history"], history),
         "weight_diff": _job.max_abs_diff(ref["weights"], weights),
@@ -192,11 +208,11 @@ def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
 def main() -> None:
     out = _job.out_path()
     results = {}
-    for name in _job.only(CASES):
-        kind, opt, batch, n, epochs, weighted, shuffle_seed, tol_l, tol_w = CASES[name]
-        jit = name.endswith("_xla") or "auto"
-        results[name] = run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit)
-        results[name].update(tol_loss=tol_l, tol_weights=tol_w)
+    names = _job.only(CASES)
+    refs = _job.spread(names, serial_reference)  # the serial runs, shared out over the ranks
+    for name in names:
+        results[name] = run_case(name, refs[name])
+        results[name].update(tol_loss=CASES[name][7], tol_weights=CASES[name][8])
     _job.write(out, {"ranks": tnt.get_size(), "cases": results})
 
 
