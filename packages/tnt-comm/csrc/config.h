@@ -34,6 +34,10 @@ inline constexpr double kAutoHandoffSpinUs = 30.0;
 // up to this long after the last progress, then hands back to the thread. 0 = never.
 inline constexpr const char* kDriveSpinEnv = "TNT_COMM_DRIVE_SPIN_US";
 inline constexpr double kDefaultDriveSpinUs = 200.0;
+// Note [Transient buckets] in fused.cc: 1 = a fused engine lets go of its bucket buffers
+// when a round's results are handed out (they live as long as their holders), so no
+// gradient-sized set stays allocated between steps; 0 (default) = keep and reuse them.
+inline constexpr const char* kTransientBucketsEnv = "TNT_COMM_TRANSIENT_BUCKETS";
 // How often an idle communication thread wakes to answer stall queries of other ranks.
 inline constexpr std::chrono::milliseconds kIdleServiceInterval{50};
 // How long a stalled rank waits for the other ranks' answers before reporting.
@@ -46,6 +50,7 @@ struct Config {
   double wait_spin_us = kDefaultWaitSpinUs;
   double handoff_spin_us = -1.0;  // -1: unset, chosen by Engine::handoff_spin_us()
   double drive_spin_us = kDefaultDriveSpinUs;
+  bool transient_buckets = false;
 };
 
 // Reads all TNT_COMM_* variables. Throws std::invalid_argument naming the variable,

@@ -104,6 +104,11 @@ class BucketTask final : public Task {
   }
 
   void finish(std::exception_ptr error) noexcept override {
+    // The reduction is over: let go of the bucket before reporting it done, so that once a
+    // caller has seen the round finish only the engine and its holders count (a copy kept
+    // here until the thread destroyed the task made reuse_or_allocate see a stale count and
+    // allocate afresh: under load, on every round).
+    buf_.reset();
     std::lock_guard<std::mutex> lock(s_->mu);
     auto& bs = s_->buckets[b_];
     bs.done = true;
@@ -396,6 +401,12 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
         to_scale.emplace_back(s.buckets[b].buffer, &s.layout.buckets[b]);
       }
     }
+  }
+  // Note [Transient buckets]: the results (and to_scale) hold the buffers now; dropping
+  // the engine's own reference frees each one with its last holder, and the next round's
+  // first tensor of a bucket allocates afresh (reuse_or_allocate of nullptr).
+  if (s.engine->config().transient_buckets) {
+    for (auto& bs : s.buckets) bs.buffer.reset();
   }
   s.arm_round();
   lock.unlock();
