@@ -169,11 +169,11 @@ def c_api_borrowed_buckets_never_change_while_held() -> None:
             assert (slot(views2, i) == want(i, 10.0)).all(), (i, slot(views2, i))
         for h in hold1 + hold2:
             API.fused_release(h)
-        # Nothing held: the buckets are reused, not reallocated. Reuse is checked on the
-        # engine's reference count at submit time, and a count can be stale for a moment
-        # (the communication thread dropping its own copy), which merely allocates a fresh
-        # buffer (buffer.cc, reuse_or_allocate): so reuse must show within a few rounds, not
-        # in every one (CI: 1 of 3 buckets fresh in the first round after the release).
+        # Nothing held: the buckets are reused, not reallocated. Reuse is decided on the
+        # buffer's reference count at submit time; a bucket task lets go of its copy before it
+        # reports the round done (fused.cc), so only a holder dropping its copy concurrently
+        # could make a count stale, which merely allocates a fresh buffer (buffer.cc): reuse
+        # must show within a few rounds (before that fix, under load, it never did on 3 ranks).
         previous, reused = addr2, 0
         for k in range(12):
             addr3, hold3, views3 = round_(100.0 + k)
