@@ -26,7 +26,7 @@ tape (W then recomputes the backward), which the plan's ``split_backward`` recor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import tensorflow as tf
 
@@ -60,6 +60,7 @@ class _Cut:
     w_fn: object
     w_feeds: list[tuple[str, int]]  # ("in", backward input index) or ("b", B output index)
     w_structure: list  # per captured input position: gradient structure or None
+    handle_positions: dict[int, int]  # id(captured variable handle) -> its flat input position
     num_inference_outputs: int
     pack_output: object
 
@@ -71,8 +72,13 @@ class SplitRecord:
     cut: _Cut
     outputs: object  # the forward's structured outputs
     saved: list | None  # the forward's flat outputs (intermediates) until B
+    watched: list  # the watched inputs (the shapes of their zero gradients)
     w_values: list | None = None  # W's inputs, kept from B until W
-    extra: dict = field(default_factory=dict)
+
+    def positions(self, variables) -> list[int | None]:
+        """Per Keras variable: its flat input position in the forward (None: not read)."""
+        handles = self.cut.handle_positions
+        return [handles.get(id(getattr(getattr(v, "value", v), "handle", v))) for v in variables]
 
 
 def _ancestors(tensors, stop) -> set:
@@ -129,21 +135,12 @@ class SplitBackward:
         flat = cf.function_type.unpack_inputs(function_type_utils.canonicalize_function_inputs(args, {}, cf.function_type))
         all_args = list(flat) + list(cf.captured_inputs)
         key = (id(cf), tuple(watched))
-        cut = self._cuts.get(key)
-        if cut is None:
-            cut = self._cuts[key] = self._cut(cf, all_args, watched)
+        held = self._cuts.get(key)
+        if held is None or held[0] is not cf:  # the function held: its id stays its own
+            held = self._cuts[key] = (cf, self._cut(cf, all_args, watched))
+        cut = held[1]
         flat_outputs = cut.forward.call_flat(*all_args)
-        return SplitRecord(cut, cut.pack_output(flat_outputs), list(flat_outputs))
-
-    def captured_positions(self, fn, args: tuple, handles: list) -> list[int | None]:
-        """Per variable handle: its position in the flat inputs of ``fn``'s concrete function."""
-        cf = fn.get_concrete_function(*args)
-        n = len(cf.function_type.unpack_inputs(function_type_utils.canonicalize_function_inputs(args, {}, cf.function_type)))
-        caps = list(cf.captured_inputs)
-        out = []
-        for h in handles:
-            out.append(next((n + i for i, c in enumerate(caps) if c is h), None))
-        return out
+        return SplitRecord(cut, cut.pack_output(flat_outputs), list(flat_outputs), [all_args[i] for i in watched])
 
     def _cut(self, cf, all_args: list, watched: list[int]) -> _Cut:
         call = cf._select_forward_and_backward_functions(  # noqa: SLF001
@@ -193,8 +190,10 @@ class SplitBackward:
         w_structure = [None] * len(all_args)
         for i in var_positions:
             w_structure[i] = structure[i]
+        n_flat = len(all_args) - len(cf.captured_inputs)
+        handles = {id(c): n_flat + k for k, c in enumerate(cf.captured_inputs) if c.dtype == tf.resource}
         return _Cut(forward, inputs, trainable, capture_sources, b_fn, [structure[i] for i in watched],
-                    len(b_flat), w_fn, w_feeds, w_structure, n_inf, cf.function_type.pack_output)
+                    len(b_flat), w_fn, w_feeds, w_structure, handles, n_inf, cf.function_type.pack_output)
 
     def backward_inputs(self, record: SplitRecord, output_gradients: list) -> list:
         """B: the watched inputs' gradients (None: unconnected) given the gradients of the
@@ -205,7 +204,7 @@ class SplitBackward:
         for k in cut.trainable_outputs:
             g = output_gradients[k]
             if g is None:
-                g = tf.zeros(*default_gradient.shape_and_dtype(cut.backward_inputs[len(grads)]))
+                g = tf.zeros(tf.shape(saved[k]), default_gradient.shape_and_dtype(cut.backward_inputs[len(grads)])[1])
             elif isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
             grads.append(g)
