@@ -36,6 +36,7 @@ try:  # TensorFlow internals: the cut falls back to the tape without them
     from tensorflow.python.framework import func_graph as func_graph_module
     from tensorflow.python.framework import ops
     from tensorflow.python.ops import default_gradient, gradients_util
+    from tensorflow.python.ops.op_selector import UnliftableError
     from tensorflow.python.util import nest
     _INTERNALS_ERROR: str | None = None
 except ImportError as exc:  # pragma: no cover - another TensorFlow
@@ -137,19 +138,22 @@ class SplitBackward:
         key = (id(cf), tuple(watched))
         held = self._cuts.get(key)
         if held is None or held[0] is not cf:  # the function held: its id stays its own
-            held = self._cuts[key] = (cf, self._cut(cf, all_args, watched))
+            try:
+                held = self._cuts[key] = (cf, self._cut(cf, all_args, watched))
+            except (AttributeError, TypeError, ValueError, LookupError, UnliftableError) as exc:  # another TensorFlow
+                raise SplitUnavailable(f"TensorFlow's backward function could not be cut: {exc!r}") from exc
         cut = held[1]
         flat_outputs = cut.forward.call_flat(*all_args)
         return SplitRecord(cut, cut.pack_output(flat_outputs), list(flat_outputs), [all_args[i] for i in watched])
 
     def _cut(self, cf, all_args: list, watched: list[int]) -> _Cut:
-        call = cf._select_forward_and_backward_functions(  # noqa: SLF001
+        call = cf._select_forward_and_backward_functions(
             all_args, gradients_util.POSSIBLE_GRADIENT_TYPES_FIRST_ORDER, True)
         forward, _ = call.forward()
-        functions = call._functions  # noqa: SLF001
-        backward = functions._backward  # noqa: SLF001
-        fgraph = functions._forward_graph  # noqa: SLF001
-        n_inf = functions._num_inference_outputs  # noqa: SLF001
+        functions = call._functions
+        backward = functions._backward
+        fgraph = functions._forward_graph
+        n_inf = functions._num_inference_outputs
         bgraph = backward.graph
         out_index = {ops.tensor_id(t): i for i, t in enumerate(fgraph.outputs)}
         capture_sources = [out_index.get(ops.tensor_id(c), c) for c in backward.captured_inputs]
