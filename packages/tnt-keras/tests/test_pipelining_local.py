@@ -131,6 +131,24 @@ def test_schedules_are_bitwise_1f1b(case, schedule):
         assert cut_backward(runs[schedule][0]) == [True] * len(runs[schedule][0].stages)
 
 
+def test_zb_h1_without_the_cut_backward_warns_and_stays_bitwise_1f1b(monkeypatch):
+    """A graph the cut refuses (Note [Split backward]): the persistent tape, the same weights."""
+    from tarantella.pipelining import _split_backward
+
+    def refuse(self, cf, all_args, watched):
+        raise _split_backward.SplitUnavailable("refused by the test")
+
+    x, y = data(two_inputs=False)
+    ref, ref_hist = pipelined(mlp, keras.optimizers.Adam(0.01), x, y, p=2, epochs=1)
+    monkeypatch.setattr(_split_backward.SplitBackward, "_cut", refuse)
+    with pytest.warns(UserWarning, match="refused by the test.*recomputes the backward pass"):
+        pipe, hist = pipelined(mlp, keras.optimizers.Adam(0.01), x, y, p=2, schedule="zb-h1", epochs=1)
+    assert cut_backward(pipe) == [False, False]
+    assert [c.split_fallback for st in pipe.stages for c in st.executor.chunks.values()] == ["refused by the test"] * 2
+    assert hist == ref_hist
+    assert all(np.array_equal(a, b) for a, b in zip(pipe.get_weights(), ref.get_weights()))
+
+
 def test_1f1b_holds_fewer_micro_batches_than_gpipe(case):
     runs = case[5]
     p = len(runs["1f1b"][0].stages)

@@ -20,8 +20,10 @@ has an empty B: its W is the whole backward, B + W the same work.
 
 The cut uses TensorFlow internals (the forward/backward pair of a concrete function,
 ``lift_to_graph``); where they are missing or the graph cannot be cut (a control edge
-across the cut), ``SplitUnavailable`` says why and the stage falls back to the persistent
-tape (W then recomputes the backward), which the plan's ``split_backward`` records.
+across the cut, a collective among the weight-gradient ops), ``SplitUnavailable`` says
+why and the stage falls back to the persistent tape (W then recomputes the backward):
+``ChunkPasses.split_fallback`` holds the reason, a warning and the timeline's W events
+(``recomputes_backward``) show it.
 """
 
 from __future__ import annotations
@@ -183,6 +185,8 @@ class SplitBackward:
         for op in w_only:
             if any(c not in w_only for c in op.control_inputs):
                 raise SplitUnavailable(f"a control edge crosses the cut at {op.name}")
+            if "Collective" in op.type or "Nccl" in op.type:  # W would move a collective in time
+                raise SplitUnavailable(f"the weight gradients run a collective ({op.name})")
         input_ids = {ops.tensor_id(t): k for k, t in enumerate(inputs)}
         from_b = [t for t in cut_tensors if ops.tensor_id(t) not in input_ids]
         b_ids = {ops.tensor_id(t): len(b_flat) + k for k, t in enumerate(from_b)}
