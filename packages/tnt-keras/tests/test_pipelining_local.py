@@ -100,7 +100,7 @@ def case(request):
     make, opt, p = CASES[request.param]
     x, y = data(two_inputs=make is skip_model)
     ref, ref_hist = serial(make, opt(), x, y)
-    runs = {s: pipelined(make, opt(), x, y, p=p, schedule=s) for s in ("gpipe", "1f1b")}
+    runs = {s: pipelined(make, opt(), x, y, p=p, schedule=s) for s in ("gpipe", "1f1b", "zb-h1")}
     return request.param, x, y, ref, ref_hist, runs
 
 
@@ -115,11 +115,38 @@ def test_history_and_weights_match_serial(case):
         assert wd <= 5e-6, schedule
 
 
-def test_gpipe_and_1f1b_are_bitwise_identical(case):
+def cut_backward(pipe) -> list[bool]:
+    """Per stage: whether ZB-H1's W ran as the weight-gradient part only (Note [Split backward])."""
+    return [all(c._splitter is not None and c.split_fallback is None for c in st.executor.chunks.values())
+            for st in pipe.stages]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_schedules_are_bitwise_1f1b(case, schedule):
     runs = case[5]
-    a, b = runs["gpipe"][0].get_weights(), runs["1f1b"][0].get_weights()
+    a, b = runs[schedule][0].get_weights(), runs["1f1b"][0].get_weights()
     assert all(np.array_equal(u, v) for u, v in zip(a, b))
-    assert runs["gpipe"][1] == runs["1f1b"][1]
+    assert runs[schedule][1] == runs["1f1b"][1]
+    if schedule == "zb-h1":
+        assert cut_backward(runs[schedule][0]) == [True] * len(runs[schedule][0].stages)
+
+
+def test_zb_h1_without_the_cut_backward_warns_and_stays_bitwise_1f1b(monkeypatch):
+    """A graph the cut refuses (Note [Split backward]): the persistent tape, the same weights."""
+    from tarantella.pipelining import _split_backward
+
+    def refuse(self, cf, all_args, watched):
+        raise _split_backward.SplitUnavailable("refused by the test")
+
+    x, y = data(two_inputs=False)
+    ref, ref_hist = pipelined(mlp, keras.optimizers.Adam(0.01), x, y, p=2, epochs=1)
+    monkeypatch.setattr(_split_backward.SplitBackward, "_cut", refuse)
+    with pytest.warns(UserWarning, match="refused by the test.*recomputes the backward pass"):
+        pipe, hist = pipelined(mlp, keras.optimizers.Adam(0.01), x, y, p=2, schedule="zb-h1", epochs=1)
+    assert cut_backward(pipe) == [False, False]
+    assert [c.split_fallback for st in pipe.stages for c in st.executor.chunks.values()] == ["refused by the test"] * 2
+    assert hist == ref_hist
+    assert all(np.array_equal(a, b) for a, b in zip(pipe.get_weights(), ref.get_weights()))
 
 
 def test_1f1b_holds_fewer_micro_batches_than_gpipe(case):
@@ -213,6 +240,10 @@ def test_nested_tied_op_nodes_dynamic_axis_and_unused_layers_train_as_serial():
     y = (x[:, 0] % 3).astype("int32")
     ref, ref_hist = serial(tied_nested_model, keras.optimizers.Adam(0.01), x, y)
     pipe, hist = pipelined(tied_nested_model, keras.optimizers.Adam(0.01), x, y, m=4)
+    zb, zb_hist = pipelined(tied_nested_model, keras.optimizers.Adam(0.01), x, y, m=4, schedule="zb-h1")
+    # ZB-H1's cut backward: sparse (Embedding), tied and unused weights bitwise as 1F1B's
+    assert cut_backward(zb) == [True, True] and zb_hist == hist
+    assert all(np.array_equal(a, b) for a, b in zip(zb.get_weights(), pipe.get_weights()))
     assert [(t.layer, t.stages) for t in pipe.plan.ties] == [("tied", (0, 1))]
     assert pipe.plan.boundaries[0].shape == (None, 8)  # the sequence axis is dynamic
     assert sorted(hist) == sorted(ref_hist)

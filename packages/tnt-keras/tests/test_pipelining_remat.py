@@ -8,6 +8,8 @@ activations alive. Models built under ``keras.RematScope`` train as serial Keras
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -58,9 +60,26 @@ def train(remat, schedule: str, epochs: int = 1):
     return pipe, history, variables
 
 
+@functools.cache
+def trained(remat, schedule: str):
+    return train(remat, schedule)
+
+
 @pytest.fixture(scope="module", params=["1f1b", "gpipe", "zb-h1"])
 def runs(request):
-    return request.param, train(None, request.param), train("stages", request.param)
+    return request.param, trained(None, request.param), trained("stages", request.param)
+
+
+def test_zb_h1_cut_backward_keeps_dropout_and_batch_norm_bitwise_as_1f1b():
+    """ZB-H1's B and W (Note [Split backward]) from the forward 1F1B's tape runs: the same
+    masks, statistics and weights, with and without recomputation."""
+    for remat in (None, "stages"):
+        zb, zb_hist, zb_vars = trained(remat, "zb-h1")
+        _, hist, variables = trained(remat, "1f1b")
+        assert zb_hist == hist
+        assert all(np.array_equal(a, b) for a, b in zip(zb_vars, variables)), remat
+        assert all(c._splitter is not None and c.split_fallback is None
+                   for st in zb.stages for c in st.executor.chunks.values())
 
 
 def test_recomputing_stages_train_bitwise_as_keeping_activations(runs):

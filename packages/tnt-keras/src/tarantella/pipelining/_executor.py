@@ -253,7 +253,8 @@ class StageExecutor:
                 t1 = time.perf_counter()
                 result.busy_seconds += t1 - t0
                 if rec:
-                    rec.add(f"W{i}", "weight", "compute", t0, t1, mb=i, **chunk_args, **lane_args)
+                    extra = {"recomputes_backward": passes.split_fallback} if passes.split_fallback else {}
+                    rec.add(f"W{i}", "weight", "compute", t0, t1, mb=i, **chunk_args, **lane_args, **extra)
             elif a.kind == "SEND_GRAD":
                 differentiable = [b for b in st.inputs if plan.boundaries[b].differentiable]
                 k = differentiable.index(a.boundary)

@@ -9,6 +9,9 @@ state a re-run must start from. Loss weighting and scaling: see ``_executor``.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -19,9 +22,22 @@ from .._core import sparse as _sparse
 from ._plan import Plan
 from ._remat import STAGES, Recompute, StageState
 from ._schedule import SPLIT_BACKWARD
+from ._split_backward import SplitBackward, SplitRecord, SplitUnavailable
 from ._stages import StageModel
 
 TRAIN, TEST, PREDICT = "train", "test", "predict"
+
+
+@dataclass
+class _SplitTaped:
+    """A split forward's record (Note [Split backward]): the cut forward's record, the tape
+    over what follows the function (the loss' weighting and scaling), its outputs and targets."""
+
+    split: SplitRecord
+    tape: tf.GradientTape
+    outputs: list  # the function's flat outputs, None where not differentiable
+    targets: list
+    output_gradients: list | None = None
 
 
 def _slice(structure, lo: int, hi: int):
@@ -51,6 +67,10 @@ class ChunkPasses:
         self._grad_outputs = [k for k, b in enumerate(stage.outputs) if plan.boundaries[b].differentiable]
         self._split = schedule in SPLIT_BACKWARD
         self._state = StageState(self.model) if self.remat else None
+        # B and W cut out of TensorFlow's backward (Note [Split backward]); on a graph it
+        # cannot cut, the persistent tape (W recomputes the backward) and why, here
+        self._splitter = SplitBackward() if self._split else None
+        self.split_fallback: str | None = None
 
     def _fn(self, key, make):
         if key not in self._fns:
@@ -120,11 +140,20 @@ class ChunkPasses:
             sent = {b: np.asarray(o) for b, o in zip(st.outputs, outs)}
         if before is not None:  # keep the inputs (and the state they met), not the activations
             return Recompute(inputs, y_i, sw_i, weight, before), sent, None
-        return [tape, watched, targets], sent, None
+        return tape if isinstance(tape, _SplitTaped) else [tape, watched, targets], sent, None
 
     def _taped_forward(self, training: bool, inputs, y_i, sw_i, weight, *, taped: bool):
         """The stage's forward (with the loss on the last stage), under a tape when ``taped``:
         (tape, watched boundary inputs, differentiated targets, outputs)."""
+        if taped and self._splitter is not None:
+            try:
+                return self._split_forward(training, inputs, y_i, sw_i, weight)
+            except SplitUnavailable as exc:
+                self._splitter = None
+                self.split_fallback = str(exc)
+                warnings.warn(f"pipeline stage {self.stage.index}: ZB-H1's W cannot be cut from B ({exc}); this "
+                              "stage's W recomputes the backward pass (results unchanged, W as slow as a backward)",
+                              stacklevel=2)
         st = self.stage
         tape = tf.GradientTape(persistent=self._split) if taped else None
         watched = [inputs[k] for k in self._grad_positions]
@@ -146,6 +175,32 @@ class ChunkPasses:
                 tape.__exit__(None, None, None)
         return tape, watched, targets, outs
 
+    def _targets(self, outs, weight) -> list:
+        if self.stage.is_last:
+            return [self._scaled(outs[1] * tf.cast(weight, outs[1].dtype))]
+        targets = [outs[0][k] for k in self._grad_outputs]
+        if self._regularized:
+            targets.append(self._scaled(outs[1] * weight))
+        return targets
+
+    def _split_forward(self, training: bool, inputs, y_i, sw_i, weight):
+        """The taped forward for a split backward: the function's forward runs as TensorFlow's
+        first-order forward (its intermediates kept for B and W); a tape records only what
+        follows it (the targets), as the joint backward's tape records it."""
+        last = self.stage.is_last
+        fn = self._forward_loss(training) if last else self._forward(training)
+        args = (inputs, y_i, sw_i) if last else (inputs,)
+        split = self._splitter.forward(fn, args, self._grad_positions)
+        outs = split.outputs
+        flat = keras.tree.flatten(outs)
+        if len(flat) != split.cut.num_inference_outputs:
+            raise SplitUnavailable("the forward's outputs do not flatten as its function's")
+        sources = [o if o.dtype.is_floating or o.dtype.is_complex else None for o in flat]
+        with tf.GradientTape() as tape:
+            tape.watch([o for o in sources if o is not None])
+            targets = self._targets(outs, weight)
+        return _SplitTaped(split, tape, sources, targets), None, targets, outs if last else outs[0]
+
     def recomputed(self, record):
         """A taped record for backward: ``record`` itself, or (remat) the forward of a
         ``Recompute`` re-run under a tape from the state it first met."""
@@ -154,7 +209,7 @@ class ChunkPasses:
         with self._state.restored(record.state):
             tape, watched, targets, _ = self._taped_forward(True, record.inputs, record.y, record.sample_weight,
                                                             record.weight, taped=True)
-        return [tape, watched, targets]
+        return tape if isinstance(tape, _SplitTaped) else [tape, watched, targets]
 
     def _scaled(self, loss):
         """``loss`` as Keras' train step differentiates it (the optimizer's loss scale)."""
@@ -172,6 +227,8 @@ class ChunkPasses:
     def backward_inputs(self, record, received: dict) -> list:
         """B of a split backward: the gradients of the boundary inputs; keeps the output
         gradients in ``record`` for W."""
+        if isinstance(record, _SplitTaped):
+            return self._split_inputs(record, received)
         tape, watched, targets = record
         output_gradients = self._output_gradients(targets, received)
         record.append(output_gradients)
@@ -182,15 +239,33 @@ class ChunkPasses:
 
     def backward_weights(self, record, variables) -> list:
         """W of a split backward: the weight gradients of the micro-batch whose B ran."""
-        tape, _watched, targets, output_gradients = record
-        grads = tape.gradient(targets, list(variables), output_gradients=output_gradients)
-        del record[:], tape  # the persistent tape holds the activations until now
+        if isinstance(record, _SplitTaped):
+            grads = self._split_weights(record, variables)
+        else:
+            tape, _watched, targets, output_gradients = record
+            grads = tape.gradient(targets, list(variables), output_gradients=output_gradients)
+            del record[:], tape  # the persistent tape holds the activations until now
         self.no_gradient = frozenset(i for i, g in enumerate(grads) if g is None)
         grads = [tf.zeros(tuple(src.shape), tf.as_dtype(str(src.dtype))) if g is None else g
                  for g, src in zip(grads, variables)]
         if self._sparse_as_dense:
             grads = [_sparse.to_dense(g) for g in grads]
         return grads
+
+    def _split_inputs(self, record: _SplitTaped, received: dict) -> list:
+        sources = record.outputs
+        output_gradients = self._output_gradients(record.targets, received)
+        present = [o for o in sources if o is not None]
+        grads = iter(record.tape.gradient(record.targets, present, output_gradients=output_gradients))
+        d_outputs = [None if o is None else next(grads) for o in sources]
+        record.tape = record.targets = record.outputs = None
+        d_inputs = self._splitter.backward_inputs(record.split, d_outputs)
+        return [tf.zeros(tuple(src.shape), src.dtype) if g is None else g
+                for g, src in zip(d_inputs, record.split.watched)]
+
+    def _split_weights(self, record: _SplitTaped, variables) -> list:
+        by_position = self._splitter.backward_weights(record.split)
+        return [None if p is None else by_position[p] for p in record.split.positions(variables)]
 
     def backward(self, record, received: dict, variables):
         tape, watched, targets = record
