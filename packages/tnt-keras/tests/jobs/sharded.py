@@ -30,10 +30,14 @@ EPOCHS, BATCH = 2, 10
 
 def make_model() -> keras.Model:
     keras.utils.set_random_seed(7)
-    # Uneven variable sizes: the byte shares differ across replicas.
+    # Uneven variable sizes: the byte shares differ across replicas. The first Dense runs on
+    # a 3-D input: its kernel's gradient has shape (None, 13) in the graph, which level 2's
+    # reduce-scatter once could not size (TypeError while tracing).
     return keras.Sequential([
         keras.Input((16,)),
+        keras.layers.Reshape((4, 4)),
         keras.layers.Dense(13, activation="tanh"),
+        keras.layers.Flatten(),
         keras.layers.Dense(7, activation="tanh"),
         keras.layers.Dense(3),
     ])
