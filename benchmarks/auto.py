@@ -334,9 +334,7 @@ def main(argv: list[str]) -> int:
     models = argv[argv.index("--models") + 1].split(",") if "--models" in argv else list(MODELS)
     stem = "auto" if ranks == [2] else "auto_" + "_".join(map(str, ranks))
     path = RESULTS / f"{stem}.json"  # auto.json: 2 ranks (run_all.py: auto); auto_2_4.json: --ranks 2,4
-    # --only refreshes its parts of an existing file, whose other parts are kept
-    result: dict = json.loads(path.read_text()) if "--only" in argv and path.exists() else {}
-    result.update({"ranks": ranks, "quick": quick})
+    result: dict = {"ranks": ranks, "quick": quick}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         if "memory" in only:
@@ -355,6 +353,8 @@ def main(argv: list[str]) -> int:
                 res = json.loads((tmp / f"plan{n}.json").read_text())
                 result[f"plan_{n}"] = {"models": res, "seconds": time.perf_counter() - t0,
                                        "machine_before": machine, "machine_after": benchlib.machine()}
+    if "--only" in argv and path.exists():  # refresh this run's parts, keep the others (read now:
+        result = {**json.loads(path.read_text()), **result}  # another --only run may have written)
     result["rows"] = all_rows(result)
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=float) + "\n")
