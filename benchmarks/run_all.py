@@ -78,6 +78,11 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark("remat", "remat.py"),
     # The fixed glibc mmap threshold's step-time price (issue 29); alternating 2-rank launches.
     Benchmark("malloc_threshold", "malloc_threshold.py"),
+    # The planner of ParallelStrategy.AUTO against measurements (issue 31): memory per layout,
+    # stage balance of its time-based partition, its choice vs every layout measured; launches
+    # its own 2-rank jobs. auto_4: the same at 4 ranks (a machine with 4 or more cores).
+    Benchmark("auto", "auto.py", timeout=3600.0),
+    Benchmark("auto_4", "auto.py", args=["--ranks", "4"], default=False, timeout=3600.0),
     Benchmark("summary", "summary.py", quick=False),
 ]
 

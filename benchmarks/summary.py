@@ -429,9 +429,9 @@ def main() -> int:
             res[n] = None
     rows = rows_from(res)
     # Benchmarks that state their own rows (pipeline, scaling_model, step_bridge,
-    # tensor_parallel, memory, sharded, remat, malloc_threshold) bring them in their JSON.
+    # tensor_parallel, memory, sharded, remat, malloc_threshold, auto) bring them in their JSON.
     for extra in ("pipeline", "pipeline_schedules", "scaling_model", "step_bridge", "tensor_parallel", "memory",
-                  "sharded", "remat", "malloc_threshold"):
+                  "sharded", "remat", "malloc_threshold", "auto", "auto_4"):
         res[extra] = load(extra)
         rows.extend(res[extra]["rows"] if res[extra] else [])
     loads = loads_of(res)

@@ -19,10 +19,10 @@ from tarantella.data_parallel import ShardingError, assign_owners
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 # The cases each launch runs (suite time: two launches of a few fits each).
 RUNS = {
-    2: ["l2_adam_clip", "l1_lso_sgd", "files", "errors"],
+    2: ["l2_adam_clip", "l1_lso_sgd", "l2_adam_seq", "files", "errors"],
     3: ["l1_adam_clip", "l2_sgd_momentum"],
 }
-SLOTS_PER_VARIABLE = {"sgd_momentum": 1, "lso_sgd": 1, "adam": 2, "adam_clip": 2}
+SLOTS_PER_VARIABLE = {"sgd_momentum": 1, "lso_sgd": 1, "adam": 2, "adam_clip": 2, "adam_seq": 2}
 
 
 _REPORTS: dict[int, dict] = {}

@@ -76,7 +76,9 @@ def main() -> None:
     # An edited plan passed back: the fastest feasible layout that is not the chosen one.
     other = next((c.layout for c in plan.feasible if c.layout != plan.layout), None)
     if other is not None:
-        edited = tnt.Model(make_model(), plan=plan.with_layout(other))
+        with tnt.deferred_variables():  # as AUTO is meant to be used; DATA materialises it
+            fresh = make_model()
+        edited = tnt.Model(fresh, plan=plan.with_layout(other))
         h2, w2 = _job.timed("edited plan fit", lambda: trained(edited))
         res["edited"] = {"layout": other.describe(), "plan_layout": edited._tnt_plan.layout.describe(),
                          "history_diff": _job.history_diff(h2, ref_hist),

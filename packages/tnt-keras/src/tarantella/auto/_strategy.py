@@ -11,6 +11,7 @@ from __future__ import annotations
 import keras
 
 from .._core import runtime as _runtime
+from .._core.deferred import has_deferred, materialise
 from .._core.strategy import ParallelStrategy, Strategy, register, strategy_for
 from ._plan import Plan
 from ._search import plan_parallel
@@ -67,6 +68,8 @@ def build_auto(model: keras.Model, member: ParallelStrategy, options: dict) -> k
     if chosen is not ParallelStrategy.DATA:
         built = strategy_for(chosen).build(model, chosen, chosen_options)
     if built is None:
+        if has_deferred(model):  # built under deferred_variables(): every replica holds it whole
+            materialise(model)
         built = Model(model, sharding=chosen_options.get("sharding", 0) if chosen is ParallelStrategy.DATA else 0,
                       memory_budget=options.get("memory_budget"))
         built._tnt_auto_built = True  # tnt.Model.__init__ runs again on it: keep it as it is

@@ -161,10 +161,15 @@ class Sharding:
 
     def apply(self, optimizer, grads: Sequence, variables: Sequence) -> tf.Tensor:
         """Apply the owned gradients, then allgather the updated values; returns a token."""
-        pairs = [(g, v) for g, v, mine in zip(grads, variables, self.owned_mask()) if mine]
+        owned = self.owned_mask()
+        pairs = [(g, v) for g, v, mine in zip(grads, variables, owned) if mine]
         optimizer.apply_gradients(pairs)
+        # A sparse gradient this replica does not own was gathered by its own collective, which
+        # nothing here reads: without this edge the values' allgather could run before it on
+        # one replica and after it on another (a mismatched collective, seen with Embedding).
+        gathered = [tf.size(g.values) for g, mine in zip(grads, owned) if not mine and _sparse.is_sparse(g)]
         # Read after the update (its last write): every collective of apply came before.
-        return self.gather_values(after=[tf.identity(optimizer.iterations)])
+        return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered])
 
     # -- collectives -----------------------------------------------------------------------------
     def _groups(self) -> list[tuple[tf.DType, list[int]]]:

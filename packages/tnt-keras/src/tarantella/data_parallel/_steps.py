@@ -241,7 +241,10 @@ class DistributedSteps:
         over the replicas; None where another replica owns the variable."""
         sparse = set(self._sparse_positions or ())
         positions = [i for i in range(len(self._model.trainable_variables)) if i not in sparse]
-        dense = dict(zip(positions, reversed(reversed_dense)))
+        variables = self._model.trainable_variables
+        # The variable's static shape: a Dense on a 3-D input has a kernel gradient of shape
+        # (None, units) in the graph, and the scatter's sizes are counted from these shapes.
+        dense = {i: tf.ensure_shape(g, variables[i].shape) for i, g in zip(positions, reversed(reversed_dense))}
         owned = self._sharding.reduce_scatter(dense, has_data, after)
         return [owned.get(i) for i in reversed(positions)]
 
