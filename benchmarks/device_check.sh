@@ -74,7 +74,14 @@ run() {  # run NAME LIMIT_S ARGS...: one run_all.py benchmark, its JSON kept
 }
 # The schedules' bubbles (ZB-H1 and interleaved vs 1F1B) and each schedule's own cost:
 # the rows the 2-core machine could not measure steadily.
-run pipeline_schedules 240 pipeline_schedules --quick
-run pipeline 150 pipeline --quick
-run tensor_parallel 60 tensor_parallel --quick
+# DEVICE_ROWS picks (default: the three below; "auto" adds issue 31's planner rows on 2 ranks).
+for row in ${DEVICE_ROWS:-pipeline_schedules pipeline tensor_parallel}; do
+    case $row in
+        pipeline_schedules) run pipeline_schedules 240 pipeline_schedules --quick ;;
+        pipeline) run pipeline 150 pipeline --quick ;;
+        tensor_parallel) run tensor_parallel 60 tensor_parallel --quick ;;
+        auto) run auto 240 auto --quick ;;
+        *) say "unknown row $row" ;;
+    esac
+done
 say "done"
