@@ -1,11 +1,18 @@
-"""Real models, DATA strategy: keras-hub Transformers built from constructor arguments (no
-downloads) train on N ranks as in serial Keras, in the same job.
+"""Real models, DATA strategy: keras-hub Transformers and keras.applications'
+MobileNetV3Small built from constructor arguments (no downloads) train on N ranks as in
+serial Keras, in the same job.
 
-Every one of them looks tokens up in an Embedding, so its gradient holds tf.IndexedSlices:
+Every Transformer looks tokens up in an Embedding, so its gradient holds tf.IndexedSlices:
 with Adam, serial Keras' update of the slices is not that of their dense sum (issue 27).
-Each case trains serially (plain Keras, on the master) and with tnt.Model from the same
-initial weights on the same global batches (uneven over the ranks, a smaller last batch)
-and records the largest differences to serial: History, final weights, predict.
+MobileNetV3Small normalises batches: with ``sync_batch_norm=True`` over the global batch
+as serial Keras does, trained with SGD (Adam turns the float32 order of the gathered
+statistics into full steps where a gradient is near zero: docs/models.md); without it
+each rank normalises its own rows, which is another model (``mobilenet_local_bn``
+records how far from serial that lands).
+Each case trains serially (plain Keras; the references spread over the ranks,
+jobs/_serial_refs.py) and with tnt.Model from the same initial weights on the same global
+batches (uneven over the ranks, a smaller last batch) and records the largest differences
+to serial: History, final weights, predict.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import hashlib
 
 import _job
+import _serial_refs
 import keras
 import keras_hub
 import numpy as np
@@ -61,11 +69,29 @@ def gpt2_causal_lm() -> keras.Model:
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
 
-MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "gpt2_causal_lm": gpt2_causal_lm}
+IMAGE = 32  # the smallest input MobileNetV3Small accepts
+
+
+def mobilenet() -> keras.Model:
+    """MobileNetV3Small at its smallest: 32x32 inputs, minimalistic blocks, a quarter of
+    the width; no dropout (its random masks would differ from serial's)."""
+    return keras.applications.MobileNetV3Small(input_shape=(IMAGE, IMAGE, 3), alpha=0.25, minimalistic=True,
+                                               weights=None, classes=3, include_preprocessing=False,
+                                               dropout_rate=0.0)
+
+
+MODELS = {"gpt2": gpt2, "bert": bert, "llama": llama, "gpt2_causal_lm": gpt2_causal_lm, "mobilenet": mobilenet}
+CNNS = ("mobilenet",)
+#: case -> (model, sync_batch_norm): the cases that are not a model of MODELS as it is
+VARIANTS = {"mobilenet_local_bn": ("mobilenet", False)}
+CASES = [*MODELS, *VARIANTS]
 
 
 def data(name: str, seed: int):
     rng = np.random.default_rng(seed)
+    if name in CNNS:
+        images = rng.normal(size=(SAMPLES, IMAGE, IMAGE, 3)).astype("float32")
+        return images, rng.integers(0, 3, size=SAMPLES).astype("int32")
     ids = rng.integers(1, VOCAB, size=(SAMPLES, LENGTH)).astype("int32")  # tokens repeat in a batch
     x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
     if name == "bert":
@@ -76,6 +102,10 @@ def data(name: str, seed: int):
 
 
 def compile_(model: keras.Model, name: str) -> None:
+    if name in CNNS:
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss="sparse_categorical_crossentropy",
+                      metrics=["sparse_categorical_accuracy"])
+        return
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=name == "gpt2_causal_lm")
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss, metrics=["sparse_categorical_accuracy"])
 
@@ -85,19 +115,29 @@ def build(name: str, seed: int) -> keras.Model:
     return MODELS[name]()
 
 
-def run_case(name: str) -> dict:
+def _dataset(name: str):
     x, y = data(name, seed=3)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    ref = None
-    if tnt.is_master_rank():  # the master builds the serial model once: it also trains it
-        serial = build(name, 5)
-        initial = serial.get_weights()
-        compile_(serial, name)
-        history = serial.fit(ds, epochs=EPOCHS, verbose=0).history
-        ref = {"history": history, "weights": serial.get_weights(), "predict": serial.predict(x, batch_size=BATCH, verbose=0)}
-    else:
-        initial = build(name, 5).get_weights()
-    model = tnt.Model(build(name, 100 + tnt.get_rank()))  # rank 0's initial weights must win
+    return x, tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def serial_reference(name: str) -> dict:
+    """Plain Keras from the seed-5 weights: History, final weights, predict."""
+    x, ds = _dataset(name)
+    serial = build(name, 5)
+    initial = serial.get_weights()
+    compile_(serial, name)
+    history = serial.fit(ds, epochs=EPOCHS, verbose=0).history
+    return {"initial": initial, "history": history, "weights": serial.get_weights(),
+            "predict": serial.predict(x, batch_size=BATCH, verbose=0)}
+
+
+def run_case(case: str, ref: dict | None) -> dict:
+    """tnt.Model from the seed-5 weights on the same batches; the master (``ref`` not
+    None) compares with the serial reference."""
+    name, sync = VARIANTS.get(case, (case, case in CNNS))
+    x, ds = _dataset(name)
+    initial = build(name, 5).get_weights()
+    model = tnt.Model(build(name, 100 + tnt.get_rank()), sync_batch_norm=sync)  # rank 0's initial weights must win
     model.set_weights(initial)
     compile_(model, name)
     history = model.fit(ds, epochs=EPOCHS, verbose=0).history
@@ -108,8 +148,10 @@ def run_case(name: str) -> dict:
     if ref is None:
         return {}
     return {
+        "initial_diff": _job.max_abs_diff(ref["initial"], initial),
         "history_diff": _job.history_diff(ref["history"], history),
         "weight_diff": _job.max_abs_diff(ref["weights"], weights),
+        "weight_rel_diff": _job.max_rel_diff(ref["weights"], weights),
         "predict_diff": _job.max_abs_diff(ref["predict"], predicted),
         "history_keys": [sorted(ref["history"]), sorted(history)],
         "ranks_identical": same == 1,
@@ -118,12 +160,17 @@ def run_case(name: str) -> dict:
 
 
 def run_all(names: list[str]) -> dict:
-    return {name: _job.timed(name, lambda name=name: run_case(name)) for name in names}
+    models = list(dict.fromkeys(VARIANTS.get(n, (n,))[0] for n in names))
+    refs = _job.timed("serial references", lambda: _serial_refs.shared(models, serial_reference))
+    master = tnt.is_master_rank()
+    return {case: _job.timed(case, lambda case=case: run_case(case, refs[VARIANTS.get(case, (case,))[0]] if master
+                                                              else None))
+            for case in names}
 
 
 def main() -> None:
     out = _job.out_path()
-    _job.write(out, {"ranks": tnt.get_size(), "cases": run_all(_job.only(MODELS))})
+    _job.write(out, {"ranks": tnt.get_size(), "cases": run_all(_job.only(CASES))})
 
 
 if __name__ == "__main__":
