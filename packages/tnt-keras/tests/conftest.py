@@ -121,6 +121,7 @@ def real_models_parts(shared_launches) -> dict:
     in the shared 2-rank launch); {part: {case: measurements}}."""
     result = shared_launches.result(2, "real_models")
     assert result["ranks"] == 2
+    print(f"\nreal_models_2ranks seconds by part: {result.get('seconds')}")
     return result["parts"]
 
 

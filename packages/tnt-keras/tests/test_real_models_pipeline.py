@@ -34,6 +34,7 @@ def test_every_case_ran(report):
 @pytest.mark.parametrize("name", CASES)
 def test_history_weights_and_predictions_equal_serial(report, name):
     c = report[name]
+    assert c["initial_diff"] == 0.0, c  # the serial reference (trained on either rank) started here too
     serial_keys, tnt_keys = c["history_keys"]
     assert tnt_keys == serial_keys, c
     assert c["history_diff"] <= TOL_LOSS, c

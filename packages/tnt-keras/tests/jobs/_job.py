@@ -91,3 +91,14 @@ def history_diff(h1: dict, h2: dict) -> float:
     for key in h1:
         assert len(h1[key]) == len(h2[key]), (key, len(h1[key]), len(h2[key]))
     return max_abs_diff([h1[k] for k in sorted(h1)], [h2[k] for k in sorted(h2)])
+
+
+def max_rel_diff(a, b) -> float:
+    """Largest difference per array relative to the array's largest magnitude when that is
+    above 1 (batch normalisation's moving variances grow large; docs/models.md's rule)."""
+    worst = 0.0
+    for x, y in zip(tf.nest.flatten(a), tf.nest.flatten(b), strict=True):
+        x = np.asarray(x, dtype=np.float64)
+        scale = max(1.0, float(np.max(np.abs(x)))) if x.size else 1.0
+        worst = max(worst, max_abs_diff(x, y) / scale)
+    return worst

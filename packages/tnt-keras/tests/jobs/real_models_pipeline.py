@@ -9,9 +9,10 @@ boundary shapes come from each step's inputs; BERT's pooled output is a keras op
 token embedding is tied to its output projection across the two stages (one logical
 variable, saved once).
 
-Every rank builds the serial model (the same Keras objects on every rank, so the
-auto-generated names agree), the master trains it; then the pipelined model is built from
-the same seed and trained on the same global batches. Recorded: History, final weights
+The serial references are trained first, spread over the ranks (jobs/_serial_refs.py);
+then every rank builds the serial model (the same Keras objects on every rank, so the
+auto-generated names agree) and the pipelined model from the same seed, trained on the
+same global batches. Recorded: History, final weights
 (by the layers' position in the serial model's weights order), predict, each stage's
 share of the parameters; for GPT2CausalLM a save opened in plain Keras.
 """
@@ -24,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 import _job
+import _serial_refs
 import h5py
 import keras
 import keras_hub
@@ -68,29 +70,43 @@ def stage_weights(model) -> dict[int, list]:
             if layer.name in order}
 
 
-def _saved_optimizer_diff(path: Path, serial: keras.Model) -> float:
+def _saved_optimizer_diff(path: Path, serial_optimizer: list[np.ndarray]) -> float:
     """Largest difference between the optimizer variables in the file and the serial
     model's (Adam's moments of every weight, the tied one once), in the file's order."""
     with zipfile.ZipFile(path) as archive:
         with h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as f:
             group = f["optimizer"]["vars"]
             saved = [np.asarray(group[str(k)]) for k in range(len(group))]
-    mine = [np.asarray(v.numpy()) for v in serial.optimizer.variables]
-    if len(saved) != len(mine):
+    if len(saved) != len(serial_optimizer):
         return float("inf")
-    return _job.max_abs_diff(mine, saved)
+    return _job.max_abs_diff(serial_optimizer, saved)
 
 
-def run_case(name: str, tmp: Path) -> dict:
+def _dataset(name: str):
     x, y = data(name, seed=3)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    return x, tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def serial_reference(name: str) -> dict:
+    """Plain Keras from the seed-5 weights: History, predict, each leaf layer's initial and
+    final weights, the optimizer's variables."""
+    x, ds = _dataset(name)
+    serial = build(name)
+    initial = [layer.get_weights() for layer in leaf_layers(serial)]
+    compile_(serial, name)
+    history = serial.fit(ds, epochs=EPOCHS, verbose=0).history
+    return {"initial": initial, "history": history, "predict": serial.predict(x, batch_size=BATCH, verbose=0),
+            "layers": [layer.get_weights() for layer in leaf_layers(serial)],
+            "optimizer": [np.asarray(v.numpy()) for v in serial.optimizer.variables]}
+
+
+def run_case(name: str, tmp: Path, ref: dict | None) -> dict:
+    """The pipelined run; the master (``ref`` not None) compares with the serial reference."""
+    x, ds = _dataset(name)
     serial = build(name)  # on every rank: the same objects, hence the same names
-    ref = None
-    if tnt.is_master_rank():
-        compile_(serial, name)
-        history = serial.fit(ds, epochs=EPOCHS, verbose=0).history
-        ref = {"history": history, "predict": serial.predict(x, batch_size=BATCH, verbose=0),
-               "layers": [layer.get_weights() for layer in leaf_layers(serial)]}
+    initial_diff = None
+    if ref is not None:
+        initial_diff = _job.max_abs_diff(ref["initial"], [layer.get_weights() for layer in leaf_layers(serial)])
     model = tnt.Model(build(name), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
                       num_pipeline_stages=2, num_micro_batches=4)
     compile_(model, name)
@@ -111,6 +127,7 @@ def run_case(name: str, tmp: Path) -> dict:
                 copies.setdefault(k, []).append(ws)
         tied_copies = max(_job.max_abs_diff(c[0], c[1]) if len(c) > 1 else 0.0 for c in copies.values())
         out = {
+            "initial_diff": initial_diff,
             "history_diff": _job.history_diff(ref["history"], history),
             "history_keys": [sorted(ref["history"]), sorted(history)],
             "weight_diff": diff,
@@ -128,7 +145,7 @@ def run_case(name: str, tmp: Path) -> dict:
             out["saved_weights"] = [len(plain.get_weights()), len(serial.get_weights())]
             out["saved_predict_diff"] = _job.max_abs_diff(ref["predict"],
                                                           plain.predict(x, batch_size=BATCH, verbose=0))
-            out["saved_optimizer_diff"] = _saved_optimizer_diff(path, serial)
+            out["saved_optimizer_diff"] = _saved_optimizer_diff(path, ref["optimizer"])
         # The task's file into 2 stages again: GPT2CausalLM.__init__ compiles itself (a
         # fresh Adam), inside the deferred scope that loading builds the model in.
         loaded = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.PIPELINING,
@@ -141,7 +158,8 @@ def run_case(name: str, tmp: Path) -> dict:
 
 def run_all(names: list[str]) -> dict:
     tmp = Path(tnt_comm.broadcast_object(tempfile.mkdtemp(prefix="tnt_real_pipe_"), 0))
-    return {name: _job.timed(name, lambda name=name: run_case(name, tmp)) for name in names}
+    refs = _job.timed("serial references", lambda: _serial_refs.shared(names, serial_reference))
+    return {name: _job.timed(name, lambda name=name: run_case(name, tmp, refs.get(name))) for name in names}
 
 
 def main() -> None:

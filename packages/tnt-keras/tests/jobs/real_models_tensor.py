@@ -1,13 +1,14 @@
 """Real models, TENSOR strategy (t = 2): keras-hub Transformers built from constructor
 arguments (the builders of jobs/real_models.py) train on 2 ranks as in serial Keras.
 
-Each case trains serially (plain Keras, on the master) and with tnt.Model(TENSOR,
-tensor_parallel_size=2) from the same initial weights on the same global batches, with
-Adam, and records: the largest differences to serial (History, gathered weights,
-predict), History keys, the share of the serial weights each rank holds, the plan's
-splits. Llama (4 query, 2 key/value heads) trains with the automatic plan splitting its
-grouped-query attention by heads (the plan keras-hub's own LayoutMap gives too); Gemma
-(4 query, 2 key/value heads, heads-first kernels) likewise, its gated FFN column/row.
+Each case trains serially (plain Keras; the references spread over the ranks,
+jobs/_serial_refs.py) and with tnt.Model(TENSOR, tensor_parallel_size=2) from the same
+initial weights on the same global batches, with Adam, and records: the largest
+differences to serial (History, gathered weights, predict), History keys, the share of
+the serial weights each rank holds, the plan's splits. Llama (4 query, 2 key/value
+heads) trains with the automatic plan splitting its grouped-query attention by heads
+(the plan keras-hub's own LayoutMap gives too); Gemma (4 query, 2 key/value heads,
+heads-first kernels) likewise, its gated FFN column/row.
 Further cases: ranks whose Keras auto-generated names differ (rank 0 built other
 models first) train correctly; ranks that built different models all fail together with
 the same error (no hang).
@@ -19,6 +20,7 @@ import os
 import tempfile
 
 import _job
+import _serial_refs
 import keras
 import numpy as np
 import real_models as rm
@@ -37,16 +39,25 @@ def _local_share(model) -> float:
     return local / serial
 
 
-def _train(build, x, y, ds, compile_, plan_edit=None, save=False) -> dict:
-    """Serial Keras on the master and TENSOR t=2 from the same weights; the differences."""
+def serial_reference(case: str) -> dict:
+    """Plain Keras from the seed-5 weights on the case's batches: History, final weights, predict."""
+    build, x, y, compile_ = SETUPS[case]()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
     initial = build(5).get_weights()
-    ref = None
-    if tnt.is_master_rank():
-        serial = build(5)
-        serial.set_weights(initial)
-        compile_(serial)
-        history = serial.fit(ds, epochs=rm.EPOCHS, verbose=0).history
-        ref = {"history": history, "weights": serial.get_weights(), "predict": serial.predict(x, batch_size=rm.BATCH, verbose=0)}
+    serial = build(5)
+    serial.set_weights(initial)
+    compile_(serial)
+    history = serial.fit(ds, epochs=rm.EPOCHS, verbose=0).history
+    return {"initial": initial, "history": history, "weights": serial.get_weights(),
+            "predict": serial.predict(x, batch_size=rm.BATCH, verbose=0)}
+
+
+def _train(case: str, ref: dict | None, plan_edit=None, save=False) -> dict:
+    """TENSOR t=2 from the seed-5 weights; the master (``ref`` not None) records the
+    differences to the serial reference."""
+    build, x, y, compile_ = SETUPS[case]()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
+    initial = build(5).get_weights()
     keras_model = build(100 + tnt.get_rank())  # rank 0's weights must win (set_weights below)
     plan = None
     if plan_edit is not None:
@@ -73,6 +84,7 @@ def _train(build, x, y, ds, compile_, plan_edit=None, save=False) -> dict:
     if ref is None:
         return {}
     out = {
+        "initial_diff": _job.max_abs_diff(ref["initial"], initial),
         # over the keys both have (History keys are compared by the test, separately)
         "history_diff": _job.history_diff({k: v for k, v in ref["history"].items() if k in history},
                                           {k: v for k, v in history.items() if k in ref["history"]}),
@@ -89,24 +101,23 @@ def _train(build, x, y, ds, compile_, plan_edit=None, save=False) -> dict:
     return out
 
 
-def _hub_case(name: str, plan_edit=None, save=False) -> dict:
+def _hub_setup(name: str) -> tuple:
     x, y = rm.data(name, seed=3)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
-    return _train(lambda seed: rm.build(name, seed), x, y, ds, lambda m: rm.compile_(m, name), plan_edit, save)
+    return lambda seed: rm.build(name, seed), x, y, lambda m: rm.compile_(m, name)
 
 
-def gpt2() -> dict:
-    return _hub_case("gpt2", save=True)
+def gpt2(ref: dict | None) -> dict:
+    return _train("gpt2", ref, save=True)
 
 
-def bert() -> dict:
-    return _hub_case("bert")
+def bert(ref: dict | None) -> dict:
+    return _train("bert", ref)
 
 
-def gpt2_causal_lm_vocab() -> dict:
+def gpt2_causal_lm_vocab(ref: dict | None) -> dict:
     """The tied token embedding split by vocabulary (an edited plan: it is below
     min_split_params): its lookup and its reverse projection (the logits) on shards."""
-    return _hub_case("gpt2_causal_lm", plan_edit=lambda p: p.split("token_embedding", "vocab"))
+    return _train("gpt2_causal_lm_vocab", ref, plan_edit=lambda p: p.split("token_embedding", "vocab"))
 
 
 GQA_VOCAB = 64
@@ -133,7 +144,7 @@ def _padded_tokens() -> tuple[dict, np.ndarray]:
     return {"token_ids": ids * mask, "padding_mask": mask}, (ids[:, 0] % 3).astype("int32")
 
 
-def llama_gqa() -> dict:
+def llama_gqa(ref: dict | None) -> dict:
     """The automatic plan (min_split_params lowered so the small token embedding splits by
     vocabulary too; the default plan is checked in test_tensor_parallel_plan.py): both
     decoder blocks 'block' (grouped-query attention by heads, gated FFN column/row); padded
@@ -141,9 +152,7 @@ def llama_gqa() -> dict:
     keras-hub's own LayoutMap (LlamaBackbone.get_layout_map, data axis "batch") gives the
     same plan (checked, not trained again: a plan trains the same whatever made it)."""
     import keras_hub
-    x, y = _padded_tokens()
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
-    out = _train(_llama_gqa, x, y, ds, lambda m: rm.compile_(m, "llama"),
+    out = _train("llama_gqa", ref,
                  lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024), save=True)
     if out:
         mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
@@ -164,15 +173,13 @@ def _gemma_gqa(seed: int) -> keras.Model:
     return rm._head(backbone, inputs)
 
 
-def gemma_gqa() -> dict:
+def gemma_gqa(ref: dict | None) -> dict:
     """The automatic plan (min_split_params lowered as for Llama): both Gemma decoder blocks
     'block' (heads-first grouped-query attention by query and key/value heads, gating layers
     column, ffw_linear row), the tied token embedding by vocabulary; padded sequences.
     keras-hub's own LayoutMap (GemmaBackbone.get_layout_map) is checked in
     test_tensor_parallel_plan.py (no launch)."""
-    x, y = _padded_tokens()
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
-    return _train(_gemma_gqa, x, y, ds, lambda m: rm.compile_(m, "gemma"),
+    return _train("gemma_gqa", ref,
                   lambda p: tnt.tensor_parallel.plan(p.model, tensor_parallel_size=2, min_split_params=1024))
 
 
@@ -184,27 +191,30 @@ def _mlp(seed: int) -> keras.Model:
     return keras.Model(x, keras.layers.Dense(3, activation="softmax")(h))
 
 
-def names_differ() -> dict:
-    """Rank 0 builds other Keras models before the one it wraps: auto names differ by rank."""
-    if tnt.is_master_rank():
-        for _ in range(3):
-            _mlp(0)
+def _mlp_setup() -> tuple:
     rng = np.random.default_rng(1)
     x = rng.normal(size=(rm.SAMPLES, 6)).astype("float32")
     y = rng.integers(0, 3, size=rm.SAMPLES).astype("int32")
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(rm.BATCH)
 
     def compile_(m):
         m.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
 
+    return _mlp, x, y, compile_
+
+
+def names_differ(ref: dict | None) -> dict:
+    """Rank 0 builds other Keras models before the one it wraps: auto names differ by rank."""
+    if tnt.is_master_rank():
+        for _ in range(3):
+            _mlp(0)
     names = tnt_comm.allgather_object([layer.name for layer in _mlp(0).layers])
-    out = _train(_mlp, x, y, ds, compile_)
+    out = _train("names_differ", ref)
     if out:
         out["names_by_rank"] = names
     return out
 
 
-def plan_mismatch() -> dict:
+def plan_mismatch(ref: dict | None) -> dict:
     """Rank 1 builds another model (wider hidden layer): every rank raises the same error."""
     keras.utils.set_random_seed(0)
     x = keras.Input((6,))
@@ -223,8 +233,18 @@ CASES = {"gpt2": gpt2, "bert": bert, "gpt2_causal_lm_vocab": gpt2_causal_lm_voca
          "plan_mismatch": plan_mismatch}
 
 
+#: case -> () -> (build(seed), x, y, compile_(model)): the cases trained against serial Keras
+SETUPS = {"gpt2": lambda: _hub_setup("gpt2"), "bert": lambda: _hub_setup("bert"),
+          "gpt2_causal_lm_vocab": lambda: _hub_setup("gpt2_causal_lm"),
+          "llama_gqa": lambda: (_llama_gqa, *_padded_tokens(), lambda m: rm.compile_(m, "llama")),
+          "gemma_gqa": lambda: (_gemma_gqa, *_padded_tokens(), lambda m: rm.compile_(m, "gemma")),
+          "names_differ": _mlp_setup}
+
+
 def run_all(names: list[str]) -> dict:
-    return {name: _job.timed(name, lambda name=name: CASES[name]()) for name in names}
+    refs = _job.timed("serial references", lambda: _serial_refs.shared([n for n in names if n in SETUPS],
+                                                                       serial_reference))
+    return {name: _job.timed(name, lambda name=name: CASES[name](refs.get(name))) for name in names}
 
 
 def main() -> None:
