@@ -19,7 +19,6 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(2)
 
 import tarantella as tnt  # noqa: E402
-import tnt_comm  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -49,22 +48,6 @@ def timed(name: str, run):
     if tnt.is_master_rank():
         print(f"{name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return result
-
-
-def spread(names, compute) -> dict:
-    """``{name: compute(name)}`` for every name, computed once, by the ranks in turn (name i
-    on rank i mod N), every result on every rank.
-
-    Why: a job's serial references (plain Keras on one process) used to train on the master
-    while every other rank waited at the next collective; spread over N ranks they take
-    about 1/N of that time. ``compute`` must not run collectives and must give the same
-    result on any rank (seeded data, explicit initial weights)."""
-    rank, size = tnt.get_rank(), tnt.get_size()
-    mine = {n: compute(n) for i, n in enumerate(names) if i % size == rank}
-    merged: dict = {}
-    for part in tnt_comm.allgather_object(mine):
-        merged.update(part)
-    return {n: merged[n] for n in names}
 
 
 def write(out: Path, results: dict) -> None:
