@@ -80,7 +80,9 @@ for row in ${DEVICE_ROWS:-pipeline_schedules pipeline tensor_parallel}; do
         pipeline_schedules) run pipeline_schedules 240 pipeline_schedules --quick ;;
         pipeline) run pipeline 150 pipeline --quick ;;
         tensor_parallel) run tensor_parallel 60 tensor_parallel --quick ;;
+        pipeline_schedules_full) run pipeline_schedules 300 pipeline_schedules ;;
         auto) run auto 240 auto --quick ;;
+        auto_4) run auto 300 auto_4 --quick ;;
         *) say "unknown row $row" ;;
     esac
 done

@@ -205,6 +205,27 @@ def test_pipelines_are_predicted_with_both_partitions():
     assert any(lay.split_after in {("c1",), ("c2",)} for lay in pipes if lay.partition == "time"), plan.summary()
 
 
+def test_stage_cuts_that_split_a_tensor_pair_are_rejected_not_chosen():
+    """ALL refuses stages that put a column-split layer and its row-split partner apart
+    (their activations are split over the tensor group); the planner must not offer them
+    (a 4-rank benchmark once chose one and crashed building it)."""
+    inp = keras.Input((64,))
+    x = keras.layers.Dense(256, activation="relu", name="up")(inp)
+    x = keras.layers.Dense(64, name="down")(x)
+    out = keras.layers.Dense(64, name="head")(x)
+    m = keras.Model(inp, out)
+    # the time-balanced cut of two stages falls between the pair's two layers
+    prof = given_profile(m, {"up": 1e-3, "down": 1e-3, "head": 1e-6})
+    plan = tnt.plan_parallel(m, num_ranks=4, global_batch_size=32, memory_budget=100 * weight_bytes(m),
+                             profile_=prof)
+    apart = [c for c in plan.rejected if c.rejected and "tensor pair split by the stage cut" in c.rejected]
+    assert apart and all(c.layout.tensor > 1 and c.layout.stages > 1 for c in apart), plan.summary()
+    tp = tnt.tensor_parallel.plan(m, tensor_parallel_size=2)
+    for c in plan.feasible:  # every offered stages-of-tensor-groups layout builds
+        if c.layout.tensor > 1 and c.layout.stages > 1:
+            tnt.hybrid.check_pairs_in_one_stage(tp, tnt.pipelining.plan(m, split_after=list(c.layout.split_after)))
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("auto") / "auto.json"

@@ -103,6 +103,20 @@ def _stages(model, p: int, split_after: list[str] | None = None) -> Stages | str
                   tuple(after) if after is not None else None)
 
 
+def _pairs_apart(model, t: int, p: int, stage: Stages) -> str | None:
+    """Why a t-rank tensor plan cannot run on these p stages (a column-split layer and its
+    row-split partner on two stages: ALL refuses to build that), or None."""
+    from .. import hybrid, pipelining, tensor_parallel
+
+    try:
+        pp = pipelining.plan(model, p) if stage.split_after is None else \
+            pipelining.plan(model, split_after=list(stage.split_after))
+        hybrid.check_pairs_in_one_stage(tensor_parallel.plan(model, tensor_parallel_size=t), pp)
+    except Exception as e:  # any refusal is a rejection with its message
+        return f"tensor pair split by the stage cut: {str(e).splitlines()[0][:160]}"
+    return None
+
+
 def _prod(shape) -> int:
     n = 1
     for d in tuple(shape):  # a boundary's shape is per sample
@@ -192,6 +206,7 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     splits: dict[int, Split | str] = {}
     feasible: list[Candidate] = []
     stage_plans = _StagePlans(model, prof)
+    apart: dict[tuple, str | None] = {}  # (t, p, cut) -> why the tensor pairs do not fit the stages
     for base in layouts_:
         if base.tensor > 1 and base.tensor not in splits:
             splits[base.tensor] = _split(model, base.tensor, prof)
@@ -204,6 +219,13 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
             if why is not None:
                 rejected.append(Candidate(lay, None, why))
                 continue
+            if stage is not None and base.tensor > 1:
+                key = (base.tensor, base.stages, stage.split_after)
+                if key not in apart:
+                    apart[key] = _pairs_apart(model, base.tensor, base.stages, stage)
+                if apart[key] is not None:
+                    rejected.append(Candidate(lay, None, apart[key]))
+                    continue
             if stage is not None and stage.split_after is not None:
                 lay = replace(lay, split_after=stage.split_after, partition=partition)
             est = estimate(prof, lay, global_batch_size, slots, net, split, stage)
