@@ -168,20 +168,30 @@ def _datasets(kind, batch, n, weighted, shuffle_seed):
     return train_serial, train_tnt, vx, vy
 
 
-def serial_reference(name: str) -> dict:
-    kind, opt, batch, n, epochs, weighted, shuffle_seed, _, _ = CASES[name]
+def _case_serial(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
+    """A case's serial reference (on whichever rank calls it)."""
     train_serial, _, vx, vy = _datasets(kind, batch, n, weighted, shuffle_seed)
     initial = build(kind, seed=3).get_weights()
-    return run_serial(kind, opt, train_serial, vx, vy, epochs, initial, _jit(name))
+    return run_serial(kind, opt, train_serial, vx, vy, epochs, initial, jit)
+
+
+def serial_reference(name: str) -> dict:
+    return _case_serial(*CASES[name][:7], _jit(name))
 
 
 def _jit(name: str):
     return name.endswith("_xla") or "auto"
 
 
-def run_case(name: str, ref: dict | None) -> dict:
-    kind, opt, batch, n, epochs, weighted, shuffle_seed, _, _ = CASES[name]
-    jit = _jit(name)
+def run_case(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) -> dict:
+    """One case with its serial reference trained on the master first (for jobs with cases
+    of their own: tests/multihost/jobs/exactness.py); ``main`` shares its references out."""
+    ref = _case_serial(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit) if tnt.is_master_rank() else None
+    return _case_tnt(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit, ref)
+
+
+def _case_tnt(kind, opt, batch, n, epochs, weighted, shuffle_seed, jit, ref: dict | None) -> dict:
+    """The case under tnt.Model on every rank; the differences to ``ref`` (the master's)."""
     _, train_tnt, vx, vy = _datasets(kind, batch, n, weighted, shuffle_seed)
     initial = build(kind, seed=3).get_weights()
 
@@ -214,7 +224,7 @@ def main() -> None:
     names = _job.only(CASES)
     refs = _serial_refs.shared(names, serial_reference)  # the serial runs, shared out over the ranks
     for name in names:
-        results[name] = run_case(name, refs.get(name))
+        results[name] = _case_tnt(*CASES[name][:7], _jit(name), refs.get(name))
         results[name].update(tol_loss=CASES[name][7], tol_weights=CASES[name][8])
     _job.write(out, {"ranks": tnt.get_size(), "cases": results})
 
