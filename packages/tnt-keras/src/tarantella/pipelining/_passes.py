@@ -162,20 +162,21 @@ class ChunkPasses:
             tape.watch(watched)
         try:
             if st.is_last:
-                y_pred, loss = self._forward_loss(training)(inputs, y_i, sw_i)
-                targets = [self._scaled(loss * tf.cast(weight, loss.dtype))]
-                outs = (y_pred, loss)
+                outs = tuple(self._forward_loss(training)(inputs, y_i, sw_i))  # (y_pred, loss)
+                targets = self._targets(outs, weight)
             else:
-                outs, reg = self._forward(training)(inputs)
-                targets = [outs[k] for k in self._grad_outputs]
-                if self._regularized:
-                    targets.append(self._scaled(reg * weight))
+                result = self._forward(training)(inputs)  # (outputs, regularization)
+                targets = self._targets(result, weight)
+                outs = result[0]
         finally:
             if tape is not None:
                 tape.__exit__(None, None, None)
         return tape, watched, targets, outs
 
     def _targets(self, outs, weight) -> list:
+        """What the backward differentiates: the weighted, scaled loss on the last stage
+        (``outs`` = (prediction, loss)); else the differentiable outputs and the weighted,
+        scaled regularization (``outs`` = (outputs, regularization))."""
         if self.stage.is_last:
             return [self._scaled(outs[1] * tf.cast(weight, outs[1].dtype))]
         targets = [outs[0][k] for k in self._grad_outputs]
