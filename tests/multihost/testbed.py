@@ -254,6 +254,8 @@ class TestBed:
         subnet = f"{SUBNET}.0/24"
         return {
             "PRTE_MCA_plm_ssh_agent": str(self.agent),
+            # session directories (also those of killed daemons) go with the bed
+            "PRTE_MCA_prte_tmpdir_base": str(self.workdir),
             "PRTE_MCA_oob_tcp_if_include": subnet,
             "OMPI_MCA_oob_tcp_if_include": subnet,
             "OMPI_MCA_btl": "tcp,self",

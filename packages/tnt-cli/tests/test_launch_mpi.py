@@ -356,3 +356,30 @@ def test_default_interpreter_is_the_launchers_own(script, tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     lines = sorted(line for line in done.stdout.splitlines() if "module ran with" in line)
     assert lines == [f"[{r}] module ran with {sys.executable} ['-n', '3']" for r in (0, 1)]
+
+
+# Reports where the starter put its session directory (PMIx tells every rank).
+SESSION = """\
+import os
+print("session-dir", os.environ.get("PMIX_SERVER_TMPDIR"))
+"""
+
+
+def test_each_job_gets_a_fresh_session_directory_removed_afterwards(script, tmp_path: Path) -> None:
+    """A stale ``ompi.<pid>`` of a killed starter (pid reuse) can never be met: the job's
+    session directory lies in a base of its own, gone after the job."""
+    prog = script("session.py", SESSION)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    stale = tmp / "ompi.1"  # what a killed starter leaves; never touched, never used
+    stale.mkdir()
+    bases = []
+    for _ in range(2):
+        done = launch(["-n", "2", "--", str(prog)], env={**os.environ, "TMPDIR": str(tmp)})
+        assert done.returncode == 0, done.stderr
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith("session-dir")]
+        session = Path(line.split(" ", 1)[1])
+        assert session.parent.parent == tmp and session.parent.name.startswith("tarantella-mpi-"), session
+        bases.append(session.parent)
+    assert bases[0] != bases[1]
+    assert sorted(p.name for p in tmp.iterdir()) == ["ompi.1"]  # both bases removed

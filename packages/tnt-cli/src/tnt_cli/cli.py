@@ -30,6 +30,7 @@ from tnt_cli.mpi import (
 )
 from tnt_cli.numa import find_numactl, numa_nodes
 from tnt_cli.output import StarterOutput
+from tnt_cli.sessiondir import fresh_session_base
 from tnt_cli.supervise import Outcome, run
 
 PROG = "tarantella"
@@ -300,7 +301,11 @@ def _launch(
         return 0
     _say("DEBUG", f"{starter.flavour.value} {starter.version}: {shlex.join(plan.argv)}", threshold)
     output = StarterOutput(sys.stderr.buffer, verbose=verbose, out_sink=sys.stdout.buffer)
-    outcome = run(plan.argv, plan.env, output)
+    if starter.flavour is Flavour.OPENMPI and hosts is None:
+        with fresh_session_base(os.environ) as base_env:
+            outcome = run(plan.argv, {**plan.env, **base_env}, output)
+    else:
+        outcome = run(plan.argv, plan.env, output)
     return _report(outcome, output, threshold)
 
 
