@@ -118,7 +118,8 @@ def keras(session: nox.Session) -> None:
 
 @nox.session
 def keras_large(session: nox.Session) -> None:
-    """tnt-keras jobs too large for the suite on 2 cores (8 ranks: replicas x stages x tensor)."""
+    """tnt-keras jobs too large for the suite on 2 cores (8 ranks: replicas x stages x tensor;
+    the Keras-API job on 3 ranks)."""
     session.install(
         _pkg("tnt-comm"), _pkg("tnt-data"), _pkg("tnt-cli"), _pkg("tnt-keras", "test")
     )

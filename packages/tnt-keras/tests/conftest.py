@@ -25,7 +25,7 @@ EXAMPLES = ROOT / "examples"
 # imported once per rank for all of them; `script_output` cuts one script's output.
 sys.path.insert(0, str(ROOT / "tests"))
 from run_scripts import RUNNER, script_output  # noqa: E402
-from shared_launch import SharedLaunches, share  # noqa: E402
+from shared_launch import TIMINGS, SharedLaunches, share  # noqa: E402
 
 # The examples of examples/ that tnt-keras' tests run, each at a small size: id -> script
 # and arguments. They share one 2-rank launch (fixture `examples_run`).
@@ -87,6 +87,14 @@ def _job_env() -> dict[str, str]:
         # One compute thread per rank: ranks share 2 cores on the CI machine.
         "OMP_NUM_THREADS": "1",
     }
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Where the shared launches' time went, by part (the logs of CI show it without -s)."""
+    if TIMINGS:
+        terminalreporter.section("shared launches")
+        for line in TIMINGS:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

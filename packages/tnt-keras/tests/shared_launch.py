@@ -42,6 +42,8 @@ class Part:
 
 #: rank count -> part name -> Part, filled by ``share`` when the test modules are imported.
 _REGISTRY: dict[int, dict[str, Part]] = {}
+#: One line per launch with its seconds by part, for the session's terminal summary (CI logs).
+TIMINGS: list[str] = []
 
 
 def share(modules: str | tuple[str, ...], ranks: int, name: str, job: str, *args: str) -> None:
@@ -101,7 +103,8 @@ class SharedLaunches:
                     errors="replace")
             note = f"timed out after {e.timeout:.0f} s"
         took = [line.removeprefix(TOOK).strip() for line in proc.stderr.splitlines() if line.startswith(TOOK)]
-        print(f"\nshared {ranks}-rank launch: {time.perf_counter() - t0:.0f} s, {note}; parts: {', '.join(took)}")
+        TIMINGS.append(f"shared {ranks}-rank launch: {time.perf_counter() - t0:.0f} s, {note}; parts: {', '.join(took)}")
+        print("\n" + TIMINGS[-1])
         self._launched[ranks] = (proc, note, outs)
 
     def out_file(self, ranks: int, name: str) -> Path:

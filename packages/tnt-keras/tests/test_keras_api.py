@@ -1,9 +1,11 @@
-"""Every way a Keras user trains, on 1, 2 and 3 ranks, against serial Keras in the same job.
+"""Every way a Keras user trains, on 1 and 2 ranks, against serial Keras in the same job.
 
 One launched job per rank count (jobs/keras_api.py) runs every check; each is asserted
-here by name, with its measured difference to serial in the failure message. The 2- and
-3-rank runs use global batches not divisible by the number of ranks and last batches
-smaller than it.
+here by name, with its measured difference to serial in the failure message. The 2-rank
+run uses global batches not divisible by the number of ranks and last batches smaller
+than it. The same job on 3 ranks (oversubscribed on 2 cores: ~165 s of the suite) is in
+the opt-in ``nox -s keras_large`` (large/test_keras_api_3ranks.py); the suite's 3-rank
+launch keeps the uneven splits of fit/evaluate/predict (test_exactness, test_inputs).
 """
 
 from __future__ import annotations
@@ -59,11 +61,11 @@ CHECKS = [
 ]
 
 
-for _ranks in (1, 2, 3):
+for _ranks in (1, 2):
     share(__name__, _ranks, "keras_api", "keras_api.py")  # in the shared launches (shared_launch.py)
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[1, 2], ids=lambda n: f"{n}ranks")
 def checks(request, shared_launches):
     found = launched_checks(request.param, "keras_api.py", shared_launches)
     rows = [f"{name:48} {c['diff'] if c['diff'] is not None else '':>10}" for name, c in found.items()]
