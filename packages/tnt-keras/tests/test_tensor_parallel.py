@@ -4,14 +4,14 @@ Cases: an MLP stack (SGD momentum, Adam) and a Transformer encoder block (Embedd
 vocabulary, attention by heads with dropout, an FFN pair with Dropout inside, LayerNorm
 and residuals replicated; Adam).
 
-One launch (jobs/tensor_parallel.py) trains each case serially and tensor-parallel in the
+One job (jobs/tensor_parallel.py, in the shared 2-rank launch) trains each case serially and tensor-parallel in the
 same job. Tolerances are those of float32 summation order, as in test_exactness.py.
 """
 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_check, launch, print_diff_table
+from conftest import assert_check, launch, print_diff_table, share
 
 RANKS = 2
 CASES = ("mlp_sgd_momentum", "mlp_adam", "block_adam")
@@ -26,10 +26,12 @@ CHECKS = (
 )
 
 
+share(__name__, RANKS, "tensor_parallel", "tensor_parallel.py")  # in the shared 2-rank launch (shared_launch.py)
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tensor") / "tensor_parallel.json"
-    result = launch(RANKS, "tensor_parallel.py", out)
+def report(shared_launches):
+    result = shared_launches.result(RANKS, "tensor_parallel")
     assert result["ranks"] == RANKS
     print_diff_table(f"tensor parallel t={RANKS}", result["cases"])
     s = result["saving"]
@@ -38,7 +40,7 @@ def report(tmp_path_factory):
           f"{s['continue_weight_diff']:.2e}; resumed backup: weights {s['resume_weight_diff']:.2e}\n"
           "seconds (wall, most CPU of a rank): " +
           ", ".join(f"{k} {w:.1f} / {c:.1f}" for k, (w, c) in s["seconds"].items()))
-    result["work"] = out.parent
+    result["work"] = shared_launches.out_file(RANKS, "tensor_parallel").parent
     return result
 
 

@@ -16,11 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-# Before TensorFlow runs its first function: XLA's clustering pass writes the graphs it
-# clustered here, so the jit case can show that XLA compiled segments of the step.
+# The 3-rank launch (a launch of its own), before TensorFlow runs its first function: XLA's
+# clustering pass writes the graphs it clustered here, so the jit case can show that XLA
+# compiled segments of the step. The 2-rank job runs inside the shared 2-rank launch, where
+# TensorFlow has long read its flags: it sets nothing.
 XLA_DUMPS = Path(tempfile.mkdtemp(prefix="tnt_xla_dumps_"))
-os.environ["TF_XLA_FLAGS"] = "--tf_xla_clustering_debug"
-os.environ["TF_DUMP_GRAPH_PREFIX"] = str(XLA_DUMPS)
+if "--t2-file" in sys.argv:
+    os.environ["TF_XLA_FLAGS"] = "--tf_xla_clustering_debug"
+    os.environ["TF_DUMP_GRAPH_PREFIX"] = str(XLA_DUMPS)
 
 import _job  # noqa: E402
 import keras  # noqa: E402
