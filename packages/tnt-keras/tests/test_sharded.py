@@ -271,6 +271,8 @@ def test_tensor_replicas_partition_each_shards_variables_and_slots(report_tensor
             # Every variable of the shard, split or replicated, has exactly one owner.
             assert not set(mine) & set(theirs) and sorted(mine + theirs) == paths[shard][0], (name, shard)
             assert any("t_ln" in p for p in paths[shard][0]) and any("t_head" in p for p in paths[shard][0])
+            # One replica owns the (sparse) table alone: it receives no dense gradient at level 2.
+            assert ["t_emb/embeddings"] in (mine, theirs), (name, shard, mine, theirs)
 
 
 def test_tensor_replicas_file_is_serial_keras_and_loads_at_level_1(report_tensor):
