@@ -372,3 +372,20 @@ def test_a_stage_with_fewer_variables_than_replicas_fails_on_every_stage():
     # Stage 0 holds enough, stage 1 (seen through the allreduce) does not: stage 0 raises too.
     with pytest.raises(ShardingError, match=r"stage\(s\) \[1\].*sharding=0"):
         check_enough_variables(4, 2, 0, 2, _Pipeline(1.0))
+
+
+def test_tensor_group_replicas_shard_on_the_replica_group_and_decide_over_the_job():
+    """replica_sharding: ownership on the replica group; the loss-scale decision on the whole
+    job (a shard's gradients differ between the ranks of a tensor group); none without replicas."""
+    import types
+
+    import tnt_comm
+    from tarantella.tensor_parallel._model import replica_sharding
+
+    group = _Comm(1, 2)
+    tpm = types.SimpleNamespace(_tnt_replicas=group)
+    sharding = replica_sharding(tpm, 2)
+    assert (sharding.comm, sharding.rank, sharding.size, sharding.level) == (group, 1, 2, 2)
+    assert sharding.decisions is not group and sharding.decisions.size == tnt_comm.world().size
+    assert replica_sharding(tpm, 0) is None
+    assert replica_sharding(types.SimpleNamespace(_tnt_replicas=None), 1) is None
