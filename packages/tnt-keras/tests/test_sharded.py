@@ -3,8 +3,9 @@
 and weights, identical replicas, optimizer slots only for owned variables, global_clipnorm
 and a LossScaleOptimizer, a level-2 file saved at d = 2 read by serial Keras and resumed at
 level 1, and the errors. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
-level 2 (Adam, global_clipnorm), its file resumed at level 1, in the shared 4-rank launch; its error paths on one
-process."""
+level 2 (Adam, global_clipnorm), its file resumed at level 1, and 2 replicas of 2-rank tensor groups
+(no stages) at level 2 (Adam, a vocab-split Embedding), its file resumed at level 1, in the shared
+4-rank launch; its error paths on one process."""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ _REPORTS: dict[int, dict] = {}
 #: trains there too: the level-2 file is loaded at level 1 and trained on (all_l1_adam, the
 #: same from a fresh model, passes as well; left out for suite time).
 ALL_RUN = ["all_l2_adam_clip"]  # Adam with global_clipnorm (clipping active: test_global_clipnorm_was_active)
+#: ALL, 2 replicas of 2-rank tensor groups without stages (jobs/sharded.py all_tensor_case).
+ALL_TENSOR_RUN = ["all_tensor_l2_adam"]
 
 
 for _ranks, _cases in RUNS.items():  # in the shared launches (shared_launch.py)
     share(__name__, _ranks, "sharded", "sharded.py", "--only", ",".join(_cases))
-share(__name__, 4, "sharded_all", "sharded.py", "--only", ",".join(ALL_RUN))
+share(__name__, 4, "sharded_all", "sharded.py", "--only", ",".join(ALL_RUN + ALL_TENSOR_RUN))
 
 
 def _report(ranks: int, shared_launches) -> dict:
@@ -206,6 +209,83 @@ def test_all_level_2_file_loads_at_level_1_and_trains_on_as_serial(report_all):
     _assert_slots_partition("resumed", c, c["resumed_slot_elements_per_rank"])
 
 
+# -- ALL: 2 replicas of 2-rank tensor groups (one stage) on 4 ranks --------------------------------
+@pytest.fixture(scope="module")
+def report_tensor(shared_launches) -> dict:
+    result = shared_launches.result(4, "sharded_all")
+    print("\nsharded ALL 2 replicas x tensor groups of 2 (max abs difference to serial Keras)")
+    for name, c in result["all_tensor"].items():
+        print(f"{name:18} history {c['history_diff']:.2e}  weights {c['weight_diff']:.2e}  optimizer bytes "
+              f"per rank {c['optimizer_bytes_per_rank']}  {c['seconds']:.1f} s")
+    return result["all_tensor"]
+
+
+def _by_shard(rows) -> dict[int, list]:
+    """(shard, *rest) of every rank -> {shard: [rest of each of its replicas]}."""
+    out: dict[int, list] = {}
+    for shard, *rest in rows:
+        out.setdefault(shard, []).append(rest[0] if len(rest) == 1 else tuple(rest))
+    return out
+
+
+def test_tensor_replicas_case_ran_on_tensor_groups(report_tensor):
+    assert sorted(report_tensor) == sorted(ALL_TENSOR_RUN)
+    for name, c in report_tensor.items():
+        assert c["strategy"] == "TensorParallelModel", (name, c)
+        assert c["plan"] == {"t_emb": "vocab", "t_up": "column", "t_down": "row", "t_ln": "replicated",
+                             "t_head": "replicated"}, (name, c)
+
+
+def test_tensor_replicas_history_and_weights_equal_serial(report_tensor):
+    for name, c in report_tensor.items():
+        assert c["history_diff"] <= TOL_LOSS, (name, c)
+        assert c["weight_diff"] <= TOL_WEIGHTS, (name, c)
+        applied, serial_applied = c["applied_steps"]
+        assert applied == serial_applied == 5, (name, c)
+
+
+def test_tensor_replicas_of_a_shard_are_bitwise_identical(report_tensor):
+    for name, c in report_tensor.items():
+        for key in ("digests", "reloaded_digests"):
+            # (replica, shard SHA-256, replicated SHA-256) of each shard's replicas
+            by_shard = _by_shard(c[key])
+            assert sorted(by_shard) == [0, 1], (name, key)
+            for shard, rows in by_shard.items():
+                assert sorted(r[0] for r in rows) == [0, 1], (name, key, shard, rows)
+                assert len({r[1:] for r in rows}) == 1, (name, key, shard, rows)
+            assert by_shard[0][0][1] != by_shard[1][0][1], (name, key)  # the two shards differ
+
+
+def test_tensor_replicas_partition_each_shards_variables_and_slots(report_tensor):
+    for name, c in report_tensor.items():
+        scalars = c["serial_slot_elements"] - 2 * c["serial_variable_elements"]  # Adam: iterations, lr
+        paths = _by_shard(zip([s for s, *_ in c["slots_per_rank"]], c["trainable_paths"]))
+        owned = _by_shard(zip([s for s, *_ in c["slots_per_rank"]], c["owned_paths"]))
+        for key in ("slots_per_rank", "reloaded_slots_per_rank"):
+            for shard, rows in _by_shard(c[key]).items():
+                held = [slots - scalars for slots, _ in rows]
+                local = rows[0][1]
+                # The replicas' Adam slots partition the shard's local model's (2 per element).
+                assert sum(held) == 2 * local and all(0 < h < 2 * local for h in held), (name, key, shard, rows)
+        for shard, (mine, theirs) in owned.items():
+            # Every variable of the shard, split or replicated, has exactly one owner.
+            assert not set(mine) & set(theirs) and sorted(mine + theirs) == paths[shard][0], (name, shard)
+            assert any("t_ln" in p for p in paths[shard][0]) and any("t_head" in p for p in paths[shard][0])
+            # One replica owns the (sparse) table alone: it receives no dense gradient at level 2.
+            assert ["t_emb/embeddings"] in (mine, theirs), (name, shard, mine, theirs)
+
+
+def test_tensor_replicas_file_is_serial_keras_and_loads_at_level_1(report_tensor):
+    for name, c in report_tensor.items():
+        assert c["loaded_weight_diff"] <= TOL_WEIGHTS, (name, c)
+        count, serial_count = c["loaded_optimizer_count"]
+        assert count == serial_count, (name, c)
+        assert c["loaded_optimizer_diff"] <= TOL_WEIGHTS, (name, c)
+        # tnt.models.load_model(..., sharding=1) into the same layout: what each rank held.
+        assert c["reloaded_weight_diff"] == 0.0, (name, c)
+        assert c["reloaded_slots_diff"] == [0.0] * 4, (name, c)
+
+
 # -- ALL: error paths on one process ---------------------------------------------------------------
 def _mlp() -> keras.Model:
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
@@ -236,13 +316,41 @@ def test_other_strategies_name_data_and_all(strategy, options):
         tnt.Model(_mlp(), parallel_strategy=strategy, sharding=1, **options)
 
 
-def test_all_replicas_of_tensor_groups_without_stages_are_refused(monkeypatch):
-    """4 ranks of 2-rank tensor groups, one stage: 2 replicas the sharding does not cover yet."""
+def test_all_replicas_of_tensor_groups_take_levels_1_and_2():
+    """ALL's replica axis without stages: the level passes to the tensor groups' replicas."""
+    from tarantella.hybrid._strategy import _sharding_level
+
+    assert [_sharding_level({"sharding": k}) for k in (0, 1, 2)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("how", ["wrap", "load"])
+def test_all_replicas_of_tensor_groups_refuse_level_3(monkeypatch, how):
+    """4 ranks of 2-rank tensor groups, one stage: level 3 names levels 1 and 2 (also loading)."""
     from tarantella._core import runtime
 
     monkeypatch.setattr(runtime, "get_size", lambda: 4)
-    with pytest.raises(ShardingError, match=r"num_pipeline_stages=p >= 2.*sharding=0"):
-        tnt.Model(_mlp(), parallel_strategy=tnt.ParallelStrategy.ALL, tensor_parallel_size=2, sharding=2)
+    options = {"parallel_strategy": tnt.ParallelStrategy.ALL, "tensor_parallel_size": 2, "sharding": 3}
+    with pytest.raises(ShardingError, match=r"sharding=3.*sharding=2.*sharding=1"):
+        if how == "wrap":
+            tnt.Model(_mlp(), **options)
+        else:
+            tnt.models.load_model("never_read.keras", **options)
+
+
+class _Comm:
+    """A stand-in replica group (rank and size only: ownership needs no messages)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+def test_a_replica_group_with_more_replicas_than_variables_names_the_fix():
+    from tarantella.data_parallel import Sharding
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])  # 2 trainable variables
+    assert Sharding(model, 2, comm=_Comm(0, 2)).owners == [0, 1]  # enough: kernel, bias
+    with pytest.raises(ShardingError, match=r"3 replicas.*only 2 trainable variables.*sharding=0"):
+        Sharding(model, 2, comm=_Comm(0, 3)).owned_variables()
 
 
 class _Pipeline:
@@ -264,3 +372,20 @@ def test_a_stage_with_fewer_variables_than_replicas_fails_on_every_stage():
     # Stage 0 holds enough, stage 1 (seen through the allreduce) does not: stage 0 raises too.
     with pytest.raises(ShardingError, match=r"stage\(s\) \[1\].*sharding=0"):
         check_enough_variables(4, 2, 0, 2, _Pipeline(1.0))
+
+
+def test_tensor_group_replicas_shard_on_the_replica_group_and_decide_over_the_job():
+    """replica_sharding: ownership on the replica group; the loss-scale decision on the whole
+    job (a shard's gradients differ between the ranks of a tensor group); none without replicas."""
+    import types
+
+    import tnt_comm
+    from tarantella.tensor_parallel._model import replica_sharding
+
+    group = _Comm(1, 2)
+    tpm = types.SimpleNamespace(_tnt_replicas=group)
+    sharding = replica_sharding(tpm, 2)
+    assert (sharding.comm, sharding.rank, sharding.size, sharding.level) == (group, 1, 2, 2)
+    assert sharding.decisions is not group and sharding.decisions.size == tnt_comm.world().size
+    assert replica_sharding(tpm, 0) is None
+    assert replica_sharding(types.SimpleNamespace(_tnt_replicas=None), 1) is None

@@ -9,6 +9,10 @@ Keras continues. Errors: level 3, a bad level, an optimizer not known to be per-
 sharding= with another strategy. ALL (4 ranks: 2 pipeline stages x 2 replicas, Adam): levels
 1 and 2 against serial Keras, replicas of a stage bitwise alike, slots per rank, the saved
 file read by serial Keras, and (level 2) loaded at level 1 and trained on as serial Keras.
+ALL of tensor groups without stages (4 ranks: t = 2 x 2 replicas, Adam, level 2, a vocab-split
+Embedding with sparse gradients): History and weights against serial Keras, replicas of a
+shard SHA-256 alike, slots partitioned per shard, the saved file read by serial Keras, and
+loaded at level 1 into the same layout (weights and each rank's slots as held).
 Rank 0 writes the JSON that tests/test_sharded.py checks.
 """
 
@@ -24,6 +28,7 @@ import numpy as np
 
 import tarantella as tnt
 import tnt_comm
+from tarantella._core.serial_files import optimizer_keys
 
 EPOCHS, BATCH = 2, 10
 
@@ -244,7 +249,104 @@ def all_case(level: int, kind: str, tmp) -> dict:
     return out
 
 
+def tensor_model() -> keras.Model:
+    """Embedding (vocab-split: a shard's sparse gradients), a column/row Dense pair, then
+    replicated layers (LayerNormalization, the head: see tensor_plan). The table's shard
+    outweighs the rest, so one replica owns it alone: no dense gradient to receive, the
+    case whose reduce-scatter once raced the allgather of values."""
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([
+        keras.Input((7,), dtype="int32"),
+        keras.layers.Embedding(60, 8, name="t_emb"),
+        keras.layers.GlobalAveragePooling1D(name="t_pool"),
+        keras.layers.Dense(16, activation="relu", name="t_up"),
+        keras.layers.Dense(8, name="t_down"),
+        keras.layers.LayerNormalization(name="t_ln"),
+        keras.layers.Dense(4, activation="softmax", name="t_head"),
+    ], name="t_embed")
+
+
+def tensor_plan(model: keras.Model):
+    return tnt.tensor_parallel.plan(model, tensor_parallel_size=2, min_split_params=0).replicate("t_head")
+
+
+def tensor_data():
+    rng = np.random.default_rng(5)
+    return rng.integers(0, 60, size=(46, 7)).astype("int32"), rng.integers(0, 4, size=46)
+
+
+def tensor_serial(epochs: int):
+    x, y = tensor_data()
+    serial = tensor_model()
+    serial.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    return serial, serial.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0).history
+
+
+def all_tensor_case(level: int, tmp) -> dict:
+    """ALL, 2 replicas of 2-rank tensor groups (no stages) at ``level``, Adam, against serial
+    Keras (one epoch: 5 steps, the last of 6 samples); then its file, read by serial Keras and
+    loaded at level 1."""
+    start = time.perf_counter()
+    x, y = tensor_data()
+    serial, serial_history = tensor_serial(epochs=1)
+    plan = tensor_plan(tensor_model())
+    tm = tnt.Model(tensor_model(), parallel_strategy=tnt.ParallelStrategy.ALL, tensor_parallel_size=2,
+                   tensor_parallel_plan=plan, sharding=level)
+    tm.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    opt_vars = tm.optimizer.variables
+    sharding = tm._tnt_sharding
+    out = {
+        "strategy": type(tm).__name__,
+        "plan": {s.name: s.kind for s in plan.layers},
+        "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
+        "weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
+        # (shard, replica, SHA-256 of the shard's and of the replicated variables) of every rank
+        "digests": tnt_comm.allgather_object((tm.tensor_parallel_rank, tm.replica, tm.shard_checksum(),
+                                              tm.replicated_checksum())),
+        # (shard, optimizer elements held, trainable elements of the shard's local model)
+        "slots_per_rank": tnt_comm.allgather_object((tm.tensor_parallel_rank, elements(opt_vars),
+                                                     elements(tm.trainable_variables))),
+        "optimizer_bytes_per_rank": tnt_comm.allgather_object(int(sum(
+            np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in opt_vars))),
+        "owned_per_rank": tnt_comm.allgather_object(len(sharding.owned_variables())),
+        "owned_paths": tnt_comm.allgather_object(sorted(v.path for v in sharding.owned_variables())),
+        "trainable_paths": tnt_comm.allgather_object(sorted(v.path for v in tm.trainable_variables)),
+        "serial_slot_elements": elements(serial.optimizer.variables),
+        "serial_variable_elements": elements(serial.trainable_variables),
+        "applied_steps": [int(tm.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())],
+    }
+    out["seconds_serial_and_fit"] = time.perf_counter() - start
+    path = str(tmp / f"sharded_all_tensor_l{level}.keras")
+    tm.save(path)
+    tnt_comm.barrier()
+    if tnt.is_master_rank():  # the file, read by serial Keras
+        loaded = keras.models.load_model(path)
+        out["loaded_weight_diff"] = _job.max_abs_diff(loaded.get_weights(), serial.get_weights())
+        out["loaded_optimizer_count"] = [len(loaded.optimizer.variables), len(serial.optimizer.variables)]
+        out["loaded_optimizer_diff"] = _job.max_abs_diff([v.numpy() for v in loaded.optimizer.variables],
+                                                         [v.numpy() for v in serial.optimizer.variables])
+    # Loaded into this layout at level 1 (the same owners): each rank holds the weights and the
+    # slots it held after training (no second fit: its tracing would double the case's time).
+    loaded = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.ALL, tensor_parallel_size=2,
+                                   tensor_parallel_plan=plan, sharding=1)
+    held = {k: v.numpy() for k, v in zip(optimizer_keys(tm.optimizer, tm.local_model), opt_vars)}
+    reread = {k: v.numpy() for k, v in zip(optimizer_keys(loaded.optimizer, loaded.local_model),
+                                           loaded.optimizer.variables)}
+    out["reloaded_weight_diff"] = _job.max_abs_diff(loaded.get_weights(), tm.get_weights())
+    out["reloaded_slots_diff"] = tnt_comm.allgather_object(
+        _job.max_abs_diff([reread[k] for k in sorted(reread)], [held[k] for k in sorted(held)])
+        if sorted(reread) == sorted(held) else float("inf"))
+    out["reloaded_digests"] = tnt_comm.allgather_object((loaded.tensor_parallel_rank, loaded.replica,
+                                                         loaded.shard_checksum(), loaded.replicated_checksum()))
+    out["reloaded_slots_per_rank"] = tnt_comm.allgather_object(
+        (loaded.tensor_parallel_rank, elements(loaded.optimizer.variables), elements(loaded.trainable_variables)))
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
 ALL_CASES = {"all_l1_adam": (1, "adam"), "all_l2_adam_clip": (2, "adam_clip")}
+ALL_TENSOR_CASES = {"all_tensor_l2_adam": 2}
 
 CASES = {f"l{level}_{kind}": (level, kind)
          for level in (1, 2) for kind in ("sgd_momentum", "adam", "adam_clip", "lso_sgd", "adam_seq")}
@@ -252,11 +354,13 @@ CASES = {f"l{level}_{kind}": (level, kind)
 
 def main() -> None:
     out = _job.out_path()
-    chosen = _job.only([*CASES, *ALL_CASES, "files", "errors"])
+    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: case(*CASES[n]) for n in chosen if n in CASES}}
     for name in chosen:
         if name in ALL_CASES:
             result.setdefault("all", {})[name] = all_case(*ALL_CASES[name], out.parent)
+        if name in ALL_TENSOR_CASES:
+            result.setdefault("all_tensor", {})[name] = all_tensor_case(ALL_TENSOR_CASES[name], out.parent)
     if "files" in chosen:
         result["files"] = files_case(out.parent)
     if "errors" in chosen:

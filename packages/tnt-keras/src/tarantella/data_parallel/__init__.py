@@ -3,15 +3,17 @@
 Every rank holds the whole model and computes the gradient of its micro-batch; one fused
 allreduce per step sums them (docs/architecture.md, "Data flow of one training step").
 ``DistributedSteps`` is the step of every strategy that runs data replicas of a model
-whose forward pass is one traced function (tensor groups with replicas use it).
+whose forward pass is one traced function (tensor groups with replicas use it, with
+``Sharding`` and ``serial_optimizer`` on their replica group at ``sharding=1|2``).
 """
 
 from __future__ import annotations
 
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._model import Model
-from ._sharding import ShardingError, assign_owners
+from ._sharded_files import serial_optimizer
+from ._sharding import Sharding, ShardingError, assign_owners
 from ._steps import DistributedSteps
 
-__all__ = ["DistributedSteps", "Model", "ShardingError", "UnsyncedReplicasError", "assign_owners",
-           "local_batch_size"]
+__all__ = ["DistributedSteps", "Model", "Sharding", "ShardingError", "UnsyncedReplicasError", "assign_owners",
+           "local_batch_size", "serial_optimizer"]

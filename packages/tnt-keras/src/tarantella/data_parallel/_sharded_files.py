@@ -1,8 +1,10 @@
 """Files of a sharded model: ordinary Keras files with the whole optimizer state.
 
-Saving builds, on the master only, a serial optimizer (built on every trainable variable,
-as serial Keras builds it) and fills it one optimizer variable at a time from the replica
-that holds it (a broadcast from its owner), so no other rank ever holds the whole state.
+Saving builds, on rank 0 of the replica group only (the master for DATA; replica 0 of each
+tensor shard for data replicas of tensor groups), a serial optimizer (built on every
+trainable variable, as serial Keras builds it) and fills it one optimizer variable at a
+time from the replica that holds it (a broadcast from its owner), so no other rank ever
+holds the whole state of its group.
 Loading (a file written at any number of ranks or level) reads the serial state, then keeps
 only the owned variables' slots (:func:`reshard`), matched by the slot's name (Keras names
 a slot after its variable's path, e.g. ``dense_kernel_momentum``).
@@ -15,8 +17,6 @@ from collections.abc import Iterator
 
 import keras
 import numpy as np
-
-from .._core import runtime as _runtime
 
 
 def _serial_copy(optimizer):
@@ -49,15 +49,16 @@ def reshard(model: keras.Model, sharding) -> None:
 
 @contextlib.contextmanager
 def serial_optimizer(model: keras.Model, sharding, gather: bool) -> Iterator[object | None]:
-    """While inside, the master's ``model.optimizer`` is a serial one; with ``gather``
-    it holds every replica's state (collective: every rank enters). Yields it (None on
-    the other ranks)."""
+    """While inside, ``model.optimizer`` on rank 0 of the replica group (``sharding.comm``:
+    the master for DATA, replica 0 of each tensor shard for tensor groups) is one built on
+    every trainable variable; with ``gather`` it holds every replica's state (collective
+    over the group: every rank enters). Yields it (None on the other ranks)."""
     sharded = model.optimizer
     if sharded is None or not sharded.built:
         yield None
         return
     comm = sharding.comm
-    master = _runtime.is_master_rank()
+    master = comm.rank == 0
     full = None
     order = None
     if master:

@@ -82,10 +82,14 @@ class Sharding:
     """One wrapped model's shards: who owns which trainable variable, the optimizer built on
     the owned ones, the level-2 reduce-scatter and the allgather of updated values."""
 
-    def __init__(self, model: keras.Model, level: int, comm: tnt_comm.Communicator | None = None) -> None:
+    def __init__(self, model: keras.Model, level: int, comm: tnt_comm.Communicator | None = None,
+                 decisions: tnt_comm.Communicator | None = None) -> None:
         self.model = model
         self.level = level
         self.comm = comm or tnt_comm.world()
+        # The ranks whose loss-scale decision must agree: ``comm`` for DATA; the whole job for
+        # the replicas of tensor groups, whose shards' gradients differ between the group's ranks.
+        self.decisions = decisions or self.comm
         self.rank, self.size = self.comm.rank, self.comm.size
         self._owners: list[int] | None = None
         self._installed: object | None = None  # the optimizer patched for shards
@@ -137,7 +141,7 @@ class Sharding:
 
             def check_finite(opt, grads):
                 bad = tf.reshape(tf.cast(tf.logical_not(cls_check(opt, grads)), tf.float32), [1])
-                total = _gc.allreduce(bad, sharding.comm, "tnt_sharding", "tnt_shard_finite")
+                total = _gc.allreduce(bad, sharding.decisions, "tnt_sharding", "tnt_shard_finite")
                 return tf.equal(total[0], 0.0)
 
             optimizer.check_finite = types.MethodType(check_finite, optimizer)
@@ -159,17 +163,21 @@ class Sharding:
         scale = scale_for_finite + (use_norm - use_norm)  # NaN for a non-finite norm, as Keras
         return [g if g is None else g * tf.cast(scale, g.dtype) for g in grads]
 
-    def apply(self, optimizer, grads: Sequence, variables: Sequence) -> tf.Tensor:
-        """Apply the owned gradients, then allgather the updated values; returns a token."""
+    def apply(self, optimizer, grads: Sequence, variables: Sequence, after: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+        """Apply the owned gradients, then allgather the updated values (after ``after``: the
+        step's earlier collectives, see :meth:`reduce_scatter`); returns a token."""
         owned = self.owned_mask()
         pairs = [(g, v) for g, v, mine in zip(grads, variables, owned) if mine]
-        optimizer.apply_gradients(pairs)
+        # The update's own collectives (global norm, finiteness) too: a replica owning only
+        # sparse gradients reads no output of the reduce-scatter.
+        with tf.control_dependencies(list(after)):
+            optimizer.apply_gradients(pairs)
         # A sparse gradient this replica does not own was gathered by its own collective, which
         # nothing here reads: without this edge the values' allgather could run before it on
         # one replica and after it on another (a mismatched collective, seen with Embedding).
         gathered = [tf.size(g.values) for g, mine in zip(grads, owned) if not mine and _sparse.is_sparse(g)]
         # Read after the update (its last write): every collective of apply came before.
-        return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered])
+        return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered, *after])
 
     # -- collectives -----------------------------------------------------------------------------
     def _groups(self) -> list[tuple[tf.DType, list[int]]]:
@@ -204,12 +212,19 @@ class Sharding:
             token = tf.cast(tf.size(whole), tf.int32)
         return token
 
-    def reduce_scatter(self, dense: dict[int, tf.Tensor], has_data, after: Sequence[tf.Tensor]) -> dict[int, tf.Tensor]:
+    def reduce_scatter(self, dense: dict[int, tf.Tensor], has_data,
+                       after: Sequence[tf.Tensor]) -> tuple[dict[int, tf.Tensor], list[tf.Tensor]]:
         """Level 2: the SUM over replicas of the owned ones of ``dense`` (variable index ->
-        gradient); zeros are sent by a replica without data."""
+        gradient); zeros are sent by a replica without data. Also returns a token of the last
+        reduce-scatter (a scalar: an empty output could be folded away): a replica owning none
+        of these gradients (only sparse ones, an Embedding) reads no output of the collective,
+        and without this edge its allgather of values could start on another thread while the
+        reduce-scatter still runs (two collectives at once on one communicator, mismatched on
+        the other replicas: seen on 2 ranks with an Embedding owned alone)."""
         comm = self.comm
         out: dict[int, tf.Tensor] = {}
         token = list(after)
+        done: list[tf.Tensor] = []
         for dt, idx in self._groups():
             idx = [i for i in idx if i in dense]
             if not idx:
@@ -220,14 +235,16 @@ class Sharding:
 
             def scatter(buf, keep, *_tokens, counts=counts):
                 buf = np.ascontiguousarray(buf) if keep else np.zeros_like(buf)
-                return comm.reduce_scatter(buf, counts)
+                mine = comm.reduce_scatter(buf, counts)
+                return mine, np.int32(mine.size)
 
-            mine = tf.numpy_function(scatter, [flat, has_data, *token], dt, stateful=True,
-                                     name="tnt_shard_reduce_scatter")
+            mine, finished = tf.numpy_function(scatter, [flat, has_data, *token], [dt, tf.int32], stateful=True,
+                                               name="tnt_shard_reduce_scatter")
+            finished.set_shape([])
             own = [i for i in idx if self.owners[i] == self.rank]
             own_sizes = [int(np.prod(dense[i].shape)) for i in own]
             mine.set_shape([sum(own_sizes)])
             for i, piece in zip(own, tf.split(mine, own_sizes) if len(own) > 1 else [mine]):
                 out[i] = tf.reshape(piece, dense[i].shape)
-            token = [mine]
-        return out
+            token = done = [finished]
+        return out, done

@@ -215,8 +215,9 @@ class DistributedSteps:
         to_reduce = [tf.reshape(b, [1]), *contribution, *reversed(dense)]
         return before, to_reduce, sparse, has_data
 
-    def _global_part(self, before, reduced, sparse, divide_by_total: bool):
-        """Everything after the exchange: global metric states, then the optimizer step."""
+    def _global_part(self, before, reduced, sparse, divide_by_total: bool, after=()):
+        """Everything after the exchange: global metric states, then the optimizer step
+        (a sharded one's allgather after ``after``, the step's reduce-scatter)."""
         offset = 1 + len(before)
         global_n = reduced[0][0]
         self._train_metrics.finish(before, reduced[1:offset], global_n)
@@ -231,22 +232,23 @@ class DistributedSteps:
         if self._sharding is not None:  # the owned variables only, then their values gathered
             with _grad_sync.already_reduced():
                 return self._sharding.apply(self._model.optimizer, self._without_gradient(grads),
-                                            self._model.trainable_variables)
+                                            self._model.trainable_variables, after=after)
         with _grad_sync.already_reduced():
             self._model.optimizer.apply_gradients(zip(self._without_gradient(grads), self._model.trainable_variables))
         return tf.constant(True)
 
-    def _scatter(self, reversed_dense: list, has_data, after: list) -> list:
+    def _scatter(self, reversed_dense: list, has_data, after: list) -> tuple[list, list]:
         """Level 2: ``reversed_dense`` (the dense gradients, last variable first) reduce-scattered
-        over the replicas; None where another replica owns the variable."""
+        over the replicas, None where another replica owns the variable; and the collective's
+        last output (what the allgather of values must wait for)."""
         sparse = set(self._sparse_positions or ())
         positions = [i for i in range(len(self._model.trainable_variables)) if i not in sparse]
         variables = self._model.trainable_variables
         # The variable's static shape: a Dense on a 3-D input has a kernel gradient of shape
         # (None, units) in the graph, and the scatter's sizes are counted from these shapes.
         dense = {i: tf.ensure_shape(g, variables[i].shape) for i, g in zip(positions, reversed(reversed_dense))}
-        owned = self._sharding.reduce_scatter(dense, has_data, after)
-        return [owned.get(i) for i in reversed(positions)]
+        owned, done = self._sharding.reduce_scatter(dense, has_data, after)
+        return [owned.get(i) for i in reversed(positions)], done
 
     def train_step(self, data) -> dict:
         """One training step on this rank's micro-batch; gradients and metric states summed
@@ -277,9 +279,11 @@ class DistributedSteps:
         )
         # After the fused allreduce on every rank (Note [Sparse gradients as serial]).
         sparse = [_sparse.allgather(g, self._comm, after=[reduced[0]]) for g in sparse]
+        scatter_done = []
         if scattered is not None:  # level 2: each replica receives the sums of its own only
-            reduced = reduced + self._scatter(scattered, has_data, after=[reduced[0], *(g.values for g in sparse)])
-        done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None)
+            owned, scatter_done = self._scatter(scattered, has_data, after=[reduced[0], *(g.values for g in sparse)])
+            reduced = reduced + owned
+        done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None, scatter_done)
         with tf.control_dependencies([done]):  # read the metrics after they became global
             return model.get_metrics_result()
 

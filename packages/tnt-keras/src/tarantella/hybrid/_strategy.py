@@ -5,7 +5,8 @@ strategy), of tensor groups (p = 1, layer parallelism's model with replicas), or
 pipelines whose stages are tensor groups (``_model``); with nothing to split (t = 1 and
 no stages: no ``num_pipeline_stages``, plan or SplitLayer markers) it is data
 parallelism. It takes the options of both, as they declared them, and DATA's
-``sharding=`` for its replica axis (``_sharding_level``).
+``sharding=`` for its replica axis (``_sharding_level``): the replica groups of each
+stage, of each tensor shard, or of both.
 """
 
 from __future__ import annotations
@@ -50,20 +51,15 @@ def _pipeline_plan(model: keras.Model, options: dict):
     return None
 
 
-def _sharding_level(options: dict, t: int, stages: bool) -> int:
-    """The sharding level of ALL's replica axis (``sharding=``, else ``TNT_SHARDING``), refused
-    where it is not implemented (a ShardingError naming the fix, alike on every rank)."""
+def _sharding_level(options: dict) -> int:
+    """The sharding level of ALL's replica axis (``sharding=``, else ``TNT_SHARDING``); level 3
+    is refused (a ShardingError naming the fix, alike on every rank)."""
     level = _settings.sharding_level(options.get("sharding"))
     named = f"sharding={level}" if options.get("sharding") is not None else f"TNT_SHARDING={level}"
     if level == 3:
         raise ShardingError(f"tnt.Model(parallel_strategy=ALL, {named}) (parameters sharded too) is not "
                             "implemented yet; use sharding=2 (optimizer state and gradients) or sharding=1 "
                             "(optimizer state).")
-    if level and t > 1 and not stages and _runtime.get_size() > t:
-        raise ShardingError(
-            f"tnt.Model(parallel_strategy=ALL, {named}): the data replicas of tensor groups (one pipeline "
-            "stage) are not sharded yet; sharding applies to ALL's replicas of pipeline stages (pass "
-            "num_pipeline_stages=p >= 2) and to ParallelStrategy.DATA. Use sharding=0 here.")
     return level
 
 
@@ -71,7 +67,7 @@ def build_all(model: keras.Model, member: ParallelStrategy, options: dict) -> ke
     """ALL: replicas of pipelines, of tensor groups, or of pipelines of tensor groups."""
     t = size_from_options(options, member)
     stage_options = {k: options[k] for k in STAGE_OPTIONS if k in options}
-    level = _sharding_level(options, t, _has_stages(model, options))
+    level = _sharding_level(options)
     if level:  # the replica groups of each stage (and shard) shard: pipelining's model takes it
         stage_options["sharding"] = level
     if t == 1:
@@ -99,7 +95,7 @@ def build_all(model: keras.Model, member: ParallelStrategy, options: dict) -> ke
             f"{t}-rank tensor groups, or drop the option(s).")
     check_layout("all", _runtime.get_size(), t)
     return TensorParallelModel(model, tensor_parallel_size=t, tensor_parallel_plan=options.get("tensor_parallel_plan"),
-                               parallel_strategy="all")
+                               parallel_strategy="all", sharding=level)
 
 
 def load_all(filepath, member: ParallelStrategy, options: dict, **kwargs) -> keras.Model | None:
@@ -108,7 +104,7 @@ def load_all(filepath, member: ParallelStrategy, options: dict, **kwargs) -> ker
     t = size_from_options(options, member)
     stage_options = {k: options[k] for k in STAGE_OPTIONS if k in options}
     stages = stage_options.get("num_pipeline_stages") is not None or (t == 1 and _file_has_markers(filepath, kwargs))
-    level = _sharding_level(options, t, stages)
+    level = _sharding_level(options)
     if t > 1:
         if stage_options:
             raise TensorParallelError(
@@ -117,7 +113,7 @@ def load_all(filepath, member: ParallelStrategy, options: dict, **kwargs) -> ker
                 "available yet. Load the file with keras.saving.load_model on every rank and wrap that model "
                 "with tnt.Model(..., parallel_strategy=ALL, num_pipeline_stages=p, tensor_parallel_size=t).")
         tensor_options = {k: options[k] for k in TENSOR_OPTIONS if k in options}
-        return load_model(filepath, parallel_strategy="all", **tensor_options, **kwargs)
+        return load_model(filepath, parallel_strategy="all", sharding=level, **tensor_options, **kwargs)
     if stages:
         sharded = {"sharding": level} if level else {}
         return strategy_for(ParallelStrategy.PIPELINING).load(filepath, member, {**stage_options, **sharded}, **kwargs)

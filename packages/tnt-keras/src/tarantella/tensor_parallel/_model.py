@@ -12,8 +12,9 @@ between them, ``_xla``).
 
 ``TENSOR`` runs one group of N == t ranks; ``ALL`` with ``tensor_parallel_size=t`` runs
 N / t data replicas of such groups (``_replicas``: each replica reads its slice of the
-global batch, gradients are summed over the replica group only), or, with pipeline
-stages, pipelining's model whose stages are tensor groups (``tarantella.hybrid``).
+global batch, gradients are summed over the replica group only; ``sharding=1|2`` shards
+the optimizer state, and gradients, over each replica group as DATA does), or, with
+pipeline stages, pipelining's model whose stages are tensor groups (``tarantella.hybrid``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .._core.deferred import current_or_initial, has_deferred, is_deferred, mate
 from .._core.distributed import DistributedModel
 from .._core.errors import TensorParallelError
 from .._core.mesh import check_layout, groups
+from ..data_parallel import Sharding, serial_optimizer
 from . import _saving
 from ._agreement import check_same_plan
 from ._collectives import TensorGroup
@@ -102,7 +104,7 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         keras.Model.jit_compile.fset(self, value)
 
     def __init__(self, model: keras.Model, *, tensor_parallel_size: int,
-                 tensor_parallel_plan=None, parallel_strategy: str = "tensor",
+                 tensor_parallel_plan=None, parallel_strategy: str = "tensor", sharding: int = 0,
                  _weights_from_file: bool = False) -> None:
         t = check_size(tensor_parallel_size)
         check_model(model)
@@ -119,6 +121,7 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         object.__setattr__(self, "_tnt_replicas", mine.replica if mesh.replicas > 1 else None)
         self.num_replicas = mesh.replicas
         self.replica = mesh.replica(_runtime.get_rank())
+        object.__setattr__(self, "_tnt_sharding", replica_sharding(self, sharding))
         self._tnt_check_same_plan()
         # A model built in tnt.pipelining.deferred_variables() has no values to broadcast:
         # each variable gets its initial value when its shard is made (_assign_initial).
@@ -229,7 +232,8 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         """Keras' compile of the local model's wrapper, with the arguments the user's
         model's own ``compile`` passes on (its defaults: keras-hub's metrics). The group
         collectives are ops XLA cannot hold, so the step is never one XLA cluster;
-        ``jit_compile=True`` has XLA compile the segments between them instead (``_xla``)."""
+        ``jit_compile=True`` has XLA compile the segments between them instead (``_xla``).
+        Sharded replicas: the optimizer is built on the owned variables only."""
         serial = self._serial
         kwargs = own_compile_arguments(type(serial), lambda: serial, args, kwargs)
         optimizer = keras.optimizers.get(kwargs.pop("optimizer"))
@@ -241,6 +245,9 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
                 "of the split layers' gradients. Use clipvalue=, or train with ParallelStrategy.DATA.")
         self._tnt_xla_segments = jit_compile is True
         super().compile(optimizer=optimizer, jit_compile=False, **kwargs)
+        if self._tnt_sharding is not None:
+            self._tnt_sharding.install(self.optimizer)
+            self._tnt_sharding.owned_variables()  # too few variables to own: a ShardingError now, not in fit
         if self._tnt_steps is not None:  # its reducers hold the old metrics' and optimizer's slots
             self._tnt_steps.close()
             self._tnt_steps = self._replica_steps()
@@ -324,8 +331,21 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
 
     def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The serial model with optimizer state on the master (None elsewhere); all ranks
-        call it (BackupAndRestore writes it)."""
-        return _saving.gather_serial_model(self, with_optimizer)
+        call it (BackupAndRestore writes it). Sharded replicas first stream their slots to
+        replica 0 of their group, whose shards are then joined as unsharded ones."""
+        if self._tnt_sharding is None or not with_optimizer or not self.compiled:
+            return _saving.gather_serial_model(self, with_optimizer)
+        with serial_optimizer(self, self._tnt_sharding, gather=True):
+            return _saving.gather_serial_model(self, with_optimizer)
+
+
+def replica_sharding(tpm: TensorParallelModel, level: int) -> Sharding | None:
+    """DATA's shards over ``tpm``'s replica group (the ranks holding the same shard): each of
+    its trainable variables, shards and replicated ones alike, has one owner there. None at
+    level 0 or with one replica. The loss-scale decision spans the job."""
+    if not level or tpm._tnt_replicas is None:
+        return None
+    return Sharding(tpm, level, comm=tpm._tnt_replicas, decisions=tnt_comm.world())
 
 
 def assign_slices(pairs, group: TensorGroup) -> None:

@@ -7,7 +7,9 @@ step is the data-parallel one (``_steps.DistributedSteps``) run on the wrapper i
 the loss is weighted by ``b_r / B``, and the gradients of shards and of replicated
 variables, the batch size and the metric states are SUM-reduced by the fused engine on
 the *replica group* (the ranks holding the same shard), never over the tensor group,
-whose ranks already agree. The engine waits for backprop to end (its tensor-group
+whose ranks already agree (at ``sharding=1|2`` DATA's ``Sharding`` on the replica group:
+each rank applies the optimizer to the variables it owns there, level 2 reduce-scatters
+the dense gradients, and the updated values are allgathered). The engine waits for backprop to end (its tensor-group
 collectives run inside backprop; never two kinds at once). Predictions are gathered
 over the replica group, so every rank returns the whole global batch's in order.
 Callbacks run as in data parallelism: BackupAndRestore writes from the master and every
@@ -34,7 +36,8 @@ class ReplicaLoops:
         if self._tnt_replicas is None:
             return None
         return DistributedSteps(self, self.num_replicas, self._tnt_settings.fusion_threshold_bytes,
-                                comm=self._tnt_replicas, own_steps=False, in_graph_collectives=True)
+                                comm=self._tnt_replicas, own_steps=False, in_graph_collectives=True,
+                                sharding=self._tnt_sharding)
 
     def _sharding(self) -> Sharding:
         """Both ranks of a tensor group read their replica's slice of each global batch."""

@@ -52,13 +52,15 @@ def build_tensor(model: keras.Model, member: ParallelStrategy, options: dict) ->
 
 
 def load_model(filepath, *, tensor_parallel_size: int, tensor_parallel_plan=None, custom_objects=None,
-               compile: bool = True, safe_mode: bool = True, parallel_strategy: str = "tensor", **kwargs):
+               compile: bool = True, safe_mode: bool = True, parallel_strategy: str = "tensor", sharding: int = 0,
+               **kwargs):
     """Load a ``.keras`` file (saved serially or tensor-parallel at any t) split over
     ``tensor_parallel_size`` ranks; each rank reads only its slices of the split layers.
 
     ``tensor_parallel_plan``: a plan of the file's model (default: the automatic plan).
     ``parallel_strategy="all"``: data replicas of such groups (N a multiple of t; every
-    replica reads the same slices).
+    replica reads the same slices); ``sharding=1|2`` then keeps on each replica the optimizer
+    state of the variables it owns in its replica group, read from the file's whole state.
     """
     strategy = getattr(parallel_strategy, "value", parallel_strategy)
     if kwargs:
@@ -71,7 +73,8 @@ def load_model(filepath, *, tensor_parallel_size: int, tensor_parallel_plan=None
                                       "TENSOR) loads .keras files (use model.load_weights for .weights.h5).")
         full = deferred_from_file(archive, custom_objects, compile, safe_mode)
         model = TensorParallelModel(full, tensor_parallel_size=tensor_parallel_size, parallel_strategy=strategy,
-                                    tensor_parallel_plan=tensor_parallel_plan, _weights_from_file=True)
+                                    tensor_parallel_plan=tensor_parallel_plan, sharding=sharding,
+                                    _weights_from_file=True)
         split = {id(s) for s, _, _ in model._split_variables()}
         for var in full.variables:  # replicated layers (and seeds): real variables, read below
             if is_deferred(var) and id(var) not in split:
