@@ -81,6 +81,42 @@ def test_budget_below_sharding_picks_the_pipeline():
     assert {"DATA(d=2)", "DATA(d=2, sharding=1)", "DATA(d=2, sharding=2)"} <= set(rejected), rejected
 
 
+def test_replicas_of_stages_and_of_tensor_groups_are_planned_with_sharding_too():
+    """ALL's replica axis shards (issue 30) as DATA's does: the planner offers levels 1 and 2
+    wherever there are replicas, never without, and builds them with ``sharding=``."""
+    from tarantella.auto._layout import Layout
+    from tarantella.auto._search import layouts
+
+    names = {lay.describe() for lay in layouts(4, 8)[0]}
+    assert {"ALL(d=2, t=2, sharding=1)", "ALL(d=2, t=2, sharding=2)", "ALL(d=2, p=2 m=2, sharding=2)",
+            "ALL(d=2, p=2 m=2 remat, sharding=1)", "DATA(d=4, sharding=2)"} <= names, sorted(names)
+    assert not [n for n in names if "sharding" in n and "d=1" in n], sorted(names)
+    assert Layout(2, 1, 2, sharding=2).model_options() == (
+        tnt.ParallelStrategy.ALL, {"tensor_parallel_size": 2, "sharding": 2})
+    assert Layout(2, 2, 1, micro_batches=4, sharding=1).model_options() == (
+        tnt.ParallelStrategy.ALL, {"num_pipeline_stages": 2, "num_micro_batches": 4, "sharding": 1})
+    m = two_convs()
+    prof = given_profile(m, {"c1": 1e-3, "c2": 1e-3, "pool": 1e-5, "head": 1e-5})
+    plan = tnt.plan_parallel(m, num_ranks=4, global_batch_size=8, memory_budget=None, profile_=prof)
+    pipes = {c.layout.describe(): c.estimate.memory for c in plan.feasible if c.layout.stages == 2}
+    plain, sharded = pipes["ALL(d=2, p=2 m=2 bytes)"], pipes["ALL(d=2, p=2 m=2 bytes, sharding=1)"]
+    assert sharded["optimizer_slots"] * 2 == plain["optimizer_slots"] > 0, (plain, sharded)
+
+
+def test_an_optimizer_that_cannot_be_sharded_rejects_the_sharded_layouts():
+    class OwnSGD(keras.optimizers.SGD):  # not one of Keras' (sharding cannot know its update)
+        pass
+
+    m = one_conv()
+    m.compile(optimizer=OwnSGD(0.1), loss="mse")
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=None)
+    reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
+    for level in (1, 2):
+        assert reasons[f"DATA(d=2, sharding={level})"].startswith("no sharding:"), reasons
+        assert "OwnSGD" in reasons[f"DATA(d=2, sharding={level})"], reasons
+    assert plan.layout.describe() == "DATA(d=2)", plan.summary()
+
+
 def test_budget_that_only_recomputation_meets_picks_remat_stages():
     m = two_convs()
     prof = given_profile(m, {"c1": 1e-3, "c2": 1e-3, "pool": 1e-5, "head": 1e-5})  # not the machine's load

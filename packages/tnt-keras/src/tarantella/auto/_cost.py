@@ -119,7 +119,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
             worst = mem
         stage_time = prof.time_s(rows, names, scale=scale) * (1 + REMAT_FORWARD_SHARE if layout.remat else 1)
         slowest = max(slowest, stage_time)
-        sync = max(sync, _comm.allreduce_s(d, mem["gradients"], net))
+        sync = max(sync, _replica_sync_s(layout, mem["gradients"], mem["parameters"], net))
     boundary = max(stages.receive_bytes_per_sample) * rows
     p2p = 2 * _comm.p2p_s(boundary, net)  # a forward send and a backward send per slot
     if split is not None:

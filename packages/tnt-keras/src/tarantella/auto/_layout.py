@@ -10,8 +10,9 @@ from .._core.strategy import ParallelStrategy
 
 @dataclass(frozen=True)
 class Layout:
-    """``replicas * stages * tensor == num_ranks``; ``sharding`` only with DATA
-    (``stages == tensor == 1``); ``micro_batches`` only with ``stages > 1``."""
+    """``replicas * stages * tensor == num_ranks``; ``sharding`` only with replicas (DATA's,
+    or ALL's replicas of stages or of tensor groups); ``micro_batches`` only with
+    ``stages > 1``."""
 
     replicas: int
     stages: int = 1
@@ -63,4 +64,6 @@ class Layout:
                 options["remat"] = "stages"
         if self.tensor > 1:
             options["tensor_parallel_size"] = self.tensor
+        if self.sharding:  # ALL's replica axis (PIPELINING and TENSOR have none)
+            options["sharding"] = self.sharding
         return member, options

@@ -2,7 +2,8 @@
 one measured profile, drop those over the memory budget, take the fastest.
 
 The space is small and searched exhaustively: d x p x t over the divisors of N, DATA's
-sharding levels 0-2 (d > 1), micro-batches m in {p, 2p, 4p} dividing the replica's batch.
+sharding levels 0-2 of the data replicas (d > 1: DATA's, and ALL's replicas of stages or of
+tensor groups), micro-batches m in {p, 2p, 4p} dividing the replica's batch.
 Stages come from the pipeline's own automatic plan (contiguous, balanced by parameter
 bytes) and tensor splits from the tensor plan, so the prediction is of the layout
 ``tnt.Model`` will really build.
@@ -42,8 +43,8 @@ def layouts(num_ranks: int, global_batch: int) -> tuple[list[Layout], list[Candi
                 bad.append(Candidate(Layout(d, p, t), None,
                                      f"global batch {global_batch} does not divide by {d} replicas"))
                 continue
+            levels = (0, 1, 2) if d > 1 else (0,)
             if p == 1:
-                levels = (0, 1, 2) if d > 1 and t == 1 else (0,)
                 out.extend(Layout(d, 1, t, sharding=s) for s in levels)
                 continue
             ms = [m for m in (p, 2 * p, 4 * p) if (global_batch // d) % m == 0]
@@ -52,7 +53,8 @@ def layouts(num_ranks: int, global_batch: int) -> tuple[list[Layout], list[Candi
                                      f"the replica's batch {global_batch // d} does not divide into "
                                      f"{p}, {2 * p} or {4 * p} micro-batches"))
             # each with and without recomputation of the stages' activations (remat="stages")
-            out.extend(Layout(d, p, t, micro_batches=m, remat=r) for m in ms for r in (False, True))
+            out.extend(Layout(d, p, t, micro_batches=m, remat=r, sharding=s)
+                       for m in ms for r in (False, True) for s in levels)
     return out, bad
 
 
@@ -63,6 +65,21 @@ def _slots(model) -> int:
     if opt is None or not tb:
         return DEFAULT_OPTIMIZER_SLOTS
     return round(_memory.slot_bytes(opt, trainable) / tb)
+
+
+def _why_not_sharded(model) -> str | None:
+    """Why the model's optimizer cannot be sharded (None: it can; an uncompiled model gets
+    Adam's defaults, which can)."""
+    from ..data_parallel import ShardingError, check_optimizer
+
+    opt = getattr(model, "optimizer", None) if getattr(model, "compiled", False) else None
+    if opt is None:
+        return None
+    try:
+        check_optimizer(opt, 1)
+    except ShardingError as e:
+        return f"no sharding: {str(e)[:160]}"
+    return None
 
 
 def _split(model, t: int, prof: Profile) -> Split | str:
@@ -207,7 +224,11 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     feasible: list[Candidate] = []
     stage_plans = _StagePlans(model, prof)
     apart: dict[tuple, str | None] = {}  # (t, p, cut) -> why the tensor pairs do not fit the stages
+    unshardable = _why_not_sharded(model)
     for base in layouts_:
+        if base.sharding and unshardable is not None:
+            rejected.append(Candidate(base, None, unshardable))
+            continue
         if base.tensor > 1 and base.tensor not in splits:
             splits[base.tensor] = _split(model, base.tensor, prof)
         split = splits.get(base.tensor) if base.tensor > 1 else None

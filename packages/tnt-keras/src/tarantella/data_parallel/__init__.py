@@ -12,8 +12,8 @@ from __future__ import annotations
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._model import Model
 from ._sharded_files import serial_optimizer
-from ._sharding import Sharding, ShardingError, assign_owners
+from ._sharding import Sharding, ShardingError, assign_owners, check_optimizer
 from ._steps import DistributedSteps
 
 __all__ = ["DistributedSteps", "Model", "Sharding", "ShardingError", "UnsyncedReplicasError", "assign_owners",
-           "local_batch_size", "serial_optimizer"]
+           "check_optimizer", "local_batch_size", "serial_optimizer"]
