@@ -101,6 +101,32 @@ def test_plan_and_errors(report, name):
     assert_check(report["checks"], name)
 
 
+def test_loss_scale_decision_spans_the_tensor_group(monkeypatch):
+    """_loss_scale.decide_over_group, in one process (the group's allreduce faked): a rank
+    whose own shards are finite skips the step when another rank's shard overflowed."""
+    import types
+
+    import keras
+    import numpy as np
+
+    from tarantella.tensor_parallel import _loss_scale
+
+    others_bad = [0.0]
+    monkeypatch.setattr(_loss_scale._gc, "allreduce", lambda bad, comm, chain, name: bad + others_bad[0])
+    v = keras.Variable(np.ones(2, "float32"))
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=4.0)
+    _loss_scale.decide_over_group(lso, types.SimpleNamespace(size=2, comm=None))
+    lso.apply([np.full(2, 4.0, "float32")], [v])  # no rank overflowed: applied (4 / scale 4)
+    assert v.numpy().tolist() == [0.0, 0.0] and float(lso.dynamic_scale.numpy()) == 4.0
+    others_bad[0] = 1.0
+    lso.apply([np.full(2, 4.0, "float32")], [v])  # finite here, not on the other rank: skipped
+    assert v.numpy().tolist() == [0.0, 0.0] and float(lso.dynamic_scale.numpy()) == 2.0
+    assert int(lso.iterations.numpy()) == 1
+    alone = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    _loss_scale.decide_over_group(alone, types.SimpleNamespace(size=1, comm=None))  # t = 1: as Keras
+    assert "check_finite" not in vars(alone)
+
+
 # -- save / load -------------------------------------------------------------------------------------
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # the data-parallel tolerances
 
