@@ -2,7 +2,8 @@
 
 Cases: an MLP stack (SGD momentum, Adam) and a Transformer encoder block (Embedding by
 vocabulary, attention by heads with dropout, an FFN pair with Dropout inside, LayerNorm
-and residuals replicated; Adam).
+and residuals replicated; Adam). A float16 Dense pair with a LossScaleOptimizer whose
+gradients overflow on one shard only skips exactly the steps serial Keras skips.
 
 One job (jobs/tensor_parallel.py, in the shared 2-rank launch) trains each case serially and tensor-parallel in the
 same job. Tolerances are those of float32 summation order, as in test_exactness.py.
