@@ -2,7 +2,8 @@
 
 Cases: an MLP stack (SGD momentum, Adam) and a Transformer encoder block (Embedding by
 vocabulary, attention by heads with dropout, an FFN pair with Dropout inside, LayerNorm
-and residuals replicated; Adam).
+and residuals replicated; Adam). A float16 Dense pair with a LossScaleOptimizer whose
+gradients overflow on one shard only skips exactly the steps serial Keras skips.
 
 One job (jobs/tensor_parallel.py, in the shared 2-rank launch) trains each case serially and tensor-parallel in the
 same job. Tolerances are those of float32 summation order, as in test_exactness.py.
@@ -23,6 +24,7 @@ CHECKS = (
     "error_missing_size", "error_clipnorm", "error_load_weights_file_as_model",
     "unseeded_shuffle_same_batches_on_all_ranks",
     "deferred_build_split_layers_never_whole", "deferred_build_starts_and_trains_as_eager",
+    "loss_scale_decided_as_serial_on_every_rank",
 )
 
 
@@ -98,6 +100,32 @@ def test_optimizer_slots_are_shard_shaped(report):
 @pytest.mark.parametrize("name", CHECKS)
 def test_plan_and_errors(report, name):
     assert_check(report["checks"], name)
+
+
+def test_loss_scale_decision_spans_the_tensor_group(monkeypatch):
+    """_loss_scale.decide_over_group, in one process (the group's allreduce faked): a rank
+    whose own shards are finite skips the step when another rank's shard overflowed."""
+    import types
+
+    import keras
+    import numpy as np
+
+    from tarantella.tensor_parallel import _loss_scale
+
+    others_bad = [0.0]
+    monkeypatch.setattr(_loss_scale._gc, "allreduce", lambda bad, comm, chain, name: bad + others_bad[0])
+    v = keras.Variable(np.ones(2, "float32"))
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0), initial_scale=4.0)
+    _loss_scale.decide_over_group(lso, types.SimpleNamespace(size=2, comm=None))
+    lso.apply([np.full(2, 4.0, "float32")], [v])  # no rank overflowed: applied (4 / scale 4)
+    assert v.numpy().tolist() == [0.0, 0.0] and float(lso.dynamic_scale.numpy()) == 4.0
+    others_bad[0] = 1.0
+    lso.apply([np.full(2, 4.0, "float32")], [v])  # finite here, not on the other rank: skipped
+    assert v.numpy().tolist() == [0.0, 0.0] and float(lso.dynamic_scale.numpy()) == 2.0
+    assert int(lso.iterations.numpy()) == 1
+    alone = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    _loss_scale.decide_over_group(alone, types.SimpleNamespace(size=1, comm=None))  # t = 1: as Keras
+    assert "check_finite" not in vars(alone)
 
 
 # -- save / load -------------------------------------------------------------------------------------

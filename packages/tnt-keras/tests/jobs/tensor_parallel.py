@@ -291,6 +291,54 @@ def deferred_build_check(t: int) -> None:
           f"start {start:.2e}, history {h:.2e}, weights {w:.2e}")
 
 
+def loss_scaled_mlp() -> keras.Model:
+    """A float16 column/row pair whose column-shard 0 has 30x larger activations, so the
+    row layer's kernel rows of shard 0 get 30x larger gradients: as the loss scale falls,
+    for several steps only shard 0's gradients overflow float16."""
+    keras.utils.set_random_seed(4)
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, name="up", dtype="mixed_float16")(x)  # per layer: no global policy
+    h = keras.layers.Dense(4, name="down", dtype="mixed_float16")(h)
+    model = keras.Model(x, keras.layers.Activation("linear", dtype="float32", name="out")(h), name="lso")
+    kernel, bias = model.get_layer("up").get_weights()
+    kernel[:, :4] *= 30.0
+    model.get_layer("up").set_weights([kernel, bias])
+    return model
+
+
+def loss_scale_check(t: int) -> None:
+    """A LossScaleOptimizer skips a step exactly when serial Keras does, on every rank:
+    its finiteness decision covers every shard's gradients (_loss_scale). Without it the
+    rank whose shard stays finite applied steps the other skipped (scale 2048 vs 128)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 4)).astype("float32")
+    serial, source = loss_scaled_mlp(), loss_scaled_mlp()
+    model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t,
+                      tensor_parallel_plan=TP.plan(source, tensor_parallel_size=t, min_split_params=0))
+    for m in (serial, model):
+        m.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3), initial_scale=2.0**16), "mse")
+    fit = dict(batch_size=8, epochs=4, shuffle=False, verbose=0)
+    h_serial, h_tensor = serial.fit(x, y, **fit).history, model.fit(x, y, **fit).history
+
+    def state(m):
+        return float(m.optimizer.dynamic_scale.numpy()), int(m.optimizer.iterations.numpy())
+
+    ranks = tnt_comm.allgather_object((state(model), [v.numpy() for v in model.local_model.get_layer("down").weights]))
+    want = state(serial)
+    biases = [np.array_equal(bias, ranks[0][1][1]) for _, (_, bias) in ranks]  # down's bias: whole on every rank
+    loss = max(abs(a - b) / abs(b) for a, b in zip(h_tensor["loss"], h_serial["loss"]))
+    # float16 compute: the row split rounds its partial sums to float16 (serial: once), so
+    # compare relative to each weight's largest magnitude, at float16's precision.
+    weights = max(float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+                  for a, b in zip(model.get_weights(), serial.get_weights()))
+    plan_ok = model.plan.split_layers() == {"up": "column", "down": "row"}
+    check("loss_scale_decided_as_serial_on_every_rank",
+          plan_ok and 0 < want[1] < 16 and  # some of the 16 steps skipped, some applied
+          all(s == want for s, _ in ranks) and all(biases) and loss <= 2e-3 and weights <= 2e-3,
+          f"plan ok {plan_ok}; serial (scale, applied steps) {want}, ranks {[s for s, _ in ranks]}, "
+          f"row bias equal {biases}, loss rel diff {loss:.2e}, weights rel diff {weights:.2e}")
+
+
 # -- save / load ------------------------------------------------------------------------------
 def on_master(fn):
     """``fn()`` on the master only (serial Keras), its result on every rank."""
@@ -506,6 +554,7 @@ def main() -> None:
     plan_and_error_checks(t)
     unseeded_shuffle_check(t)
     deferred_build_check(t)
+    loss_scale_check(t)
     cases = {}
     work = out.parent
     seconds = {}

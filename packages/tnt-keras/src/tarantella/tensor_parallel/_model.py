@@ -43,6 +43,7 @@ from . import _saving
 from ._agreement import check_same_plan
 from ._collectives import TensorGroup
 from ._layout_map import as_plan
+from ._loss_scale import decide_over_group
 from ._plan import (
     check_model,
     check_size,
@@ -233,7 +234,8 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         model's own ``compile`` passes on (its defaults: keras-hub's metrics). The group
         collectives are ops XLA cannot hold, so the step is never one XLA cluster;
         ``jit_compile=True`` has XLA compile the segments between them instead (``_xla``).
-        Sharded replicas: the optimizer is built on the owned variables only."""
+        Sharded replicas: the optimizer is built on the owned variables only. A
+        LossScaleOptimizer decides to skip a step on the whole gradients (``_loss_scale``)."""
         serial = self._serial
         kwargs = own_compile_arguments(type(serial), lambda: serial, args, kwargs)
         optimizer = keras.optimizers.get(kwargs.pop("optimizer"))
@@ -245,9 +247,11 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
                 "of the split layers' gradients. Use clipvalue=, or train with ParallelStrategy.DATA.")
         self._tnt_xla_segments = jit_compile is True
         super().compile(optimizer=optimizer, jit_compile=False, **kwargs)
-        if self._tnt_sharding is not None:
+        if self._tnt_sharding is not None:  # its LossScaleOptimizer decides over the job
             self._tnt_sharding.install(self.optimizer)
             self._tnt_sharding.owned_variables()  # too few variables to own: a ShardingError now, not in fit
+        else:  # a LossScaleOptimizer skips or applies on whole gradients, as serial (_loss_scale)
+            decide_over_group(self.optimizer, self.group)
         if self._tnt_steps is not None:  # its reducers hold the old metrics' and optimizer's slots
             self._tnt_steps.close()
             self._tnt_steps = self._replica_steps()
