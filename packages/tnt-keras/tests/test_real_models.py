@@ -1,5 +1,5 @@
-"""keras-hub Transformers (GPT-2, BERT, Llama backbones with a head; the GPT2CausalLM task
-model with its tied embedding) and keras.applications' MobileNetV3Small, built from
+"""keras-hub Transformers (BERT, Llama backbones with a head; the GPT2CausalLM task model
+with its tied embedding around GPT-2's backbone) and keras.applications' MobileNetV3Small, built from
 constructor arguments, trained with tnt.Model on 2 ranks against serial Keras in the same
 job (jobs/real_models.py).
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-CASES = ["gpt2", "bert", "llama", "gpt2_causal_lm", "mobilenet"]
+#: GPT-2 as a backbone with a head: in gpt2_causal_lm here, alone under TENSOR (jobs/real_models_2ranks.py)
+CASES = ["bert", "llama", "gpt2_causal_lm", "mobilenet"]
 CNNS = ["mobilenet"]
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 

@@ -21,9 +21,15 @@ import real_models_tensor
 
 import tarantella as tnt
 
+#: The GPT-2 backbone with a pooled head trains inside GPT2CausalLM (the backbone, plus its
+#: tied embedding) under DATA and PIPELINING, and alone under TENSOR (with its files): the
+#: suite's launch leaves its DATA and PIPELINING runs to the jobs run on their own
+#: (``python jobs/real_models.py``), ~2 x 40 s of CI's 2-rank launch.
+LEFT_OUT = {"data": ("gpt2",), "pipelining": ("gpt2",)}
 PARTS = {
-    "data": (real_models.run_all, list(real_models.MODELS)),
-    "pipelining": (real_models_pipeline.run_all, list(real_models_pipeline.MODELS)),
+    "data": (real_models.run_all, [n for n in real_models.MODELS if n not in LEFT_OUT["data"]]),
+    "pipelining": (real_models_pipeline.run_all,
+                   [n for n in real_models_pipeline.MODELS if n not in LEFT_OUT["pipelining"]]),
     "tensor": (real_models_tensor.run_all, list(real_models_tensor.CASES)),
 }
 
