@@ -74,7 +74,9 @@ def test_parameters_add_up_to_the_serial_model(result):
             e = r["estimate"]
             # Adam: 2 slots per weight, and its iteration count and learning rate (a few bytes)
             assert 0 <= e["optimizer_slots"] - 2 * e["gradients"] <= 64, (s, e)
-    assert all(r["estimate"]["communication_buffers"] == r["estimate"]["gradients"] for r in st["DATA"])
+    # Transient buckets waited one at a time (the default) carry the gradients instead of
+    # standing beside them: no set of their own (docs/memory.md, "Buckets one at a time").
+    assert all(r["estimate"]["communication_buffers"] == 0 for r in st["DATA"])
     assert all(r["estimate"]["gradient_accumulators"] == r["estimate"]["gradients"] for r in st["PIPELINING"])
     assert max(r["estimate_total"] for r in st["PIPELINING"]) < 0.7 * st["DATA"][0]["estimate_total"]
 
