@@ -257,6 +257,8 @@ class PyFused {
   }
 
   Plan plan() const { return impl_->plan(); }
+  // Bucket indices in the order they go on the wire (Note [Large buckets first], fused.cc).
+  std::vector<std::size_t> launch_order() const { return impl_->launch_order(); }
   // Element offset of each tensor inside its bucket (spec order).
   std::vector<std::int64_t> slot_offsets() const {
     std::vector<std::int64_t> out;
@@ -456,6 +458,7 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<const std::vector<std::tuple<std::string, std::int64_t, std::string>>&,
                     std::int64_t, int, std::vector<py::object>, const PyComm*, std::int64_t>())
       .def_property_readonly("plan", &PyFused::plan)
+      .def_property_readonly("launch_order", &PyFused::launch_order)
       .def_property_readonly("slot_offsets", &PyFused::slot_offsets)
       .def("submit", &PyFused::submit)
       .def("submit_many", &PyFused::submit_many)

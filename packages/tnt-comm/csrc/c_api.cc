@@ -205,6 +205,18 @@ int api_fused_wait_buckets_borrow(std::int64_t engine, std::int64_t n, void** ou
   });
 }
 
+int api_fused_wait_bucket_borrow(std::int64_t engine, std::int64_t bucket, void** out, std::int64_t* nbytes,
+                                 void** hold, char* err, std::size_t err_len) {
+  return status_of(err, err_len, [&] {
+    const auto f = lookup(registry().engines, engine, "FusedAllreduce");
+    const FusedResult r = f->wait_bucket(bucket);
+    const DType dt = f->specs()[static_cast<std::size_t>(f->plan()[static_cast<std::size_t>(bucket)].front())].dtype;
+    *out = r.buffer->data() + r.offset_bytes;
+    *nbytes = r.count * static_cast<std::int64_t>(dtype_size(dt));
+    *hold = new std::shared_ptr<FusionBuffer>(r.buffer);
+  });
+}
+
 void api_fused_release(void* hold) { delete static_cast<std::shared_ptr<FusionBuffer>*>(hold); }
 
 const tnt_comm_c_api kTable = {
@@ -212,6 +224,7 @@ const tnt_comm_c_api kTable = {
     api_allreduce,                 api_allgather,
     api_fused_submit,              api_fused_wait_buckets,
     api_fused_wait_buckets_borrow, api_fused_release,
+    api_fused_wait_bucket_borrow,
 };
 
 }  // namespace

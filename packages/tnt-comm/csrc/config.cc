@@ -37,7 +37,7 @@ Config load_config() {
   c.wait_spin_us = env_number(kWaitSpinEnv, kDefaultWaitSpinUs, "1000", true);
   c.handoff_spin_us = env_number(kHandoffSpinEnv, -1.0, "30", true);
   c.drive_spin_us = env_number(kDriveSpinEnv, kDefaultDriveSpinUs, "200", true);
-  c.transient_buckets = env_number(kTransientBucketsEnv, 0.0, "1", true) != 0.0;
+  c.transient_buckets = env_number(kTransientBucketsEnv, 1.0, "0", true) != 0.0;
   return c;
 }
 

@@ -50,7 +50,7 @@ struct Config {
   double wait_spin_us = kDefaultWaitSpinUs;
   double handoff_spin_us = -1.0;  // -1: unset, chosen by Engine::handoff_spin_us()
   double drive_spin_us = kDefaultDriveSpinUs;
-  bool transient_buckets = false;
+  bool transient_buckets = true;  // Note [Transient buckets]; TNT_COMM_TRANSIENT_BUCKETS=0 keeps them
 };
 
 // Reads all TNT_COMM_* variables. Throws std::invalid_argument naming the variable,

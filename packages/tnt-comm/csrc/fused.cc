@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -24,6 +25,7 @@ struct FusedAllreduce::State {
     bool buffer_armed = false;  // buffer chosen for this round (first tensor arrived)
     bool launched = false;
     bool done = false;
+    bool taken = false;  // handed out by wait_bucket() this round
     std::exception_ptr error;
   };
 
@@ -39,9 +41,12 @@ struct FusedAllreduce::State {
   std::condition_variable cv;
   std::vector<BucketState> buckets;
   std::vector<char> submitted;
-  std::size_t next_bucket = 0;
+  std::size_t next_bucket = 0;  // position in launch_order of the next bucket to launch
+  std::vector<std::size_t> launch_order;  // Note [Large buckets first]
   std::size_t done_count = 0;
   std::atomic<std::size_t> finished{0};  // done_count, readable without mu (the caller's spin)
+  std::unique_ptr<std::atomic<bool>[]> bucket_done;  // buckets[b].done, readable without mu
+  std::size_t taken_count = 0;  // buckets handed out by wait_bucket() this round
   bool closed = false;
   std::string broken;
 
@@ -53,9 +58,11 @@ struct FusedAllreduce::State {
     for (std::size_t b = 0; b < buckets.size(); ++b) {
       auto& bs = buckets[b];
       bs.pending = static_cast<std::int64_t>(layout.buckets[b].tensors.size());
-      bs.launched = bs.done = bs.buffer_armed = false;
+      bs.launched = bs.done = bs.buffer_armed = bs.taken = false;
       bs.error = nullptr;
+      bucket_done[b].store(false, std::memory_order_relaxed);
     }
+    taken_count = 0;
     std::fill(submitted.begin(), submitted.end(), 0);
     next_bucket = 0;
     done_count = 0;
@@ -114,6 +121,7 @@ class BucketTask final : public Task {
     bs.done = true;
     bs.error = error;
     ++s_->done_count;
+    s_->bucket_done[b_].store(true, std::memory_order_release);
     s_->finished.store(s_->done_count, std::memory_order_release);
     s_->cv.notify_all();
   }
@@ -185,6 +193,34 @@ void verify_same_everywhere(Engine& engine, const std::shared_ptr<Comm>& comm,
 
 }  // namespace
 
+// Note [Large buckets first]
+// Buckets are launched in one order on every rank; that order used to be the plan's (by
+// first tensor). But models interleave large tensors with small ones (a layer's kernel and
+// its bias), and TensorFlow computes the small gradients last: measured on an MLP, every
+// bucket holding a bias was submitted at the end of backprop, so no bucket could start
+// before backprop ended and every bucket of the round was alive at once (tarantella's
+// docs/memory.md). So buckets larger than the threshold (each one tensor) launch first,
+// in plan order, then the others, in plan order: each large tensor goes on the wire as
+// soon as it is submitted. Which tensors share a bucket is unchanged (the plan, Note
+// [Bucket rule]), so every reduction sums the same bytes as before; only their order in
+// time differs. A pure function of the layout and threshold: the same on every rank.
+static std::vector<std::size_t> large_first_order(const FusionLayout& layout, const std::vector<TensorSpec>& specs,
+                                                  std::int64_t threshold_bytes) {
+  // Large: one tensor over the threshold (its own bucket by the bucket rule). Not the
+  // bucket's size, which counts the alignment padding between small tensors.
+  const auto large = [&](const BucketLayout& bl) {
+    return bl.tensors.size() == 1 && specs[static_cast<std::size_t>(bl.tensors.front())].nbytes() > threshold_bytes;
+  };
+  std::vector<std::size_t> order;
+  order.reserve(layout.buckets.size());
+  for (const bool want : {true, false}) {
+    for (std::size_t b = 0; b < layout.buckets.size(); ++b) {
+      if (large(layout.buckets[b]) == want) order.push_back(b);
+    }
+  }
+  return order;
+}
+
 // Note [One communicator per engine]
 // Buckets of one engine start in plan order on every rank, but two engines used at once
 // are submitted to in whatever order the caller's threads reach them: rank 0 may start
@@ -202,6 +238,7 @@ FusedAllreduce::FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm,
   s.plan = plan_buckets(specs, threshold_bytes);
   s.layout = make_layout(specs, s.plan, slot_align_bytes);
   s.specs = std::move(specs);
+  s.launch_order = large_first_order(s.layout, s.specs, threshold_bytes);
   s.op = op;
   if (op == ReduceOp::kAvg) {
     for (const auto& b : s.layout.buckets) {
@@ -210,6 +247,7 @@ FusedAllreduce::FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm,
     }
   }
   s.buckets.resize(s.plan.size());
+  s.bucket_done = std::make_unique<std::atomic<bool>[]>(s.plan.size());
   s.submitted.assign(s.specs.size(), 0);
   s.arm_round();
   verify_same_everywhere(engine, s.comm, s.specs, threshold_bytes, op, slot_align_bytes);
@@ -218,6 +256,7 @@ FusedAllreduce::FusedAllreduce(Engine& engine, std::shared_ptr<Comm> comm,
 FusedAllreduce::~FusedAllreduce() { close(); }
 
 const Plan& FusedAllreduce::plan() const { return state_->plan; }
+const std::vector<std::size_t>& FusedAllreduce::launch_order() const { return state_->launch_order; }
 const FusionLayout& FusedAllreduce::layout() const { return state_->layout; }
 const std::vector<TensorSpec>& FusedAllreduce::specs() const { return state_->specs; }
 
@@ -284,10 +323,11 @@ void FusedAllreduce::submit_many(const std::vector<Item>& items) {
     for (const Item& it : items) {
       --s.buckets[static_cast<std::size_t>(s.layout.slots[static_cast<std::size_t>(it.index)].bucket)].pending;
     }
-    while (s.next_bucket < s.buckets.size() && s.buckets[s.next_bucket].pending == 0) {
-      auto& nb = s.buckets[s.next_bucket];
+    while (s.next_bucket < s.buckets.size() && s.buckets[s.launch_order[s.next_bucket]].pending == 0) {
+      const std::size_t b = s.launch_order[s.next_bucket];
+      auto& nb = s.buckets[b];
       nb.launched = true;
-      ready.push_back(std::make_shared<BucketTask>(state_, s.next_bucket, nb.buffer));
+      ready.push_back(std::make_shared<BucketTask>(state_, b, nb.buffer));
       ++s.next_bucket;
     }
     round_complete = s.next_bucket == s.buckets.size();
@@ -309,13 +349,17 @@ std::vector<FusedResult> FusedAllreduce::wait() { return wait_round(false); }
 
 std::vector<FusedResult> FusedAllreduce::wait_buckets() { return wait_round(true); }
 
-std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
-  State& s = *state_;
+// Blocks until `ready_fast()` (read without the lock) and `ready_locked()` (under s.mu) hold
+// for the buckets up to `last` (plan order), or the engine breaks, is closed or stalls;
+// returns holding s.mu. The stall report names the tensors of buckets 0..last never submitted.
+static std::unique_lock<std::mutex> block_until(FusedAllreduce::State& s, std::size_t last,
+                                         const std::function<bool()>& ready_fast,
+                                         const std::function<bool()>& ready_locked) {
   const double timeout_s = s.engine->config().timeout_s;
   auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(timeout_s));
-  const auto all_done = [&s] { return s.finished.load(std::memory_order_acquire) >= s.buckets.size(); };
+  const auto& all_done = ready_fast;
   std::shared_ptr<Task> no_task;
   std::optional<Engine::Waiting> waiting;
   if (!s.engine->drive(no_task, all_done)) {  // Note [Waiter drives] in engine.cc
@@ -326,7 +370,7 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
                                  std::chrono::duration<double, std::micro>(s.engine->handoff_spin_us())));
   }
   std::unique_lock<std::mutex> lock(s.mu);
-  while (s.done_count < s.buckets.size() && !s.closed && s.broken.empty()) {
+  while (!ready_locked() && !s.closed && s.broken.empty()) {
     if (s.cv.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
                                                      std::chrono::milliseconds(100))) ==
         std::cv_status::no_timeout) {
@@ -339,7 +383,9 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
     if (std::chrono::steady_clock::now() >= deadline) {
       std::vector<std::string> missing;
       for (std::size_t i = 0; i < s.specs.size(); ++i) {
-        if (!s.submitted[i]) missing.push_back("'" + s.specs[i].name + "'");
+        if (!s.submitted[i] && static_cast<std::size_t>(s.layout.slots[i].bucket) <= last) {
+          missing.push_back("'" + s.specs[i].name + "'");
+        }
       }
       // Everything submitted: the buckets in flight are under the engine's own timeout,
       // which ends them with a StallError naming the bucket. Keep waiting for that,
@@ -370,6 +416,15 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
       throw StallError(s.broken);
     }
   }
+  return lock;
+}
+
+std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock = block_until(
+      s, s.buckets.size() - 1,
+      [&s] { return s.finished.load(std::memory_order_acquire) >= s.buckets.size(); },
+      [&s] { return s.done_count >= s.buckets.size(); });
   if (s.closed) throw CommError("FusedAllreduce.wait: the engine was closed");
   if (!s.broken.empty()) throw CommError("FusedAllreduce is unusable: " + s.broken);
   for (const auto& bs : s.buckets) {
@@ -411,6 +466,49 @@ std::vector<FusedResult> FusedAllreduce::wait_round(bool per_bucket) {
   s.arm_round();
   lock.unlock();
   for (auto& [buf, bl] : to_scale) divide_inplace(buf->data(), bl->count, bl->dtype, s.comm->size);
+  return out;
+}
+
+// Note [One bucket at a time]: wait_bucket(b) hands out bucket b as soon as it is reduced,
+// while later buckets are still being submitted or on the wire, so a caller can consume
+// (and free) each bucket before the next arrives: with one wait for the whole round every
+// bucket is alive at once when the optimizer starts (docs/memory.md). The round re-arms
+// when every bucket has been handed out; wait()/wait_buckets() and wait_bucket() are not
+// mixed within a round.
+FusedResult FusedAllreduce::wait_bucket(std::int64_t bucket) {
+  State& s = *state_;
+  if (bucket < 0 || bucket >= static_cast<std::int64_t>(s.buckets.size())) {
+    throw std::invalid_argument("FusedAllreduce.wait_bucket: bucket " + std::to_string(bucket) +
+                            " is out of range for " + std::to_string(s.buckets.size()) + " buckets");
+  }
+  const auto b = static_cast<std::size_t>(bucket);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.buckets[b].taken) {
+      throw std::invalid_argument("FusedAllreduce.wait_bucket: bucket " + std::to_string(b) +
+                                  " was already handed out in this round; wait for each bucket once "
+                                  "per round, after its tensors were submitted");
+    }
+  }
+  std::unique_lock<std::mutex> lock = block_until(
+      s, b, [&s, b] { return s.bucket_done[b].load(std::memory_order_acquire); },
+      [&s, b] { return s.buckets[b].done; });
+  if (s.closed) throw CommError("FusedAllreduce.wait: the engine was closed");
+  if (!s.broken.empty()) throw CommError("FusedAllreduce is unusable: " + s.broken);
+  auto& bs = s.buckets[b];
+  if (bs.error) {
+    const auto err = bs.error;
+    s.arm_round();
+    std::rethrow_exception(err);
+  }
+  const BucketLayout& bl = s.layout.buckets[b];
+  FusedResult out{bs.buffer, 0, bl.count};
+  const bool scale = s.op == ReduceOp::kAvg && !avg_scales_first(bl.dtype);
+  bs.taken = true;
+  if (s.engine->config().transient_buckets) bs.buffer.reset();  // Note [Transient buckets]
+  if (++s.taken_count == s.buckets.size()) s.arm_round();
+  lock.unlock();
+  if (scale) divide_inplace(out.buffer->data(), bl.count, bl.dtype, s.comm->size);
   return out;
 }
 

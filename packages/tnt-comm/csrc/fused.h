@@ -1,6 +1,7 @@
 // The fused allreduce engine: tensors are copied into per-bucket buffers as they are
 // submitted (from any thread); a bucket is launched when its last tensor arrived and
-// every earlier bucket was launched (the next-bucket cursor), so all ranks issue the
+// every bucket before it in launch order was launched (the next-bucket cursor; buckets
+// over the threshold first, Note [Large buckets first] in fused.cc), so all ranks issue the
 // same collectives in the same order whatever the submission order. Reductions run on
 // the communication thread while callers keep submitting: communication overlaps
 // computation. wait() returns every reduced tensor and re-arms the engine.
@@ -37,6 +38,8 @@ class FusedAllreduce {
   FusedAllreduce& operator=(const FusedAllreduce&) = delete;
 
   const Plan& plan() const;
+  // Bucket indices (into plan()) in the order the buckets are launched on every rank.
+  const std::vector<std::size_t>& launch_order() const;
   const FusionLayout& layout() const;
   const std::vector<TensorSpec>& specs() const;
 
@@ -60,6 +63,10 @@ class FusedAllreduce {
   // As wait(), but one result per bucket (plan order): the bucket's tensors back to back
   // in plan order. The cheap form for many small tensors: the caller splits views.
   std::vector<FusedResult> wait_buckets();
+  // Blocks until bucket `bucket` (plan order) is reduced; its buffer, the bucket's tensors
+  // back to back. Each bucket once per round, in any order; the round re-arms once all were
+  // taken (Note [One bucket at a time] in fused.cc). Call with the GIL released.
+  FusedResult wait_bucket(std::int64_t bucket);
   // Further calls fail; a pending wait() fails with CommError. In-flight buckets finish.
   void close();
 

@@ -24,14 +24,15 @@ def test_collectives_and_fused_engine(run_job, ranks: int) -> None:
     "spins",
     [
         # sleep-only paths of the communication thread and of waiting callers, which
-        # never drive (every request is the thread's)
+        # never drive (every request is the thread's); buckets kept and reused across
+        # rounds (TNT_COMM_TRANSIENT_BUCKETS=0, the former default)
         {"TNT_COMM_POLL_SPIN_US": "0", "TNT_COMM_WAIT_SPIN_US": "0", "TNT_COMM_HANDOFF_SPIN_US": "0",
-         "TNT_COMM_DRIVE_SPIN_US": "0"},
+         "TNT_COMM_DRIVE_SPIN_US": "0", "TNT_COMM_TRANSIENT_BUCKETS": "0"},
         # every spin on (hand-off spins are off by default on a 2-core host), and buckets
-        # let go of after each round (Note [Transient buckets]: every value still right)
-        {"TNT_COMM_WAIT_SPIN_US": "1000", "TNT_COMM_HANDOFF_SPIN_US": "50", "TNT_COMM_TRANSIENT_BUCKETS": "1"},
+        # let go of after each round (Note [Transient buckets], the default: every value still right)
+        {"TNT_COMM_WAIT_SPIN_US": "1000", "TNT_COMM_HANDOFF_SPIN_US": "50"},
     ],
-    ids=["spins_off", "spins_on_transient_buckets"],
+    ids=["spins_off_kept_buckets", "spins_on_transient_buckets"],
 )
 def test_collectives_with_polling_spins_off_and_on(run_job, spins: dict[str, str]) -> None:
     # Note [Polling], [Hand-off], [Waiter drives]: every result right whichever way the

@@ -18,13 +18,18 @@ MIB = 2**20
 RUNTIME_BYTES = 128 * MIB
 #: How far above its estimate a peak may go (allocator fragmentation, temporaries).
 SLACK = 1.25
-#: DATA's own, tighter bound: at most this far above its estimate. The wait op's outputs
-#: borrow the engine's buckets (Note [Wait outputs borrow the buckets], tnt_tf_ops.cc);
-#: when it copied them, a second gradient set (56 MiB here) stood beside the buckets
-#: during the update. Measured with this job on 2 ranks of the 2-core machine (same
-#: hour): copying 49-59 MiB above the estimate (one run), borrowing 22-35 MiB (two runs).
-#: 44 MiB leaves borrowing ~9 MiB and fails the copy; SLACK's bound (1.25 x estimate +
-#: 128 MiB, 198 MiB above it here) passes both.
+#: DATA's own, tighter bound: at most one gradient set of buckets plus this above its
+#: estimate. The wait op's outputs borrow the engine's buckets (Note [Wait outputs borrow
+#: the buckets], tnt_tf_ops.cc); when it copied them, a second gradient set (56 MiB here)
+#: stood beside the buckets during the update. Measured with this job on 2 ranks of the
+#: 2-core machine (same hour), against the estimate with one bucket set (then counted in
+#: it): copying 49-59 MiB above, borrowing 22-35 MiB (two runs). The estimate no longer
+#: counts the buckets (transient, waited one at a time: docs/memory.md, "Buckets one at a
+#: time"), so the bound adds the gradient set back: the same bound as before. Measured
+#: since then: 55-64 MiB above the estimate without buckets, i.e. -1 to 8 above the old one
+#: (this model's kernels are under the fusion threshold, so most buckets still launch in
+#: plan order; the issue's MLP gains a full set). 44 MiB fails the copy; SLACK's bound
+#: (1.25 x estimate + 128 MiB) passes it.
 DATA_ABOVE_ESTIMATE = 44 * MIB
 STRATEGIES = ("TENSOR", "PIPELINING", "DATA")
 
@@ -57,7 +62,8 @@ def test_measured_peak_within_bound_of_estimate(result, strategy):
 
 def test_data_peak_holds_one_gradient_set_of_buckets(result):
     for k, r in enumerate(result["strategies"]["DATA"]):
-        above = r["peak"] - r["estimate_total"]
+        assert r["estimate"]["communication_buffers"] == 0, r["estimate"]
+        above = r["peak"] - r["estimate_total"] - r["estimate"]["gradients"]  # at most one set of buckets
         assert above <= DATA_ABOVE_ESTIMATE, (k, above / MIB, r["peak"] / MIB, r["estimate_total"] / MIB)
 
 
@@ -74,9 +80,14 @@ def test_parameters_add_up_to_the_serial_model(result):
             e = r["estimate"]
             # Adam: 2 slots per weight, and its iteration count and learning rate (a few bytes)
             assert 0 <= e["optimizer_slots"] - 2 * e["gradients"] <= 64, (s, e)
-    assert all(r["estimate"]["communication_buffers"] == r["estimate"]["gradients"] for r in st["DATA"])
+    # Transient buckets waited one at a time (the default) carry the gradients instead of
+    # standing beside them: no set of their own (docs/memory.md, "Buckets one at a time").
+    assert all(r["estimate"]["communication_buffers"] == 0 for r in st["DATA"])
     assert all(r["estimate"]["gradient_accumulators"] == r["estimate"]["gradients"] for r in st["PIPELINING"])
-    assert max(r["estimate_total"] for r in st["PIPELINING"]) < 0.7 * st["DATA"][0]["estimate_total"]
+    # The larger stage holds 57 % of the parameters, and an accumulator (+25 % of its 16 bytes
+    # per parameter): 0.72 of DATA's 16 bytes per parameter (before DATA's estimate dropped
+    # its bucket set, 20 bytes: this bound was 0.7 of that).
+    assert max(r["estimate_total"] for r in st["PIPELINING"]) < 0.75 * st["DATA"][0]["estimate_total"]
 
 
 def test_budget_below_the_estimate_fails_on_every_rank_before_training(result):

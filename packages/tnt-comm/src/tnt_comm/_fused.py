@@ -114,8 +114,15 @@ class FusedAllreduce:
 
     @property
     def plan(self) -> list[list[int]]:
-        """The buckets, as lists of spec indices in launch order (see plan_buckets)."""
+        """The buckets, as lists of spec indices, ordered by first index (see plan_buckets)."""
         return [list(b) for b in self._plan]
+
+    @property
+    def launch_order(self) -> list[int]:
+        """Bucket indices (into ``plan``) in the order every rank launches them: buckets
+        over the threshold first, then the others, each in plan order (Note [Large buckets
+        first] in fused.cc: a small gradient computed late does not hold back the large ones)."""
+        return list(self._core.launch_order)
 
     @property
     def slot_offsets(self) -> list[int]:

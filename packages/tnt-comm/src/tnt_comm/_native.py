@@ -13,7 +13,7 @@ import os
 from . import _runtime
 
 #: The table layout native code was written against (``TNT_COMM_C_API_VERSION``).
-C_API_VERSION = 2
+C_API_VERSION = 3
 
 
 def c_api_include_dir() -> str:

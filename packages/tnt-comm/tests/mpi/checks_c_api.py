@@ -37,6 +37,10 @@ class CApi(ctypes.Structure):
                                                        ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
                                                        ctypes.c_size_t)),
         ("fused_release", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
+        ("fused_wait_bucket_borrow", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                                      ctypes.POINTER(ctypes.c_void_p), I64P,
+                                                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p,
+                                                      ctypes.c_size_t)),
     ]
 
 
@@ -53,7 +57,7 @@ def ptr(a: np.ndarray) -> ctypes.c_void_p:
 
 @check
 def c_api_table_and_header() -> None:
-    assert API.version == t.C_API_VERSION == 2, API.version
+    assert API.version == t.C_API_VERSION == 3, API.version
     assert API.struct_size == ctypes.sizeof(CApi), (API.struct_size, ctypes.sizeof(CApi))
     header = Path(t.c_api_include_dir()) / "tnt_comm_c_api.h"
     assert f"#define TNT_COMM_C_API_VERSION {t.C_API_VERSION}" in header.read_text()
@@ -183,12 +187,47 @@ def c_api_borrowed_buckets_never_change_while_held() -> None:
                 API.fused_release(h)
             reused += addr3 == previous
             previous = addr3
-        if os.environ.get("TNT_COMM_TRANSIENT_BUCKETS", "0") in ("", "0"):  # else freed: the check below
+        if os.environ.get("TNT_COMM_TRANSIENT_BUCKETS", "1") == "0":  # else freed: the check below
             assert reused >= 1, f"no round of 12 reused its released buckets ({reused})"
         bad = (ctypes.c_void_p * nb)()
         assert API.fused_wait_buckets_borrow(handle, nb + 1, bad, (ctypes.c_int64 * (nb + 1))(), bad,
                                              err, ERR) == 3
         assert b"outputs for" in err.value, err.value
+
+
+@check
+def c_api_buckets_one_at_a_time() -> None:
+    """fused_wait_bucket_borrow (Note [One bucket at a time]): a bucket is handed out as soon
+    as it is reduced, before later buckets were even submitted; each once per round, and the
+    round re-arms after the last one."""
+    specs = [t.TensorSpec(f"o{i}", 5 + i, "float32") for i in range(3)]
+    with t.FusedAllreduce(specs, 16, comm=W, slot_alignment=64) as f:
+        handle = f.native_handle()
+        err = ctypes.create_string_buffer(ERR)
+        nb = len(f.plan)
+        assert nb == 3, f.plan
+        for scale in (1.0, 10.0):  # two rounds: the first re-armed the engine
+            values = [np.full(s.count, (R + 1 + i) * scale, np.float32) for i, s in enumerate(specs)]
+            for b, members in enumerate(f.plan):
+                idx = (ctypes.c_int64 * len(members))(*members)
+                data = (ctypes.c_void_p * len(members))(*(values[i].ctypes.data for i in members))
+                assert API.fused_submit(handle, len(members), idx, data, err, ERR) == 0, err.value
+                out, nbytes, hold = ctypes.c_void_p(), ctypes.c_int64(), ctypes.c_void_p()
+                assert API.fused_wait_bucket_borrow(handle, b, ctypes.byref(out), ctypes.byref(nbytes),
+                                                    ctypes.byref(hold), err, ERR) == 0, err.value
+                (i,) = members
+                view = np.ctypeslib.as_array(ctypes.cast(out, ctypes.POINTER(ctypes.c_float)), (nbytes.value // 4,))
+                assert (view[:specs[i].count] == sum((r + 1 + i) * scale for r in range(N))).all(), (b, view)
+                if b == 0 and scale == 1.0:  # taken already this round
+                    again = ctypes.c_void_p()
+                    assert API.fused_wait_bucket_borrow(handle, 0, ctypes.byref(again), ctypes.byref(nbytes),
+                                                        ctypes.byref(again), err, ERR) == 3
+                    assert b"already handed out" in err.value, err.value
+                del view
+                API.fused_release(hold)
+        assert API.fused_wait_bucket_borrow(handle, nb, ctypes.byref(out), ctypes.byref(nbytes),
+                                            ctypes.byref(hold), err, ERR) == 3
+        assert b"out of range" in err.value, err.value
 
 
 def _resident_bytes() -> int:
@@ -197,10 +236,11 @@ def _resident_bytes() -> int:
 
 @check
 def c_api_transient_buckets_are_freed_with_their_last_holder() -> None:
-    """Note [Transient buckets]: with TNT_COMM_TRANSIENT_BUCKETS=1 the engine lets go of a
-    round's buckets when it hands them out, so a borrowed 64 MiB bucket leaves the process
-    when its holder releases it; by default the engine keeps it for the next round."""
-    transient = os.environ.get("TNT_COMM_TRANSIENT_BUCKETS", "0") not in ("", "0")
+    """Note [Transient buckets]: by default (TNT_COMM_TRANSIENT_BUCKETS=1) the engine lets go
+    of a round's buckets when it hands them out, so a borrowed 64 MiB bucket leaves the
+    process when its holder releases it; with TNT_COMM_TRANSIENT_BUCKETS=0 the engine keeps
+    it for the next round."""
+    transient = os.environ.get("TNT_COMM_TRANSIENT_BUCKETS", "1") not in ("", "0")
     count = 16 << 20  # float32: 64 MiB, above glibc's mmap threshold (returned to the system when freed)
     specs = [t.TensorSpec("big", count, "float32")]
     with t.FusedAllreduce(specs, 1 << 30, comm=W) as f:

@@ -106,7 +106,7 @@ def check_native_ops() -> None:
               np.full([7], -n * (n - 1) / 2)]
     same = (_job.max_abs_diff(native, fallback), _job.max_abs_diff(native[0], want_ar),
             _job.max_abs_diff(native[1], want_ag), _job.max_abs_diff(native[2], want_g))
-    kinds = ({"TntAllreduce", "TntAllgather", "TntFusedSubmit", "TntFusedWait"} <= set(native_ops),
+    kinds = ({"TntAllreduce", "TntAllgather", "TntFusedSubmit", "TntFusedWaitBucket"} <= set(native_ops),
              "PyFunc" not in native_ops, "PyFunc" in fallback_ops and "TntAllreduce" not in fallback_ops)
     native_reducer.close()
     fallback_reducer.close()

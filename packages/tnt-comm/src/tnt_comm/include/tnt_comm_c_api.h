@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define TNT_COMM_C_API_VERSION 2
+#define TNT_COMM_C_API_VERSION 3
 
 enum tnt_status {
   TNT_OK = 0,
@@ -63,6 +63,12 @@ typedef struct tnt_comm_c_api {
   int (*fused_wait_buckets_borrow)(int64_t engine, int64_t n, void** out, int64_t* nbytes,
                                    void** hold, char* err, size_t err_len);
   void (*fused_release)(void* hold);
+  /* Version 3. One bucket of the round, borrowed as by fused_wait_buckets_borrow: blocks
+   * until bucket `bucket` (plan order) is reduced, while later buckets may still be
+   * submitted or on the wire. Each bucket once per round; the round re-arms once every
+   * bucket was taken. Do not mix with fused_wait_buckets* within a round. */
+  int (*fused_wait_bucket_borrow)(int64_t engine, int64_t bucket, void** out, int64_t* nbytes,
+                                  void** hold, char* err, size_t err_len);
 } tnt_comm_c_api;
 
 #ifdef __cplusplus

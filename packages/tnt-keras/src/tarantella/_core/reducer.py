@@ -2,9 +2,12 @@
 
 :meth:`GraphReducer.reduce` puts one submit op per fusion bucket into the step graph,
 taking that bucket's tensors as inputs. TensorFlow's executor runs an op as soon as its
-inputs exist, so a bucket goes to the engine (and on the wire) the moment its last
-gradient is computed, while backprop of earlier layers continues. One wait op then
-returns each bucket's SUM as one flat tensor, which the graph splits into the slots.
+inputs exist, so a bucket goes to the engine (and on the wire, large buckets first: Note
+[Large buckets first] in tnt_comm's fused.cc) the moment its last gradient is computed,
+while backprop of earlier layers continues. One wait op per bucket then returns that
+bucket's SUM as one flat tensor as soon as it is reduced, which the graph splits into the
+slots: the optimizer updates a bucket's variables, and the bucket is freed, while later
+buckets are still in flight (Note [One wait per bucket] in native/tnt_tf_ops.cc).
 One Python call per bucket (not per tensor) keeps the step's host overhead independent
 of the number of weights. No extra pass over the gradients: a rank without data masks
 its gradients inside the submit (zeros instead of the values: rare, so free in the common
@@ -97,6 +100,9 @@ class GraphReducer:
         )
         self._plan = self._engine.plan
         self._offsets = self._engine.slot_offsets
+        # The order the engine puts buckets on the wire (Note [Large buckets first]); a
+        # stand-in engine without one launches in plan order.
+        self._launch_order = list(getattr(self._engine, "launch_order", range(len(self._plan))))
         self._submitted: list[tuple[int, float]] = []  # (bucket, time) while a timeline records
 
     @property
@@ -165,9 +171,7 @@ class GraphReducer:
                                         members=members, keep_from=keep_from, name="tnt_submit_bucket")
                 for members in self._plan
             ]
-            buckets = native.tnt_fused_wait(
-                tokens, Tout=[self.slots[m[0]].dtype for m in self._plan], engine=handle,
-                counts=[sum(self._pieces(m)[0]) for m in self._plan], name="tnt_wait")
+            buckets = self._wait_each(native, handle, tokens)
         else:
             # stateful=False on purpose: a stateful op would be chained after every earlier
             # side-effecting op of the step (tf.function's automatic control dependencies), so
@@ -198,6 +202,31 @@ class GraphReducer:
             for i, p in zip(members, slot_piece):
                 out[i] = tf.reshape(parts[p], self.slots[i].shape)
         return out
+
+    def _wait_each(self, native, handle: int, tokens: list[tf.Tensor]) -> list[tf.Tensor]:
+        """One wait op per bucket (Note [One wait per bucket] in native/tnt_tf_ops.cc), in the
+        engine's launch order, each after its bucket's submit and the previous bucket's wait:
+        the step consumes a bucket while later ones are still reduced, so the buckets are
+        not all alive at once.
+
+        The waits are stateful (never pruned: the engine re-arms only once every bucket was
+        taken) but run outside tf.function's chain of side effects, where each would be
+        ordered after every earlier stateful op without a resource input and before every
+        later one: their order comes from their inputs only.
+        """
+        graph = tf.compat.v1.get_default_graph()
+        acd = None if tf.executing_eagerly() else getattr(graph, "experimental_acd_manager", None)
+        buckets: list[tf.Tensor | None] = [None] * len(self._plan)
+        after = None
+        for b in self._launch_order:
+            members = self._plan[b]
+            flat, after = native.tnt_fused_wait_bucket(
+                [tokens[b]] if after is None else [tokens[b], after], T=self.slots[members[0]].dtype,
+                engine=handle, bucket=b, count=sum(self._pieces(members)[0]), name="tnt_wait_bucket")
+            if acd is not None:
+                acd.run_independently(flat.op)
+            buckets[b] = flat
+        return buckets
 
     def _pieces(self, members: list[int]) -> tuple[list[int], list[int]]:
         """A bucket's pieces (each slot, and the padding before the next slot where there

@@ -71,6 +71,17 @@ def sparse_as_dense() -> bool:
     return _flag("TNT_SPARSE_AS_DENSE", False)
 
 
+def transient_buckets() -> bool:
+    """``TNT_COMM_TRANSIENT_BUCKETS`` (tnt_comm's, default on): the fused engine frees each
+    bucket with its last holder instead of keeping a full gradient set of buckets (read
+    here for the memory estimate; tnt_comm reports a value it cannot use)."""
+    raw = os.environ.get("TNT_COMM_TRANSIENT_BUCKETS", "").strip()
+    try:
+        return raw == "" or float(raw) != 0.0
+    except ValueError:
+        return True
+
+
 def timeline_path() -> str | None:
     """``TNT_TIMELINE`` (default unset): the Chrome-trace JSON the job's timeline is written
     to at exit (tarantella.timeline, docs/timeline.md)."""

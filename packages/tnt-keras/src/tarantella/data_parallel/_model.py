@@ -19,6 +19,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from .. import native as _native
 from .._core import backup as _backup
 from .._core import batch_norm as _batch_norm
 from .._core import files as _io
@@ -490,13 +491,17 @@ class Model(DistributedModel):
         with _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True):
             super()._write(filepath, overwrite, all_devices, with_optimizer, write)
     def _tnt_memory_layout(self) -> _memory.Holdings:
-        """A whole replica; the fused engine stages one gradient set (its buckets)."""
+        """A whole replica. The fused engine's buckets are a gradient set of their own only
+        where they stay alive together: kept between rounds (TNT_COMM_TRANSIENT_BUCKETS=0)
+        or waited for all at once (the fallback without native ops). Transient buckets waited
+        one at a time replace the gradients they carry (docs/memory.md, "Buckets one at a time")."""
         n = _runtime.get_size()
         batch = getattr(self, "_tnt_memory_global_batch", None)
+        one_at_a_time = _settings.transient_buckets() and _native.in_use()
         return _memory.Holdings(
             model=self._model, optimizer=self._model.optimizer if self._model.compiled else None,
             what=f"DATA, {n} replica(s)", rows=-(-batch // n) if batch else None,
-            comm_gradient_sets=1 if n > 1 else 0)
+            comm_gradient_sets=1 if n > 1 and not one_at_a_time else 0)
 
     def _tnt_summary(self, *args, **kwargs) -> None:
         self._model.summary(*args, **kwargs)

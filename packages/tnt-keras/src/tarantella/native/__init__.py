@@ -122,7 +122,8 @@ def in_use() -> bool:
 @tf.autograph.experimental.do_not_convert  # called while tracing: plain Python, no autograph
 def ops() -> ModuleType | None:
     """The loaded op module (``tnt_allreduce``, ``tnt_allgather``, ``tnt_fused_submit``,
-    ``tnt_fused_wait``), building it if needed; None where the fallback is in use."""
+    ``tnt_fused_wait``, ``tnt_fused_wait_bucket``), building it if needed; None where the
+    fallback is in use."""
     global _loaded, _tried, why_not
     if _forced_off:
         return None

@@ -9,6 +9,8 @@
 //                     bucket's allreduce once it is complete       (data parallelism)
 //   TntFusedWait      every bucket's reduced bytes, one flat tensor per bucket: the bucket's
 //                     own memory, borrowed from the engine (no copy)
+//   TntFusedWaitBucket one bucket's reduced bytes, borrowed, as soon as that bucket is
+//                     reduced (Note [One wait per bucket])
 //
 // `after` inputs only order ops (see tensor_parallel/_collectives.py); their values are unused.
 #include <atomic>
@@ -261,6 +263,53 @@ class FusedWaitOp : public OpKernel {
   std::vector<int64_t> counts_;
 };
 
+// Note [One wait per bucket]
+// TntFusedWait returns when the last bucket is reduced, so every bucket is alive at once when
+// the optimizer starts: a full gradient set beside the optimizer's own temporaries, which is
+// what DATA's peak had over serial Keras (docs/memory.md). One TntFusedWaitBucket per bucket
+// hands bucket b to the graph as soon as it is reduced; the optimizer updates its variables
+// (same values, same ops) and TensorFlow frees it while later buckets are still on the wire,
+// as serial Keras frees each gradient once its variable is updated. Each op waits for its
+// own bucket's submit and the previous bucket's wait (its `after` token), so at most one
+// executor thread blocks in a wait, and only once its bucket has been launched.
+class FusedWaitBucketOp : public OpKernel {
+ public:
+  explicit FusedWaitBucketOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("engine", &engine_));
+    OP_REQUIRES_OK(c, c->GetAttr("bucket", &bucket_));
+    OP_REQUIRES_OK(c, c->GetAttr("count", &count_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const tnt_comm_c_api* a = api(ctx);
+    if (a == nullptr) return;
+    void* data = nullptr;
+    void* hold = nullptr;
+    int64_t nbytes = 0;
+    char err[kErrLen] = {0};
+    const int s = a->fused_wait_bucket_borrow(engine_, bucket_, &data, &nbytes, &hold, err, sizeof err);
+    if (s != TNT_OK) {
+      fail(ctx, s, err, {});  // nothing is held after a failed call
+      return;
+    }
+    auto* buf = new BorrowedBucket(data, static_cast<size_t>(nbytes), hold, a->fused_release);
+    const int64_t want = count_ * static_cast<int64_t>(tensorflow::DataTypeSize(output_type(0)));
+    Tensor out(output_type(0), TensorShape({nbytes == want ? count_ : 0}), buf);
+    buf->Unref();  // the tensor holds its own reference
+    OP_REQUIRES(ctx, nbytes == want,
+                tensorflow::errors::InvalidArgument("TntFusedWaitBucket: bucket ", bucket_, " has ", nbytes,
+                                                    " bytes, its output ", want));
+    ctx->set_output(0, out);
+    Tensor* token = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &token));
+    token->scalar<int32_t>()() = 0;
+  }
+
+ private:
+  int64_t engine_ = 0;
+  int64_t bucket_ = 0;
+  int64_t count_ = 0;
+};
+
 }  // namespace tnt_tf
 
 // Called once after loading, with tnt_comm.c_api_address(); 0 on success, else the
@@ -342,7 +391,29 @@ REGISTER_OP("TntFusedWait")
       return absl::OkStatus();
     });
 
+// Stateful, so never pruned even where a bucket's values go unused (every bucket must be
+// taken for the engine's round to re-arm); tarantella runs it outside tf.function's chain
+// of side effects (_core/reducer.py), ordered by its `after` inputs only.
+REGISTER_OP("TntFusedWaitBucket")
+    .Input("after: N * int32")  // the bucket's submit token and the previous bucket's wait token
+    .Output("reduced: T")
+    .Output("token: int32")
+    .Attr("N: int >= 1")
+    .Attr("T: " TNT_TYPES)
+    .Attr("engine: int")
+    .Attr("bucket: int >= 0")
+    .Attr("count: int >= 0")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t count = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("count", &count));
+      c->set_output(0, c->Vector(count));
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    });
+
 REGISTER_KERNEL_BUILDER(Name("TntAllreduce").Device(tensorflow::DEVICE_CPU), tnt_tf::AllreduceOp);
 REGISTER_KERNEL_BUILDER(Name("TntAllgather").Device(tensorflow::DEVICE_CPU), tnt_tf::AllgatherOp);
 REGISTER_KERNEL_BUILDER(Name("TntFusedSubmit").Device(tensorflow::DEVICE_CPU), tnt_tf::FusedSubmitOp);
 REGISTER_KERNEL_BUILDER(Name("TntFusedWait").Device(tensorflow::DEVICE_CPU), tnt_tf::FusedWaitOp);
+REGISTER_KERNEL_BUILDER(Name("TntFusedWaitBucket").Device(tensorflow::DEVICE_CPU), tnt_tf::FusedWaitBucketOp);
