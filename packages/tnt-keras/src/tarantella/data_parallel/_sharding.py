@@ -109,12 +109,15 @@ class Sharding:
         return self._owners
 
     def owned_mask(self) -> list[bool]:
+        """For each trainable variable (in the model's order): whether this replica owns it."""
         return [o == self.rank for o in self.owners]
 
     def owned_variables(self) -> list:
+        """The trainable variables this replica updates (its optimizer is built on them only)."""
         return [v for v, o in zip(self.model.trainable_variables, self.owners) if o == self.rank]
 
     def bytes_per_rank(self) -> list[int]:
+        """Bytes of trainable variables each replica owns: how even the assignment is."""
         loads = [0] * self.size
         for v, o in zip(self.model.trainable_variables, self.owners):
             loads[o] += _nbytes(v)
