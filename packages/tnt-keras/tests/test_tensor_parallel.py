@@ -24,6 +24,7 @@ CHECKS = (
     "error_missing_size", "error_clipnorm", "error_load_weights_file_as_model",
     "unseeded_shuffle_same_batches_on_all_ranks",
     "deferred_build_split_layers_never_whole", "deferred_build_starts_and_trains_as_eager",
+    "verify_group_sees_a_drifted_whole_copy_in_a_split_layer",
     "loss_scale_decided_as_serial_on_every_rank",
 )
 

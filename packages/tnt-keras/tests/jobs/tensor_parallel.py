@@ -542,6 +542,26 @@ def main_t3(out: Path, t2_file: Path | None) -> None:
     _job.write(out, {"ranks": 3, "checks": CHECKS, "cases": cases, "loading": loading})
 
 
+def drifted_whole_copy_check() -> None:
+    """The group check sees a whole copy inside a split layer (mlp's row-split ``down1``
+    bias) drift on one rank, as a rank-local step decision would make it."""
+    _, model, _, _ = TRAINED["mlp", "adam"]
+    bias = next(v for v in model.local_model.get_layer("down1").weights if v.path.endswith("bias"))
+    before = bias.numpy()
+    if tnt.get_rank() == 1:
+        bias.assign(before + 1.0)
+    try:
+        model.verify_group()
+        message = ""
+    except TP.TensorParallelError as err:
+        message = str(err)
+    finally:
+        bias.assign(before)
+    messages = tnt_comm.allgather_object(message)
+    check("verify_group_sees_a_drifted_whole_copy_in_a_split_layer",
+          all("replicated weights differ" in m for m in messages), messages)
+
+
 def main() -> None:
     args = sys.argv[1:]
     t2_file = Path(args[args.index("--t2-file") + 1]) if "--t2-file" in args else None
@@ -563,6 +583,7 @@ def main() -> None:
             cases[name] = run_case(kind, opt, batch, n, epochs, t,
                                    callbacks=checkpoint_callbacks(work) if name == "mlp_adam" else None)
         cases[name].update(tol_loss=tol_l, tol_weights=tol_w)
+    drifted_whole_copy_check()
     with Clock(seconds, "save_load"):
         saving = save_load_checks(t, work)
     with Clock(seconds, "checkpoint"):

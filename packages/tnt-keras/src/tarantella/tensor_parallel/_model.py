@@ -202,9 +202,12 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         self._assign_shards()
 
     def replicated_checksum(self) -> str:
-        """A digest of every replicated variable's bytes (equal on all ranks of a healthy group)."""
+        """A digest of every replicated variable's bytes (equal on all ranks of a healthy group):
+        the replicated layers' and the whole copies inside split layers (a row split's bias),
+        which a rank-local decision (e.g. skipping a step) would also make drift apart."""
         shard_vars = {id(v) for shard in self._tnt_shards.values() for v in shard.weights}
-        return digest([v for v in self.local_model.weights if id(v) not in shard_vars])
+        whole_in_shards = [local for _, local, axis in self._split_variables() if axis is None]
+        return digest([v for v in self.local_model.weights if id(v) not in shard_vars] + whole_in_shards)
 
     def verify_group(self) -> None:
         """Raise if replicated weights differ within the group (the ranks did not read the
