@@ -89,6 +89,28 @@ def test_each_replica_holds_only_its_owned_slots(report):
         assert sorted(c["bytes_per_rank"]) == sorted(4 * s // per_var for s in slots), (name, c)
 
 
+#: Cases the job runs with TNT_FUSION_THRESHOLD=0.5 (KB): several buckets (jobs/sharded.py).
+SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_tensor_l2_adam"}
+
+
+def test_small_fusion_thresholds_cut_the_sharded_collectives_into_buckets(report):
+    # The model's variables (832, 52, 364, 28, 84, 12 bytes) in buckets of <= 512 bytes: 3;
+    # under the default 8 MiB one. The exactness checks above ran over both layouts.
+    for name, c in report["cases"].items():
+        assert c["buckets"] == (3 if name in SMALL_BUCKETS else 1), (name, c["buckets"])
+
+
+def test_buckets_hold_consecutive_variables_up_to_the_limit():
+    from tarantella._core.shard_buckets import cut_into_buckets
+
+    assert cut_into_buckets([0, 1, 2, 3, 4, 5], [832, 52, 364, 28, 84, 12], 512) == [[0], [1, 2], [3, 4, 5]]
+    assert cut_into_buckets([4, 7, 9], [10, 10, 10], 20) == [[4, 7], [9]]
+    assert cut_into_buckets([1, 2], [5, 5], 0) == [[1], [2]]  # threshold 0: one variable each
+    assert cut_into_buckets([], [], 8) == []
+    with pytest.raises(ValueError, match="3 positions but 2 sizes"):
+        cut_into_buckets([0, 1, 2], [1, 2])
+
+
 def test_global_clipnorm_was_active(report):
     for name, c in report["cases"].items():
         if "clip" in name:
@@ -159,6 +181,14 @@ def _by_stage(pairs) -> dict[int, list]:
 def test_all_cases_ran_pipelined(report_all):
     assert sorted(report_all) == sorted(ALL_RUN)
     assert all(c["strategy"] == "PipelinedModel" for c in report_all.values())
+
+
+def test_all_replicas_gather_in_buckets(report_all):
+    # TNT_FUSION_THRESHOLD=0.5 KB: stage 0 (Dense 16->13: 832 + 52 bytes) in 2 buckets, stage 1
+    # (Dense 13->7, 7->3: 364, 28, 84, 12 bytes) in 1 — every rank of both replicas alike.
+    for name, c in report_all.items():
+        assert name in SMALL_BUCKETS
+        assert sorted(c["buckets_per_rank"]) == [1, 1, 2, 2], (name, c["buckets_per_rank"])
 
 
 def test_all_history_and_weights_equal_serial(report_all):
@@ -234,6 +264,12 @@ def test_tensor_replicas_case_ran_on_tensor_groups(report_tensor):
         assert c["strategy"] == "TensorParallelModel", (name, c)
         assert c["plan"] == {"t_emb": "vocab", "t_up": "column", "t_down": "row", "t_ln": "replicated",
                              "t_head": "replicated"}, (name, c)
+
+
+def test_tensor_replicas_gather_in_buckets(report_tensor):
+    for name, c in report_tensor.items():
+        assert name in SMALL_BUCKETS
+        assert c["buckets"] >= 2, (name, c["buckets"])  # TNT_FUSION_THRESHOLD=0.5 KB
 
 
 def test_tensor_replicas_history_and_weights_equal_serial(report_tensor):

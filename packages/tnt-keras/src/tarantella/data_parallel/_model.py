@@ -531,7 +531,8 @@ def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
         raise _sharding.ShardingError(
             f"tnt.Model(sharding={level}): {type(model).__name__} has its own train_step; sharding "
             "works with tnt's default training step for now. Use sharding=0 for this model.")
-    return _sharding.Sharding(model, level)
+    # Its collectives move at most a fusion threshold's bytes at once (TNT_FUSION_THRESHOLD).
+    return _sharding.Sharding(model, level, bucket_bytes=_settings.load().fusion_threshold_bytes)
 
 
 def _check_is_keras_model(model) -> None:

@@ -9,8 +9,9 @@ norms of the owned gradients are summed over the replicas) and a LossScaleOptimi
 finiteness decision (one allreduce, so every replica skips or applies alike). After the
 update each owner's new values are allgathered, so every replica holds identical weights.
 
-Level 1: gradients are allreduced as at level 0; level 2: one reduce-scatter per dtype
-hands each replica only the sums of its own gradients (docs/sharding.md).
+Level 1: gradients are allreduced as at level 0; level 2: reduce-scatters hand each replica
+only the sums of its own gradients (docs/sharding.md). Both collectives move buckets of at
+most ``bucket_bytes`` one after the other (``_core.shard_buckets``), never a whole copy.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tnt_comm
 
 from .._core import graph_collectives as _gc
 from .._core import sparse as _sparse
+from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
 
 
 class ShardingError(ValueError):
@@ -83,8 +85,11 @@ class Sharding:
     the owned ones, the level-2 reduce-scatter and the allgather of updated values."""
 
     def __init__(self, model: keras.Model, level: int, comm: tnt_comm.Communicator | None = None,
-                 decisions: tnt_comm.Communicator | None = None) -> None:
+                 decisions: tnt_comm.Communicator | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+        """``bucket_bytes``: the most bytes one allgather (of values) or reduce-scatter (of
+        gradients) moves at once (``shard_buckets``)."""
         self.model = model
+        self.bucket_bytes = bucket_bytes
         self.level = level
         self.comm = comm or tnt_comm.world()
         # The ranks whose loss-scale decision must agree: ``comm`` for DATA; the whole job for
@@ -115,6 +120,10 @@ class Sharding:
     def owned_variables(self) -> list:
         """The trainable variables this replica updates (its optimizer is built on them only)."""
         return [v for v, o in zip(self.model.trainable_variables, self.owners) if o == self.rank]
+
+    def bucket_count(self) -> int:
+        """How many allgathers of updated values one step runs (buckets of ``bucket_bytes``)."""
+        return len(self._groups())
 
     def bytes_per_rank(self) -> list[int]:
         """Bytes of trainable variables each replica owns: how even the assignment is."""
@@ -183,28 +192,35 @@ class Sharding:
         return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered, *after])
 
     # -- collectives -----------------------------------------------------------------------------
-    def _groups(self) -> list[tuple[tf.DType, list[int]]]:
-        """Variable indices by dtype, each list ordered by (owner, index): the wire layout."""
+    def _groups(self, positions: Sequence[int] | None = None) -> list[tuple[tf.DType, list[int]]]:
+        """Buckets of variable indices (``positions``, default all), one dtype each, cut into
+        consecutive runs of at most ``bucket_bytes`` (``shard_buckets``); each bucket ordered by
+        (owner, index): the wire layout."""
         variables = self.model.trainable_variables
+        positions = list(range(len(variables))) if positions is None else list(positions)
         dtypes: list[tf.DType] = []
-        for v in variables:
-            if tf.as_dtype(v.dtype) not in dtypes:
-                dtypes.append(tf.as_dtype(v.dtype))
+        for i in positions:
+            if tf.as_dtype(variables[i].dtype) not in dtypes:
+                dtypes.append(tf.as_dtype(variables[i].dtype))
         out = []
         for dt in dtypes:
-            idx = [i for i, v in enumerate(variables) if tf.as_dtype(v.dtype) == dt]
-            out.append((dt, sorted(idx, key=lambda i: (self.owners[i], i))))
+            idx = [i for i in positions if tf.as_dtype(variables[i].dtype) == dt]
+            for bucket in cut_into_buckets(idx, [_nbytes(variables[i]) for i in idx], self.bucket_bytes):
+                out.append((dt, sorted(bucket, key=lambda i: (self.owners[i], i))))
         return out
 
     def gather_values(self, after: Sequence[tf.Tensor] = ()) -> tf.Tensor:
-        """Every owner's updated values to every replica (one allgather per dtype)."""
+        """Every owner's updated values to every replica: one allgather per bucket, each
+        after the one before (so a replica holds one bucket's copy at a time, and every
+        replica runs them in the same order)."""
         variables = self.model.trainable_variables
         token = tf.zeros((), tf.int32)
         comm = self.comm
         for dt, idx in self._groups():
             mine = [i for i in idx if self.owners[i] == self.rank]
-            flat = tf.concat([tf.reshape(variables[i].value, [-1]) for i in mine], 0) if mine \
-                else tf.zeros([0], dt)
+            with tf.control_dependencies([token]):  # copy the bucket out only when its turn comes
+                flat = tf.concat([tf.reshape(variables[i].value, [-1]) for i in mine], 0) if mine \
+                    else tf.zeros([0], dt)
             whole = tf.numpy_function(lambda a, *_: comm.allgather(np.ascontiguousarray(a)),
                                       [flat, token, *after], dt, stateful=True, name="tnt_shard_allgather")
             sizes = [int(np.prod(variables[i].shape)) for i in idx]
@@ -228,13 +244,11 @@ class Sharding:
         out: dict[int, tf.Tensor] = {}
         token = list(after)
         done: list[tf.Tensor] = []
-        for dt, idx in self._groups():
-            idx = [i for i in idx if i in dense]
-            if not idx:
-                continue
+        for dt, idx in self._groups(sorted(dense)):
             sizes = [int(np.prod(dense[i].shape)) for i in idx]
             counts = [sum(s for i, s in zip(idx, sizes) if self.owners[i] == r) for r in range(self.size)]
-            flat = tf.concat([tf.reshape(tf.cast(dense[i], dt), [-1]) for i in idx], 0)
+            with tf.control_dependencies(done):  # one bucket's copy at a time, in the same order everywhere
+                flat = tf.concat([tf.reshape(tf.cast(dense[i], dt), [-1]) for i in idx], 0)
 
             def scatter(buf, keep, *_tokens, counts=counts):
                 buf = np.ascontiguousarray(buf) if keep else np.zeros_like(buf)

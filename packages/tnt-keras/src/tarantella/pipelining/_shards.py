@@ -10,7 +10,8 @@ hold bitwise identical weights. Level 1 sums gradients with the group's allreduc
 level 0; level 2 reduce-scatters the dense ones, so a replica receives only its own sums.
 
 This is the Python-driven step end of a pipeline stage (``_stage_runtime``): eager numpy
-collectives on the replica group's communicator, one call per dtype (docs/sharding.md).
+collectives on the replica group's communicator, one call per bucket of at most
+``bucket_bytes`` (``_core.shard_buckets``; docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import tensorflow as tf
 
 import tnt_comm
 
+from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
 from ..data_parallel import ShardingError, assign_owners
 
 
@@ -33,8 +35,9 @@ class StageShards:
     """Who owns which trainable variable of a stage in its replica group, and the group's
     reduce-scatter of gradients and allgather of updated values."""
 
-    def __init__(self, level: int, comm: tnt_comm.Communicator) -> None:
+    def __init__(self, level: int, comm: tnt_comm.Communicator, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.level = level
+        self.bucket_bytes = bucket_bytes  # the most bytes one collective moves
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.owners: list[int] = []
@@ -57,27 +60,37 @@ class StageShards:
             loads[o] += _nbytes(v)
         return loads
 
-    def _layout(self, positions: Sequence[int], dtype_of) -> list[tuple[np.dtype, list[int]]]:
-        """``positions`` by dtype, each ordered by (owner, position): the wire layout."""
-        out: list[tuple[np.dtype, list[int]]] = []
+    def bucket_count(self, variables: Sequence) -> int:
+        """How many allgathers of updated values one step runs for ``variables``."""
+        return len(self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
+                                lambda i: _nbytes(variables[i])))
+
+    def _layout(self, positions: Sequence[int], dtype_of, nbytes_of) -> list[tuple[np.dtype, list[int]]]:
+        """``positions`` by dtype, cut into buckets of at most ``bucket_bytes`` (``shard_buckets``),
+        each ordered by (owner, position): the wire layout, one collective per bucket."""
+        by_dtype: list[tuple[np.dtype, list[int]]] = []
         for i in positions:
             dt = dtype_of(i)
-            for known, members in out:
+            for known, members in by_dtype:
                 if known == dt:
                     members.append(i)
                     break
             else:
-                out.append((dt, [i]))
-        return [(dt, sorted(members, key=lambda i: (self.owners[i], i))) for dt, members in out]
+                by_dtype.append((dt, [i]))
+        return [(dt, sorted(bucket, key=lambda i: (self.owners[i], i)))
+                for dt, members in by_dtype
+                for bucket in cut_into_buckets(members, [nbytes_of(i) for i in members], self.bucket_bytes)]
 
     def reduce_scatter(self, grads: list, positions: Sequence[int]) -> dict[int, tf.Tensor]:
-        """Level 2: the SUM over the group of the owned ones of ``grads[positions]`` (dense)."""
+        """Level 2: the SUM over the group of the owned ones of ``grads[positions]`` (dense),
+        one bucket at a time."""
         arrays = {i: np.asarray(grads[i]) for i in positions}
         out: dict[int, tf.Tensor] = {}
-        for _, idx in self._layout(positions, lambda i: arrays[i].dtype):
+        for _, idx in self._layout(positions, lambda i: arrays[i].dtype, lambda i: arrays[i].nbytes):
             counts = [sum(arrays[i].size for i in idx if self.owners[i] == r) for r in range(self.size)]
             flat = np.concatenate([arrays[i].reshape(-1) for i in idx])
             mine = self.comm.reduce_scatter(flat, counts)
+            del flat
             offset = 0
             for i in idx:
                 if self.owners[i] == self.rank:
@@ -87,11 +100,15 @@ class StageShards:
         return out
 
     def gather_values(self, variables: Sequence) -> None:
-        """Every owner's (updated) values to every replica of the group, one allgather per dtype."""
-        for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype)):
+        """Every owner's (updated) values to every replica of the group, one allgather per
+        bucket (a bucket's copy at a time, never the whole stage's)."""
+        for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
+                                    lambda i: _nbytes(variables[i])):
             mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
             flat = np.concatenate(mine) if mine else np.zeros(0, dt)
+            del mine
             whole = self.comm.allgather(np.ascontiguousarray(flat))
+            del flat
             offset = 0
             for i in idx:
                 n = int(np.prod(variables[i].shape))

@@ -111,7 +111,7 @@ class StageRuntime:
         self.loss_scaled = False  # a LossScaleOptimizer: its decision is the pipeline's
         self._all_stages_finite = tf.Variable(True, trainable=False, name="tnt_all_stages_finite")
         self._float16_read: list[bool] = []  # per trainable variable: read as float16
-        self.shards = StageShards(sharding, transport.replica_comm) \
+        self.shards = StageShards(sharding, transport.replica_comm, fusion_threshold_bytes) \
             if sharding and transport.num_replicas > 1 else None
 
     # -- set-up ----------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from .._core import inputs as _inputs
 from .._core import internals as _internals
 from .._core import memory as _memory
 from .._core import runtime as _runtime
+from .._core import settings as _settings
 from .._core import sync as _sync
 from .._core.compile_args import own_compile_arguments
 from .._core.deferred import current_or_initial, has_deferred, is_deferred, materialise
@@ -352,7 +353,8 @@ def replica_sharding(tpm: TensorParallelModel, level: int) -> Sharding | None:
     level 0 or with one replica. The loss-scale decision spans the job."""
     if not level or tpm._tnt_replicas is None:
         return None
-    return Sharding(tpm, level, comm=tpm._tnt_replicas, decisions=tnt_comm.world())
+    return Sharding(tpm, level, comm=tpm._tnt_replicas, decisions=tnt_comm.world(),
+                    bucket_bytes=_settings.load().fusion_threshold_bytes)
 
 
 def assign_slices(pairs, group: TensorGroup) -> None:
