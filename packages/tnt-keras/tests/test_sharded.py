@@ -103,7 +103,7 @@ def test_small_fusion_thresholds_cut_the_sharded_collectives_into_buckets(report
 def test_buckets_hold_consecutive_variables_up_to_the_limit():
     from tarantella._core.shard_buckets import cut_into_buckets
 
-    assert cut_into_buckets([0, 1, 2, 3, 4, 5], [832, 52, 364, 28, 84, 12], 512) == [[0], [1, 2], [3, 4, 5]]
+    assert cut_into_buckets([0, 1, 2, 3, 4, 5], [832, 52, 364, 28, 84, 12], 512) == [[0], [1, 2, 3], [4, 5]]
     assert cut_into_buckets([4, 7, 9], [10, 10, 10], 20) == [[4, 7], [9]]
     assert cut_into_buckets([1, 2], [5, 5], 0) == [[1], [2]]  # threshold 0: one variable each
     assert cut_into_buckets([], [], 8) == []

@@ -221,14 +221,21 @@ class Sharding:
             with tf.control_dependencies([token]):  # copy the bucket out only when its turn comes
                 flat = tf.concat([tf.reshape(variables[i].value, [-1]) for i in mine], 0) if mine \
                     else tf.zeros([0], dt)
-            whole = tf.numpy_function(lambda a, *_: comm.allgather(np.ascontiguousarray(a)),
-                                      [flat, token, *after], dt, stateful=True, name="tnt_shard_allgather")
+            def gather(a, *_tokens):
+                whole = comm.allgather(np.ascontiguousarray(a))
+                return whole, np.int32(whole.size)
+
+            # The token is the collective's own output: ``tf.size`` of its (static-shaped) result
+            # would be folded to a constant, and the next bucket's allgather could then run
+            # before this one on one replica and after it on another (a hang, seen with 7 buckets).
+            whole, token = tf.numpy_function(gather, [flat, token, *after], [dt, tf.int32], stateful=True,
+                                             name="tnt_shard_allgather")
+            token.set_shape([])
             sizes = [int(np.prod(variables[i].shape)) for i in idx]
             whole.set_shape([sum(sizes)])
             for i, piece in zip(idx, tf.split(whole, sizes) if len(sizes) > 1 else [whole]):
                 if self.owners[i] != self.rank:
                     variables[i].assign(tf.reshape(piece, variables[i].shape))
-            token = tf.cast(tf.size(whole), tf.int32)
         return token
 
     def reduce_scatter(self, dense: dict[int, tf.Tensor], has_data,
