@@ -19,6 +19,7 @@ keys, and the values come from the ranks holding them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import tempfile
@@ -69,6 +70,11 @@ class _Planned(NamedTuple):
     fallback: Callable[[], np.ndarray]
 
 
+def _initial(variable) -> np.ndarray:
+    """The serial model's own value of ``variable`` (its initializer's, when deferred)."""
+    return np.asarray(current_or_initial(variable))
+
+
 def _weight_events(model: keras.Model, skip: tuple) -> list[tuple] | None:
     """Keras' save walk of ``model`` with each variable replaced by its request; None when
     a layer stores something else than one of its variables (a merged LoRA kernel, ...)."""
@@ -82,9 +88,15 @@ def _weight_events(model: keras.Model, skip: tuple) -> list[tuple] | None:
                 return None
             layer, index = keys[id(value)].rsplit("/", 1)
             event = ("set", event[1], _Planned(Weight(layer, int(index)),
-                                              lambda v=value: np.asarray(current_or_initial(v))))
+                                              functools.partial(_initial, value)))
         out.append(event)
     return out
+
+
+def _broadcast_value(variable, shape: tuple[int, ...] | None) -> np.ndarray:
+    """A stand-in optimizer variable's value, broadcast to the model variable's shape."""
+    value = np.asarray(variable.numpy())
+    return value if shape is None else np.array(np.broadcast_to(value, shape))
 
 
 def _optimizer_events(optimizer, model: keras.Model, built: bool) -> list[tuple]:
@@ -117,10 +129,10 @@ def _optimizer_events(optimizer, model: keras.Model, built: bool) -> list[tuple]
             key = f"{names[id(model_var)]}|{found[2]}"
             layer = names[id(model_var)].rsplit("/", 1)[0]
             shape = tuple(int(d) for d in model_var.shape)
-            fallback = (lambda v=var, s=shape: np.array(np.broadcast_to(v.numpy(), s)))
+            fallback = functools.partial(_broadcast_value, var, shape)
         else:
             key, layer = var.name, None
-            fallback = (lambda v=var: np.asarray(v.numpy()))
+            fallback = functools.partial(_broadcast_value, var, None)
         out.append(("set", event[1], _Planned(OptimizerValue(key, layer), fallback)))
     return out
 
