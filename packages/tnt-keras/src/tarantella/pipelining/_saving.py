@@ -126,16 +126,18 @@ class StreamedStages:
             request.wait()
         tag = 1
         while (asked := _recv_object(t, 0, tag, _STREAM_STEP)) is not None:
-            value = self.holdings.get(asked)
-            header = None if value is None else (value.dtype, value.shape)
-            sends = _send_object(t, header, 0, tag, _STREAM_STEP)
-            if value is not None:
-                raw = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-                sends.append(t.isend(raw, 0, (_STREAM_STEP, 2, tag)))
-            for request in sends:
-                request.wait()
-            del value, sends
+            self._answer(asked, tag)  # its array is freed before the next one is read
             tag += 1
+
+    def _answer(self, asked: _streamed.Request, tag: int) -> None:
+        t = self.transport
+        value = self.holdings.get(asked)
+        header = None if value is None else (value.dtype, value.shape)
+        sends = _send_object(t, header, 0, tag, _STREAM_STEP)
+        if value is not None:
+            sends.append(t.isend(np.ascontiguousarray(value).reshape(-1).view(np.uint8), 0, (_STREAM_STEP, 2, tag)))
+        for request in sends:
+            request.wait()
 
     # -- on the master ----------------------------------------------------------------------------
     def write(self, path: str) -> None:
