@@ -25,6 +25,7 @@ after the variable's path, which differs between a stage model and the serial mo
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 import warnings
 
@@ -111,8 +112,6 @@ class StreamedStages:
         self.holdings = holdings
         self.full = full
         self.events = events
-        #: The largest array the master received, in bytes (tests: never a whole stage).
-        self.largest_message_bytes = 0
         self._tags = dict.fromkeys(range(1, self.transport.num_stages), 1)  # next request's, by stage
 
     # -- off the master: stage s of replica 0 ---------------------------------------------------
@@ -149,7 +148,7 @@ class StreamedStages:
             for stage in range(1, t.num_stages):
                 for name in _recv_object(t, stage, 0, _STREAM_STEP):
                     owner.setdefault(name, stage)  # a tied layer: its first holder
-            fetch = lambda request: self._fetch(request, owner)  # noqa: E731
+            fetch = functools.partial(self._fetch, owner=owner)
             if self.kind == "model":
                 _streamed.write_model(path, self.full, self.events, fetch)
             else:
@@ -176,7 +175,6 @@ class StreamedStages:
         dtype, shape = header
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         raw = t.recv(stage, (_STREAM_STEP, 2, tag), np.uint8, (nbytes,))
-        self.largest_message_bytes = max(self.largest_message_bytes, nbytes)
         return raw.view(dtype).reshape(shape)
 
 
