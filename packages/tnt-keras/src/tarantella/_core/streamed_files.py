@@ -33,7 +33,7 @@ import numpy as np
 
 from . import internals as _internals
 from .deferred import current_or_initial
-from .serial_files import clone_optimizer, variable_keys
+from .serial_files import clone_optimizer, numbered_keys, variable_keys
 
 
 class StreamedWrite(Protocol):
@@ -113,6 +113,9 @@ def _optimizer_events(optimizer, model: keras.Model, built: bool) -> list[tuple]
     if built:
         clone.build([keras.Variable(initializer="zeros", shape=(1,) * len(v.shape), dtype=v.dtype,
                                     name=f"tnt_proxy_{j}", trainable=True) for j, v in enumerate(trainable)])
+    # The keys of the clone's variables in its own order (serial_files numbers a name
+    # listed twice, as a wrapper's and its inner optimizer's step counters).
+    numbered = dict(zip((id(v) for v in clone.variables), numbered_keys([v.name for v in clone.variables])))
     out = []
     owner = clone
     for event in _internals.recorded_save_walk(clone, "optimizer"):
@@ -131,7 +134,7 @@ def _optimizer_events(optimizer, model: keras.Model, built: bool) -> list[tuple]
             shape = tuple(int(d) for d in model_var.shape)
             fallback = functools.partial(_broadcast_value, var, shape)
         else:
-            key, layer = var.name, None
+            key, layer = numbered.get(id(var), var.name), None
             fallback = functools.partial(_broadcast_value, var, None)
         out.append(("set", event[1], _Planned(OptimizerValue(key, layer), fallback)))
     return out
