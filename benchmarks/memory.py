@@ -26,6 +26,11 @@ peak / serial Keras' peak:
 - tensor_peak_memory_per_rank_t2 (<= 0.55)
 - memory_estimate_error_max: the largest |estimate / measured - 1| over the ranks of every
   configuration, the estimate being ``model.memory_report()``'s total (<= 0.15)
+- save_peak_memory_master_p2 (<= 0.15): the master's peak during ``model.save`` of the
+  pp2 model after its fit (VmHWM after resetting the kernel's peak counter with
+  ``/proc/self/clear_refs`` <- "5", minus VmRSS right before the save) / the serial
+  model's state (its parameters + its optimizer's variables after fit, counted on the
+  serial Keras run). Every rank saves (the save is collective); the row takes rank 0's.
 """
 
 from __future__ import annotations
@@ -61,6 +66,21 @@ def rss() -> int:
     """Resident set size now, bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> None:
+    """Reset the kernel's peak RSS counter (VmHWM) of this process to its current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def vm_hwm() -> int:
+    """Peak resident set size since the last :func:`reset_peak`, bytes (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def max_rss() -> int:
@@ -145,11 +165,24 @@ def worker(config: str, out: str) -> None:
     if strategy != "serial" and hasattr(model, "memory_report"):
         report = model.memory_report()
     rank = tnt.get_rank() if strategy != "serial" else 0
+    state_bytes = None
+    if strategy == "serial":  # what a save writes: parameters + optimizer variables
+        state_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+                          for v in [*model.weights, *model.optimizer.variables])
+    save = None
+    if config == "pp2":  # the master's peak during save, on top of what it holds before
+        path = f"{out}.save.keras"
+        before = rss()
+        reset_peak()
+        t0 = time.perf_counter()
+        model.save(path)
+        save = {"peak_bytes": vm_hwm() - before, "seconds": time.perf_counter() - t0,
+                "file_bytes": os.path.getsize(path)}
     record = {
         "config": config, "rank": rank, "ranks": ranks, "baseline_bytes": baseline,
         "peak_bytes": peak - baseline, "after_fit_bytes": after - baseline,
         "phase_peak_bytes": {k: v - baseline for k, v in phases.items()}, "fit_seconds": fit_s,
-        "estimate": report,
+        "estimate": report, "state_bytes": state_bytes, "save": save,
         "tf": tf.__version__,
     }
     Path(f"{out}.{rank}.json").write_text(json.dumps(record, indent=1, default=float))
@@ -212,6 +245,16 @@ def rows(res: dict[str, list[dict]]) -> list[dict]:
                     "higher_is_better": False, "unit": "|memory_report() total / measured peak - 1|",
                     "detail": "; ".join(f"{c} rank {k}: {e:.3f}" for e, c, k in errors)
                     + f"; worst {worst[1]} rank {worst[2]} (memory.py)"})
+    if "pp2" in res and res["pp2"][0].get("save"):
+        master = res["pp2"][0]["save"]
+        state = res["serial"][0]["state_bytes"]
+        out.append({"name": "save_peak_memory_master_p2", "value": master["peak_bytes"] / state, "target": 0.15,
+                    "higher_is_better": False,
+                    "unit": "x serial model state (parameters + optimizer variables)",
+                    "detail": f"master's VmHWM during model.save of the pp2 model minus VmRSS before: "
+                    f"{master['peak_bytes'] / mib:.0f} MiB vs state {state / mib:.0f} MiB; other ranks "
+                    + ", ".join(f"{r['save']['peak_bytes'] / mib:.0f}" for r in res["pp2"][1:])
+                    + f" MiB; save {master['seconds']:.1f} s, file {master['file_bytes'] / mib:.0f} MiB (memory.py)"})
     return [r for r in out if r is not None]
 
 

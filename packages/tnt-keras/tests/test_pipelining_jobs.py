@@ -240,6 +240,17 @@ def test_save_gathers_one_plain_keras_file_and_loads_into_any_stage_count(report
     assert sl["continue_history_diff"] <= 1e-5 and sl["continue_weight_diff"] <= 2e-5, sl
 
 
+@on(*SAVING_JOBS)
+def test_save_streams_variables_to_the_master_and_writes_keras_own_file(report):
+    """The master never receives a stage's payload whole (a gather would: a message of a
+    whole stage, larger than any variable), and the file is Keras' own save of the serial
+    model: the same entries and attributes, bitwise the same arrays, the same config."""
+    sl = report["save_load"]
+    assert 0 < sl["save_largest_message_bytes"] <= sl["largest_variable_bytes"], sl
+    assert sl["streamed_entries"] > 0 and sl["streamed_differing_entries"] == [], sl
+    assert sl["streamed_same_config"] and sl["streamed_same_members"], sl
+
+
 @on(P2)
 def test_validation_split_and_class_weight_match_serial(report):
     assert report["validation_split_history_diff"] <= 1e-5

@@ -15,8 +15,9 @@ settings and Keras' file layout (``latest.weights.h5``, ``training_metadata.json
   epoch with the new weights;
 - deletes the directory at the end of training on the master only.
 
-A pipelined model (PIPELINING / ALL) is backed up the same way: its stages are gathered
-into the serial model on the master for writing (every rank takes part), and restoring
+A pipelined model (PIPELINING / ALL) is backed up the same way: the master writes the
+serial weights file array by array, each stage sending its variables one at a time
+(``_tnt_streamed``: no rank holds the whole model), and restoring
 reads each rank's stage from the file (``PipelinedModel.load_weights``); a tensor-parallel
 model alike, with its shards joined and each rank reading its slices.
 """
@@ -141,7 +142,11 @@ class DistributedBackup(keras.callbacks.Callback):
             tnt_comm.barrier()
 
     def _write(self, meta: dict) -> None:
-        inner = _serial_model(self.model)
+        streamed = getattr(self.model, "_tnt_streamed", None)
+        stream = streamed("weights", True) if streamed is not None else None
+        inner = _serial_model(self.model) if stream is None else None
+        if stream is not None:  # the stages answer the master's requests, then wait for it
+            stream.serve()
         if _runtime.is_master_rank():
             self.dir.mkdir(parents=True, exist_ok=True)
             if self.callback.double_checkpoint:
@@ -150,7 +155,10 @@ class DistributedBackup(keras.callbacks.Callback):
                         _io.write_atomically(f"{path}.bkp", lambda tmp, p=path: shutil.copyfile(p, tmp))
 
             def write_weights(tmp: str) -> None:
-                inner.save_weights(tmp)
+                if stream is not None:
+                    stream.write(tmp)
+                else:
+                    inner.save_weights(tmp)
                 _stamp(tmp, meta)
 
             _io.write_atomically(self.weights, write_weights)

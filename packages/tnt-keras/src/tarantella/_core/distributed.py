@@ -1,7 +1,8 @@
 """The one base of every distributed model: what a layout does not change, written once.
 
 A layout (data replicas, pipeline stages, tensor shards, or their product) says only how
-it gathers the serial model on the master (``_tnt_gather_serial``), how it reads a serial
+it gathers the serial model on the master (``_tnt_gather_serial``) or streams its file
+there array by array (``_tnt_streamed``), how it reads a serial
 file into its own part (``load_weights``) and what it prints as its summary. Everything
 else — files written by the master atomically, ``overwrite``, ``export`` of a
 whole-model SavedModel, per-rank copies (``tnt_save_all_devices``), progress on the
@@ -39,6 +40,12 @@ class DistributedModel(keras.Model):
         """The whole serial model (with the optimizer state when compiled) on the master,
         None elsewhere; every rank calls it (BackupAndRestore and every file use it)."""
         raise NotImplementedError
+
+    def _tnt_streamed(self, kind: str, with_optimizer: bool):
+        """A streamed write of the serial file (``_core.streamed_files.StreamedWrite``:
+        no rank holds the whole model), or None to gather the serial model on the master
+        instead; ``kind``: "model" (.keras) or "weights" (.weights.h5). Every rank calls it."""
+        return None
 
     def _tnt_summary(self, *args, **kwargs) -> None:
         """What ``summary`` prints on the master."""
@@ -137,10 +144,19 @@ class DistributedModel(keras.Model):
             self._tnt_summary(*args, **kwargs)
 
     # -- files ---------------------------------------------------------------------------------------
-    def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write) -> None:
+    def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write,
+               kind: str | None = None) -> None:
         if not _io.may_write(filepath, overwrite, all_devices):
             return
         self._tnt_before_save()
+        stream = self._tnt_streamed(kind, with_optimizer) if kind is not None else None
+        if stream is not None:  # the master writes array by array; the holders answer it first
+            stream.serve()
+            if all_devices and _runtime.get_size() > 1 and not self._tnt_whole_on_every_rank:
+                _io.copies_from_master(filepath, stream.write)
+            else:
+                _io.save_on_master(filepath, stream.write, all_devices=all_devices)
+            return
         full = self._tnt_gather_serial(with_optimizer=with_optimizer)
         if all_devices and _runtime.get_size() > 1 and not self._tnt_whole_on_every_rank:
             _io.copies_from_master(filepath, lambda tmp: write(full, tmp))
@@ -150,15 +166,18 @@ class DistributedModel(keras.Model):
     def save(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
         """One plain serial ``.keras`` file (with the optimizer state), written by the master
         atomically; every rank calls it. ``tnt_save_all_devices=True``: every rank writes its
-        own copy ``<name>.rank<r>.keras`` (nodes without a shared disk)."""
+        own copy ``<name>.rank<r>.keras`` (nodes without a shared disk). Layouts that split
+        the model stream it to the master array by array (``_tnt_streamed``)."""
+        kind = "model" if not kwargs and str(filepath).endswith(".keras") else None
         self._write(filepath, overwrite, tnt_save_all_devices, True,
-                    lambda full, tmp: full.save(tmp, overwrite=True, **kwargs))
+                    lambda full, tmp: full.save(tmp, overwrite=True, **kwargs), kind)
 
     def save_weights(self, filepath, overwrite=True, *, tnt_save_all_devices=False, **kwargs) -> None:
         """The serial ``.weights.h5`` (with the optimizer state, as Keras writes it for a
         compiled model), written by the master atomically; every rank calls it."""
+        kind = "weights" if not kwargs and str(filepath).endswith(".weights.h5") else None
         self._write(filepath, overwrite, tnt_save_all_devices, True,
-                    lambda full, tmp: full.save_weights(tmp, overwrite=True, **kwargs))
+                    lambda full, tmp: full.save_weights(tmp, overwrite=True, **kwargs), kind)
 
     def export(self, filepath, format="tf_saved_model", verbose=True, **kwargs) -> None:
         """Keras' ``export`` of the whole serial model (a SavedModel serving the serial

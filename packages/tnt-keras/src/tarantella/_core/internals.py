@@ -326,6 +326,80 @@ def saved_variable_locations(layer, inner_path: str) -> dict[int, tuple[str, str
     return recorder.found
 
 
+def _saving_lib():
+    try:
+        from keras.src.saving import saving_lib
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.saving.saving_lib", err) from err
+    return saving_lib
+
+
+def recorded_save_walk(saveable, inner_path: str = "", skip: tuple = ()) -> list[tuple]:
+    """What Keras' own save walk of ``saveable`` does to its weights store, in order:
+    ``("make", group, metadata)`` and ``("set", key, value)`` (the object handed to the
+    store: a layer's variable, an optimizer's numpy value). Nothing is read or written;
+    ``skip``: saveables left out (with what they hold)."""
+    saving_lib = _saving_lib()
+
+    class _Recorder(saving_lib.H5IOStore):
+        def __init__(self) -> None:  # no file
+            self.events: list[tuple] = []
+
+        def __bool__(self) -> bool:
+            return True
+
+        def make(self, path, metadata=None):
+            self.events.append(("make", path, metadata))
+            return self
+
+        def __setitem__(self, key, value) -> None:
+            self.events.append(("set", str(key), value))
+
+    recorder = _Recorder()
+    try:
+        saving_lib._save_state(saveable, recorder, None, inner_path, visited_saveables={id(s) for s in skip})
+    except AttributeError as err:  # pragma: no cover
+        raise _missing("keras.src.saving.saving_lib._save_state", err) from err
+    return recorder.events
+
+
+def h5_writer(path: str):
+    """Keras' writer of a weights file at ``path``: h5py writes each dataset to disk as it
+    is set, and a numpy array is written from its own memory (Keras' store copies every
+    value through ``convert_to_numpy`` first: one more array in memory)."""
+    import numpy as np
+
+    saving_lib = _saving_lib()
+
+    class _Writer(saving_lib.H5IOStore):
+        def __setitem__(self, key, value) -> None:
+            if not isinstance(value, np.ndarray) or keras.backend.standardize_dtype(value.dtype) == "bfloat16":
+                super().__setitem__(key, value)
+                return
+            try:
+                if not self._h5_entry_initialized:
+                    self._create_h5_group(self._h5_entry_path)
+                self._h5_entry_group[key] = value
+            except AttributeError as err:  # pragma: no cover
+                raise _missing("H5IOStore._h5_entry_group/_create_h5_group", err) from err
+
+    return _Writer(path, mode="w")
+
+
+def model_file_json(model: keras.Model) -> tuple[str, str]:
+    """(config.json, metadata.json) of a ``.keras`` file of ``model``, as Keras writes them
+    (the configuration only: no variable is read)."""
+    try:
+        return _saving_lib()._serialize_model_as_json(model)
+    except AttributeError as err:  # pragma: no cover
+        raise _missing("keras.src.saving.saving_lib._serialize_model_as_json", err) from err
+
+
+def has_assets(model: keras.Model) -> bool:
+    """Whether a layer of ``model`` saves assets (a lookup's vocabulary) besides variables."""
+    return any(hasattr(layer, "save_assets") for layer in [model, *all_sublayers(model)])
+
+
 def h5_dataset(store, group: str, key: str):
     """The h5py dataset ``key`` of ``group`` in a store opened by :func:`weights_store`,
     unread (slicing it reads only that part), or None when the file has none."""

@@ -4,7 +4,9 @@ serial Keras model writes, and every layout reads its own part of such a file.
 Optimizer variables are matched by the model variable they belong to, named
 ``"<layer>/<index of the weight in the layer>"`` plus the slot's name (Keras names slots
 after the variable's path, which differs between a stage or shard model and the serial
-model). Files are opened where every rank sees them, or shipped from the master.
+model); a name an optimizer lists twice (a wrapper's and its inner optimizer's
+``iteration``) is numbered from its second use on. Files are opened where every rank sees
+them, or shipped from the master.
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def variable_keys(model: keras.Model) -> dict[int, str]:
     return keys
 
 
+def numbered_keys(keys: list[str]) -> list[str]:
+    """``keys`` with a repeated one numbered from its second use on (``"iteration#1"``): a
+    wrapping optimizer (LossScaleOptimizer) lists its own step counter and its inner
+    optimizer's, both named ``iteration``, which must not take each other's value."""
+    seen: dict[str, int] = {}
+    out = []
+    for key in keys:
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        out.append(key if n == 0 else f"{key}#{n}")
+    return out
+
+
 def optimizer_keys(optimizer, model: keras.Model) -> list[str]:
     """The model-independent key (see module docstring) of each of ``optimizer.variables``."""
     keys = variable_keys(model)
@@ -59,7 +74,7 @@ def optimizer_keys(optimizer, model: keras.Model) -> list[str]:
                 key = f"{vkey}|{name[len(prefix) + 1:]}"
                 break
         out.append(key)
-    return out
+    return numbered_keys(out)
 
 
 def serial_optimizer_keys(optimizer, model: keras.Model) -> list[str]:
@@ -79,7 +94,7 @@ def serial_optimizer_keys(optimizer, model: keras.Model) -> list[str]:
     for var in clone.variables:
         found = re.match(r"tnt_proxy_(\d+)_(.+)", var.name)
         keys.append(f"{names[id(trainable[int(found[1])])]}|{found[2]}" if found else var.name)
-    return keys
+    return numbered_keys(keys)
 
 
 def optimizer_state(optimizer, model: keras.Model) -> dict[str, np.ndarray]:

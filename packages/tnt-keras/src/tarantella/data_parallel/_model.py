@@ -482,14 +482,15 @@ class Model(DistributedModel):
             return contextlib.nullcontext()
         return _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True)
 
-    def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write) -> None:
+    def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write,
+               kind: str | None = None) -> None:
         if self._tnt_sharding is None or not with_optimizer or not self._model.compiled:
-            return super()._write(filepath, overwrite, all_devices, with_optimizer, write)
+            return super()._write(filepath, overwrite, all_devices, with_optimizer, write, kind)
         if all_devices:
             raise _sharding.ShardingError("tnt_save_all_devices=True is not supported with sharding >= 1 "
                                           "(only the master assembles the whole optimizer state).")
         with _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True):
-            super()._write(filepath, overwrite, all_devices, with_optimizer, write)
+            super()._write(filepath, overwrite, all_devices, with_optimizer, write, kind)
     def _tnt_memory_layout(self) -> _memory.Holdings:
         """A whole replica. The fused engine's buckets are a gradient set of their own only
         where they stay alive together: kept between rounds (TNT_COMM_TRANSIENT_BUCKETS=0)

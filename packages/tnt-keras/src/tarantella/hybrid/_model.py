@@ -183,6 +183,11 @@ class TensorPipelinedModel(GroupMember, PipelinedModel):
         with tnt_comm.long_local_work():
             return self._tnt_fill_serial(payloads, with_optimizer)
 
+    def _tnt_streamed(self, kind: str, with_optimizer: bool):
+        """None: stages of tensor groups are gathered whole on the master (their split
+        variables are joined first), not streamed yet."""
+        return None
+
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Not available yet with pipeline stages of tensor groups (see the error)."""
         raise TensorParallelError(

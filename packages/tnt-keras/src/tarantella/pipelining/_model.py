@@ -37,6 +37,7 @@ from ._saving import (
     serial_model_from_config,
     serial_weight_keys,
     stage_payload,
+    streamed_save,
 )
 from ._schedule import INTERLEAVED, activation_bound, check_schedule, schedule_grid
 from ._stage_runtime import StageRuntime
@@ -407,8 +408,13 @@ class PipelinedModel(DistributedModel):
 
     def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The whole serial model with optimizer state on the master (None elsewhere); all
-        ranks call it."""
+        ranks call it (``export``, and saves a stream does not cover)."""
         return gather_serial_model(self, with_optimizer)
+
+    def _tnt_streamed(self, kind: str, with_optimizer: bool):
+        """The serial file written by the master array by array, each stage sending its
+        variables one at a time (``_saving.streamed_save``); all ranks call it."""
+        return streamed_save(self, kind, with_optimizer)
 
     def _tnt_fill_serial(self, payloads: list[dict], with_optimizer: bool) -> keras.Model:
         """A new serial model holding the stages' ``payloads`` (weights and optimizer state

@@ -1,10 +1,15 @@
 """Save a pipelined model as one ordinary Keras file; load a file into any number of stages.
 
-Saving: the stages of replica 0 send their layers' weights and optimizer state to the
-master (stage 0 of replica 0) over point-to-point messages; the master rebuilds the serial
-model from its config, fills it, compiles it with a fresh optimizer holding the gathered
-state and writes it with Keras' own ``save`` (atomically, ``_io.save_on_master``). Only
-the master holds the whole model, and only while writing.
+Saving (``streamed_save``): the master (stage 0 of replica 0) writes the file array by
+array (``_core.streamed_files``): it builds the serial model from its config with deferred
+variables (shapes, no memory), replays Keras' save walk of it, and for each variable asks
+the stage holding it (replica 0's; sharded replicas first join their stage's optimizer
+state on replica 0) in a point-to-point message, writes it and drops it. No rank holds
+more than its own stage plus one variable; the file is the one Keras' own ``save`` /
+``save_weights`` writes of the serial model (atomically, ``_io.save_on_master``).
+``gather_serial_model`` (the whole serial model on the master) remains for ``export`` and
+for what a streamed save does not cover (extra ``save`` arguments, a layer saving assets or
+computed values).
 
 Loading: every rank builds the model from the file's config with deferred variables
 (shapes, no memory: ``_deferred``), plans the stages, builds its stage, and reads only
@@ -20,6 +25,7 @@ after the variable's path, which differs between a stage model and the serial mo
 from __future__ import annotations
 
 import copy
+import functools
 import pickle
 import warnings
 
@@ -29,7 +35,9 @@ import numpy as np
 import tnt_comm
 
 from .._core import internals as _internals
-from .._core.deferred import deferred_variables
+from .._core import runtime as _runtime
+from .._core import streamed_files as _streamed
+from .._core.deferred import deferred_variables, is_deferred
 from .._core.graph import leaf_layers
 from .._core.serial_files import (
     assign_optimizer_state,
@@ -42,21 +50,157 @@ from .._core.serial_files import (
 )
 from ._stages import held_layers
 
-#: Header "step" of save messages (never a training step number).
+#: Header "step" of save messages (never a training step number): a gather's, a stream's.
 _SAVE_STEP = 2**30
+_STREAM_STEP = 2**30 + 1
 
 
-def _send_object(transport, obj, stage: int, tag: int) -> list:
+def _send_object(transport, obj, stage: int, tag: int, step: int = _SAVE_STEP) -> list:
     data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     length = np.array([data.size], dtype=np.int64)
-    return [transport.isend(length, stage, (_SAVE_STEP, 0, tag)),
-            transport.isend(data, stage, (_SAVE_STEP, 1, tag))]
+    return [transport.isend(length, stage, (step, 0, tag)),
+            transport.isend(data, stage, (step, 1, tag))]
 
 
-def _recv_object(transport, stage: int, tag: int):
-    length = int(transport.recv(stage, (_SAVE_STEP, 0, tag), np.int64, (1,))[0])
-    data = transport.recv(stage, (_SAVE_STEP, 1, tag), np.uint8, (length,))
+def _recv_object(transport, stage: int, tag: int, step: int = _SAVE_STEP):
+    length = int(transport.recv(stage, (step, 0, tag), np.int64, (1,))[0])
+    data = transport.recv(stage, (step, 1, tag), np.uint8, (length,))
     return pickle.loads(data.tobytes())
+
+
+# -- streamed save ----------------------------------------------------------------------------
+class _StageHoldings:
+    """What this rank's stage holds of the serial file, read one array at a time (no copy
+    of the stage is made; a sharded stage's optimizer state is joined on replica 0 first)."""
+
+    def __init__(self, pm, with_optimizer: bool) -> None:
+        model = pm.stage_model
+        self.layers = {layer.name: layer for layer in held_layers(model)
+                       if not isinstance(layer, keras.layers.InputLayer)}
+        stage = pm._tnt_stage
+        optimizer = stage.optimizer if with_optimizer else None
+        self.optimizer_built = optimizer is not None and optimizer.built
+        self.optimizer: dict = {}
+        if self.optimizer_built and stage.shards is not None:
+            # Collective over the replica group: the stage's whole state on replica 0.
+            self.optimizer = stage.whole_optimizer_state() or {}
+        elif self.optimizer_built:
+            self.optimizer = {key: var for key, var in zip(optimizer_keys(optimizer, model), optimizer.variables)
+                              if not is_deferred(var)}
+
+    def get(self, request: _streamed.Request) -> np.ndarray | None:
+        """The array ``request`` names, viewing the variable's memory where it can (None:
+        this stage has none)."""
+        if isinstance(request, _streamed.Weight):
+            layer = self.layers.get(request.layer)
+            value = None if layer is None else layer.weights[request.index]
+        else:
+            value = self.optimizer.get(request.key)
+        if value is None or isinstance(value, np.ndarray):
+            return value
+        return np.asarray(value.value)
+
+
+class StreamedStages:
+    """A streamed save of a pipelined model (see ``_core.streamed_files``): the master
+    writes, replica 0's other stages answer its requests one array at a time."""
+
+    def __init__(self, pm, kind: str, holdings: _StageHoldings, full: keras.Model | None,
+                 events: list[tuple] | None) -> None:
+        self.transport = pm._tnt_stage.transport
+        self.kind = kind
+        self.holdings = holdings
+        self.full = full
+        self.events = events
+        self._tags = dict.fromkeys(range(1, self.transport.num_stages), 1)  # next request's, by stage
+
+    # -- off the master: stage s of replica 0 ---------------------------------------------------
+    def serve(self) -> None:
+        """Send this stage's layer names, then answer the master's requests until it says
+        it is done (nothing on other replicas, nor on the master)."""
+        t = self.transport
+        if t.replica != 0 or t.stage == 0:
+            return
+        for request in _send_object(t, sorted(self.holdings.layers), 0, 0, _STREAM_STEP):
+            request.wait()
+        tag = 1
+        while (asked := _recv_object(t, 0, tag, _STREAM_STEP)) is not None:
+            self._answer(asked, tag)  # its array is freed before the next one is read
+            tag += 1
+
+    def _answer(self, asked: _streamed.Request, tag: int) -> None:
+        t = self.transport
+        value = self.holdings.get(asked)
+        header = None if value is None else (value.dtype, value.shape)
+        sends = _send_object(t, header, 0, tag, _STREAM_STEP)
+        if value is not None:
+            sends.append(t.isend(np.ascontiguousarray(value).reshape(-1).view(np.uint8), 0, (_STREAM_STEP, 2, tag)))
+        for request in sends:
+            request.wait()
+
+    # -- on the master ----------------------------------------------------------------------------
+    def write(self, path: str) -> None:
+        """Write the file at ``path``, asking the other stages for their arrays; they are
+        told to stop whatever happens here."""
+        t = self.transport
+        try:
+            owner = {name: 0 for name in self.holdings.layers}
+            for stage in range(1, t.num_stages):
+                for name in _recv_object(t, stage, 0, _STREAM_STEP):
+                    owner.setdefault(name, stage)  # a tied layer: its first holder
+            fetch = functools.partial(self._fetch, owner=owner)
+            if self.kind == "model":
+                _streamed.write_model(path, self.full, self.events, fetch)
+            else:
+                _streamed.write_weights(path, self.events, fetch)
+        finally:
+            for stage in range(1, t.num_stages):
+                for request in _send_object(t, None, stage, self._tags[stage], _STREAM_STEP):
+                    request.wait()
+
+    def _fetch(self, request: _streamed.Request, owner: dict[str, int]) -> np.ndarray | None:
+        layer = request.layer
+        stage = 0 if layer is None else owner.get(layer)
+        if stage is None:
+            return None
+        if stage == 0:
+            return self.holdings.get(request)
+        t, tag = self.transport, self._tags[stage]
+        self._tags[stage] += 1
+        for sent in _send_object(t, request, stage, tag, _STREAM_STEP):
+            sent.wait()
+        header = _recv_object(t, stage, tag, _STREAM_STEP)
+        if header is None:
+            return None
+        dtype, shape = header
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw = t.recv(stage, (_STREAM_STEP, 2, tag), np.uint8, (nbytes,))
+        return raw.view(dtype).reshape(shape)
+
+
+def streamed_save(pm, kind: str, with_optimizer: bool) -> StreamedStages | None:
+    """A streamed save (``kind``: "model" for .keras, "weights" for .weights.h5) of ``pm``,
+    or None when the serial model cannot be streamed (then gather it). Every rank calls it;
+    collective (the decision is the master's; sharded stages join their optimizer state)."""
+    args = pm._tnt_compile_args
+    with_optimizer = with_optimizer and args is not None
+    holdings = _StageHoldings(pm, with_optimizer)
+    full = events = None
+    if _runtime.is_master_rank():
+        full = serial_model_from_config(pm, deferred=True)
+        optimizer = None
+        if with_optimizer:
+            optimizer = args["optimizer"]
+            full.compile(optimizer=clone_optimizer(optimizer), loss=args["loss"], metrics=args["metrics"],
+                         loss_weights=args["loss_weights"], weighted_metrics=args["weighted_metrics"])
+        events = _streamed.save_events(full, optimizer, holdings.optimizer_built)
+    if _runtime.get_size() > 1:
+        events_ok = tnt_comm.broadcast_object(events is not None if _runtime.is_master_rank() else None, 0)
+    else:
+        events_ok = events is not None
+    if not events_ok:
+        return None
+    return StreamedStages(pm, kind, holdings, full, events)
 
 
 def stage_payload(pm, with_optimizer: bool = True, state: dict | None = None) -> dict:
