@@ -51,14 +51,6 @@ def _mismatch_error(what: str, everyone: list, rank: int) -> ReplicaMismatchErro
     )
 
 
-def verify_same_on_all_ranks(variables: Sequence, what: str) -> None:
-    """Raise :class:`ReplicaMismatchError` naming the first variable that differs."""
-    everyone = tnt_comm.allgather_object((_signature(variables), [v.path for v in variables]))
-    for rank, (theirs, _) in enumerate(everyone):
-        if theirs != everyone[MASTER_RANK][0]:
-            raise _mismatch_error(what, everyone, rank)
-
-
 def _digest(variable) -> bytes:
     """A hash of the variable's bytes: equal digests on two ranks mean equal values, bit
     for bit (-0.0 and 0.0, NaN payloads included)."""
@@ -75,7 +67,7 @@ def differing_from_master(groups: Sequence[tuple[str, Sequence]]) -> list[list[i
     mine = [(_signature(v), [x.path for x in v], [_digest(x) for x in v]) for _, v in groups]
     everyone = tnt_comm.allgather_object(mine)
     out = []
-    for g, (what, variables) in enumerate(groups):
+    for g, (what, _) in enumerate(groups):
         reference = everyone[MASTER_RANK][g]
         differ: set[int] = set()
         for rank, theirs in enumerate(everyone):
