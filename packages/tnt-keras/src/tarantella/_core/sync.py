@@ -2,7 +2,8 @@
 
 Ranks are compared first (names, shapes and dtypes of every variable), so that a model
 built differently on some rank is reported by name instead of corrupting a broadcast or
-hanging in it; then the master's values are broadcast, one buffer per dtype.
+hanging in it, together with a digest of each variable's bytes; then the master's values
+of the variables whose digest differs somewhere are broadcast, one buffer per dtype.
 """
 
 from __future__ import annotations
