@@ -13,6 +13,7 @@ CHECKS = [
     "rank_api",
     "native_ops_used_and_equal_fallback",
     "initial_weights_broadcast_from_rank0",
+    "recompile_resyncs_rank_local_weights",
     "numpy_inputs_equal_serial",
     "validation_split_equal_serial",
     "predict_full_on_every_rank",

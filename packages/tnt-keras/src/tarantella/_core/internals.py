@@ -460,3 +460,22 @@ def set_keras_mask(x, mask) -> None:
     from keras.src.backend.common import masking
 
     masking.set_keras_mask(x, mask)
+
+
+def call_output_specs(model: keras.Model):
+    """The structure of KerasTensors ``model(x)`` returns, for a built functional or
+    Sequential model whose ``call`` is Keras' own; None where only a forward pass can tell
+    (a subclassed model, a Sequential without an Input). Lets variables be built without
+    running the model (sync.build_variables)."""
+    from keras.src.models.functional import Functional, unpack_singleton
+
+    if isinstance(model, keras.Sequential):
+        if type(model).call is not keras.Sequential.call or getattr(model, "_functional", None) is None:
+            return None
+        model = model._functional
+    if not isinstance(model, Functional) or type(model).call is not Functional.call:
+        return None
+    try:
+        return unpack_singleton(model._outputs_struct)
+    except AttributeError:
+        return None

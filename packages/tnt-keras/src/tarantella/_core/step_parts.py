@@ -40,16 +40,26 @@ def nonempty(structure, local_n: tf.Tensor):
     gradient and metric contributions are masked to zero, so it changes nothing.
     """
 
-    def pad(t):
-        if t is None:
-            return None
-        zero = tf.zeros([1, *t.shape[1:]], t.dtype) if t.shape[1:].is_fully_defined() else \
+    def zero(t):
+        return tf.zeros([1, *t.shape[1:]], t.dtype) if t.shape[1:].is_fully_defined() else \
             tf.zeros(tf.concat([[1], tf.shape(t)[1:]], 0), t.dtype)
-        out = tf.cond(local_n > 0, lambda: t, lambda: zero)
-        out.set_shape([None, *t.shape[1:]])  # not t's: a statically empty batch is not empty now
-        return out
 
-    return tf.nest.map_structure(pad, structure)
+    flat = tf.nest.flatten(structure)
+    tensors = [t for t in flat if t is not None]
+    if not tensors:
+        return structure
+    # One cond for every tensor of the batch (not one each): fewer ops to trace per step.
+    chosen = tf.cond(local_n > 0, lambda: list(tensors), lambda: [zero(t) for t in tensors])
+    padded = iter(chosen)
+    out = []
+    for t in flat:
+        if t is None:
+            out.append(None)
+            continue
+        p = next(padded)
+        p.set_shape([None, *t.shape[1:]])  # not t's: a statically empty batch is not empty now
+        out.append(p)
+    return tf.nest.pack_sequence_as(structure, out)
 
 
 def overrides(model: keras.Model, step: str) -> bool:

@@ -2,11 +2,13 @@
 
 Ranks are compared first (names, shapes and dtypes of every variable), so that a model
 built differently on some rank is reported by name instead of corrupting a broadcast or
-hanging in it; then the master's values are broadcast, one buffer per dtype.
+hanging in it, together with a digest of each variable's bytes; then the master's values
+of the variables whose digest differs somewhere are broadcast, one buffer per dtype.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import keras
@@ -31,27 +33,50 @@ def _signature(variables: Sequence) -> list[tuple[tuple[int, ...], str]]:
     return [(tuple(int(d) for d in v.shape), str(v.dtype)) for v in variables]
 
 
-def verify_same_on_all_ranks(variables: Sequence, what: str) -> None:
-    """Raise :class:`ReplicaMismatchError` naming the first variable that differs."""
-    mine = (_signature(variables), [v.path for v in variables])
-    everyone = tnt_comm.allgather_object(mine)
-    reference, ref_names = everyone[MASTER_RANK]
-    for rank, (theirs, names) in enumerate(everyone):
-        if theirs == reference:
-            continue
-        if len(theirs) != len(reference):
-            detail = f"rank {rank} has {len(theirs)} variables, rank 0 has {len(reference)}"
-        else:
-            i = next(i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b)
-            detail = (
-                f"variable #{i} is {names[i]} {theirs[i][0]} {theirs[i][1]} on rank {rank} "
-                f"but {ref_names[i]} {reference[i][0]} {reference[i][1]} on rank 0"
-            )
-        raise ReplicaMismatchError(
-            f"The {what} differs between ranks: {detail}. Every rank must build the same "
-            "model (same layers, in the same order, same input shapes); make sure the model "
-            "construction does not depend on the rank or on unseeded randomness."
+def _mismatch_error(what: str, everyone: list, rank: int) -> ReplicaMismatchError:
+    """The error naming the first variable of ``rank`` that differs from the master's."""
+    reference, ref_names = everyone[MASTER_RANK][:2]
+    theirs, names = everyone[rank][:2]
+    if len(theirs) != len(reference):
+        detail = f"rank {rank} has {len(theirs)} variables, rank 0 has {len(reference)}"
+    else:
+        i = next(i for i, (a, b) in enumerate(zip(theirs, reference)) if a != b)
+        detail = (
+            f"variable #{i} is {names[i]} {theirs[i][0]} {theirs[i][1]} on rank {rank} "
+            f"but {ref_names[i]} {reference[i][0]} {reference[i][1]} on rank 0"
         )
+    return ReplicaMismatchError(
+        f"The {what} differs between ranks: {detail}. Every rank must build the same "
+        "model (same layers, in the same order, same input shapes); make sure the model "
+        "construction does not depend on the rank or on unseeded randomness."
+    )
+
+
+def _digest(variable) -> bytes:
+    """A hash of the variable's bytes: equal digests on two ranks mean equal values, bit
+    for bit (-0.0 and 0.0, NaN payloads included)."""
+    flat = np.ascontiguousarray(variable.numpy()).reshape(-1)
+    return hashlib.blake2b(flat.view(np.uint8).data, digest_size=16).digest()
+
+
+def differing_from_master(groups: Sequence[tuple[str, Sequence]]) -> list[list[int]]:
+    """For each ``(what, variables)`` group: the positions whose values differ from the
+    master's on some rank (the same list on every rank), after checking that every rank
+    has the same variables (:class:`ReplicaMismatchError` otherwise). One collective for
+    all groups: names, shapes, dtypes and a digest of each variable's bytes, read one
+    variable at a time (no copy of the model)."""
+    mine = [(_signature(v), [x.path for x in v], [_digest(x) for x in v]) for _, v in groups]
+    everyone = tnt_comm.allgather_object(mine)
+    out = []
+    for g, (what, _) in enumerate(groups):
+        reference = everyone[MASTER_RANK][g]
+        differ: set[int] = set()
+        for rank, theirs in enumerate(everyone):
+            if theirs[g][0] != reference[0]:
+                raise _mismatch_error(what, [e[g] for e in everyone], rank)
+            differ.update(i for i, (a, b) in enumerate(zip(theirs[g][2], reference[2])) if a != b)
+        out.append(sorted(differ))
+    return out
 
 
 #: Bytes of one broadcast chunk: small variables travel together (few collectives), and no
@@ -98,6 +123,9 @@ def broadcast_from_master(variables: Sequence, comm=None) -> None:
         else:
             flat = np.empty(sum(sizes), dtype)
         flat = comm.broadcast(np.ascontiguousarray(flat), MASTER_RANK)
+        if root:  # the master's variables hold these values already
+            del flat
+            continue
         offset = 0
         for var, n in zip(group, sizes):
             var.assign(flat[offset : offset + n].reshape(var.shape))
@@ -132,9 +160,16 @@ def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metr
         return tf.zeros(shape, s.dtype)
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tf.nest.map_structure(zeros, spec))
-    y_pred = model(x, training=False)
-    if not wrapper.built:
-        wrapper(x, training=False)
+    outputs = _internals.call_output_specs(model) if model.built and wrapper.built else None
+    if outputs is not None:
+        # A built functional model's outputs are known without running it: the metrics,
+        # the loss and the optimizer are built from zeros of those shapes (values unused).
+        y_pred = keras.tree.map_structure(
+            lambda t: tf.zeros([1 if d is None else d for d in t.shape], t.dtype), outputs)
+    else:
+        y_pred = model(x, training=False)
+        if not wrapper.built:
+            wrapper(x, training=False)
     if with_metrics and model.compiled:
         if y is not None and _internals.has_compiled_loss(model):
             model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
@@ -146,14 +181,19 @@ def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metr
 
 def sync_replicas(model: keras.Model, with_optimizer: bool = True) -> None:
     """Check the ranks built the same model, then give every rank the master's state
-    (``with_optimizer=False``: sharded replicas, each holding its own optimizer state)."""
-    variables = list(model.variables)
-    verify_same_on_all_ranks(variables, "model")
-    broadcast_from_master(variables)
+    (``with_optimizer=False``: sharded replicas, each holding its own optimizer state).
+
+    Only variables whose bytes differ from the master's on some rank are broadcast: a
+    model seeded alike on every rank, or synchronised before and unchanged since (a
+    recompile), costs one small collective; a rank-local ``set_weights`` in between
+    is still found and overwritten."""
+    groups = [("model", list(model.variables))]
     optimizer = model.optimizer if model.compiled else None
     if with_optimizer and optimizer is not None and optimizer.built:
-        verify_same_on_all_ranks(optimizer.variables, "optimizer state")
-        broadcast_from_master(optimizer.variables)
+        groups.append(("optimizer state", list(optimizer.variables)))
+    for (_, variables), differ in zip(groups, differing_from_master(groups)):
+        if differ:
+            broadcast_from_master([variables[i] for i in differ])
 
 
 def moving_statistics(model: keras.Model) -> list:
