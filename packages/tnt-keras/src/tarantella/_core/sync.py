@@ -161,11 +161,15 @@ def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metr
 
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(tf.nest.map_structure(zeros, spec))
     outputs = _internals.call_output_specs(model) if model.built and wrapper.built else None
+    if outputs is not None and any(None in tuple(t.shape)[1:] for t in keras.tree.flatten(outputs)):
+        outputs = None  # a dynamic axis besides the batch (a sequence): only a forward pass knows it
     if outputs is not None:
         # A built functional model's outputs are known without running it: the metrics,
-        # the loss and the optimizer are built from zeros of those shapes (values unused).
-        y_pred = keras.tree.map_structure(
-            lambda t: tf.zeros([1 if d is None else d for d in t.shape], t.dtype), outputs)
+        # the loss and the optimizer are built from zeros of those shapes (values unused),
+        # with as many rows as the batch the targets were made from.
+        first = tf.nest.flatten(x)[0]
+        rows = int(first.shape[0]) if first.shape.rank else 1
+        y_pred = keras.tree.map_structure(lambda t: tf.zeros([rows, *tuple(t.shape)[1:]], t.dtype), outputs)
     else:
         y_pred = model(x, training=False)
         if not wrapper.built:

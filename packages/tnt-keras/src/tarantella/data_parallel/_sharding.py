@@ -175,9 +175,11 @@ class Sharding:
         scale = scale_for_finite + (use_norm - use_norm)  # NaN for a non-finite norm, as Keras
         return [g if g is None else g * tf.cast(scale, g.dtype) for g in grads]
 
-    def apply(self, optimizer, grads: Sequence, variables: Sequence, after: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+    def apply(self, optimizer, grads: Sequence, variables: Sequence, after: Sequence[tf.Tensor] = (),
+              settled: Sequence[tf.Tensor] = ()) -> tf.Tensor:
         """Apply the owned gradients, then allgather the updated values (after ``after``: the
-        step's earlier collectives, see :meth:`reduce_scatter`); returns a token."""
+        step's earlier collectives, see :meth:`reduce_scatter`; and after ``settled``: every
+        result of the step's fused allreduce, owned or not); returns a token."""
         owned = self.owned_mask()
         pairs = [(g, v) for g, v, mine in zip(grads, variables, owned) if mine]
         # The update's own collectives (global norm, finiteness) too: a replica owning only
@@ -188,8 +190,14 @@ class Sharding:
         # nothing here reads: without this edge the values' allgather could run before it on
         # one replica and after it on another (a mismatched collective, seen with Embedding).
         gathered = [tf.size(g.values) for g, mine in zip(grads, owned) if not mine and _sparse.is_sparse(g)]
+        # The allgathers block a thread in MPI: they start only once every bucket of the
+        # step's fused allreduce was waited for on this replica — also those holding only
+        # gradients it does not own, which no update reads (else one replica can block in an
+        # allgather while the other still waits for a bucket it has not launched: a hang).
+        dense = [g for g in grads if g is not None and not _sparse.is_sparse(g)]
         # Read after the update (its last write): every collective of apply came before.
-        return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered, *after])
+        return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered, *after],
+                                  settled=[*dense, *settled])
 
     # -- collectives -----------------------------------------------------------------------------
     def _groups(self, positions: Sequence[int] | None = None) -> list[tuple[tf.DType, list[int]]]:
@@ -209,16 +217,17 @@ class Sharding:
                 out.append((dt, sorted(bucket, key=lambda i: (self.owners[i], i))))
         return out
 
-    def gather_values(self, after: Sequence[tf.Tensor] = ()) -> tf.Tensor:
+    def gather_values(self, after: Sequence[tf.Tensor] = (), settled: Sequence[tf.Tensor] = ()) -> tf.Tensor:
         """Every owner's updated values to every replica: one allgather per bucket, each
         after the one before (so a replica holds one bucket's copy at a time, and every
-        replica runs them in the same order)."""
+        replica runs them in the same order), the first after ``settled`` too."""
         variables = self.model.trainable_variables
         token = tf.zeros((), tf.int32)
         comm = self.comm
-        for dt, idx in self._groups():
+        for n, (dt, idx) in enumerate(self._groups()):
             mine = [i for i in idx if self.owners[i] == self.rank]
-            with tf.control_dependencies([token]):  # copy the bucket out only when its turn comes
+            # Copy the bucket out only when its turn comes.
+            with tf.control_dependencies([token, *(settled if n == 0 else ())]):
                 flat = tf.concat([tf.reshape(variables[i].value, [-1]) for i in mine], 0) if mine \
                     else tf.zeros([0], dt)
             def gather(a, *_tokens):
@@ -228,8 +237,9 @@ class Sharding:
             # The token is the collective's own output: ``tf.size`` of its (static-shaped) result
             # would be folded to a constant, and the next bucket's allgather could then run
             # before this one on one replica and after it on another (a hang, seen with 7 buckets).
-            whole, token = tf.numpy_function(gather, [flat, token, *after], [dt, tf.int32], stateful=True,
-                                             name="tnt_shard_allgather")
+            with tf.control_dependencies(settled if n == 0 else ()):
+                whole, token = tf.numpy_function(gather, [flat, token, *after], [dt, tf.int32], stateful=True,
+                                                 name="tnt_shard_allgather")
             token.set_shape([])
             sizes = [int(np.prod(variables[i].shape)) for i in idx]
             whole.set_shape([sum(sizes)])

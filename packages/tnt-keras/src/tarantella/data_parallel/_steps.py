@@ -232,7 +232,8 @@ class DistributedSteps:
         if self._sharding is not None:  # the owned variables only, then their values gathered
             with _grad_sync.already_reduced():
                 return self._sharding.apply(self._model.optimizer, self._without_gradient(grads),
-                                            self._model.trainable_variables, after=after)
+                                            self._model.trainable_variables, after=after,
+                                            settled=[r for r in reduced if not _sparse.is_sparse(r)])
         with _grad_sync.already_reduced():
             self._model.optimizer.apply_gradients(zip(self._without_gradient(grads), self._model.trainable_variables))
         return tf.constant(True)
