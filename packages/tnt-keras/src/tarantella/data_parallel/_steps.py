@@ -233,7 +233,7 @@ class DistributedSteps:
             with _grad_sync.already_reduced():
                 return self._sharding.apply(self._model.optimizer, self._without_gradient(grads),
                                             self._model.trainable_variables, after=after,
-                                            settled=[r for r in reduced if not _sparse.is_sparse(r)])
+                                            settled=[r for r in reduced if r is not None and not _sparse.is_sparse(r)])
         with _grad_sync.already_reduced():
             self._model.optimizer.apply_gradients(zip(self._without_gradient(grads), self._model.trainable_variables))
         return tf.constant(True)
