@@ -43,3 +43,13 @@ def test_a_sequence_axis_unknown_to_the_outputs_builds_by_a_forward_pass():
     build_variables(model, model, data, with_metrics=True)
     assert model.optimizer.built
     assert all(getattr(m, "built", True) for m in model.metrics)
+
+
+def test_broadcast_chunks_start_anew_at_a_dtype_change_and_keep_the_byte_limit():
+    from tarantella._core.sync import _chunks
+
+    f32 = [keras.Variable(np.zeros(n, "float32")) for n in (4, 4, 8)]  # 16, 16, 32 bytes
+    f16 = keras.Variable(np.zeros(4, "float16"))  # 8 bytes
+    last = keras.Variable(np.zeros(2, "float32"))
+    runs = _chunks([f32[0], f32[1], f16, f32[2], last], 32)
+    assert [[id(v) for v in r] for r in runs] == [[id(f32[0]), id(f32[1])], [id(f16)], [id(f32[2])], [id(last)]]

@@ -9,6 +9,7 @@ of the variables whose digest differs somewhere are broadcast, one buffer per dt
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 import keras
@@ -19,6 +20,7 @@ import tnt_comm
 from . import internals as _internals
 from .internals import all_layers
 from .runtime import MASTER_RANK
+from .shard_buckets import cut_into_buckets
 from .step_parts import overrides, split_sizes
 
 
@@ -94,17 +96,12 @@ def _np_dtype(variable) -> np.dtype:
 
 def _chunks(variables: Sequence, limit: int) -> list[list]:
     """Consecutive runs of same-dtype variables of at most ``limit`` bytes (a larger
-    variable forms a run of its own)."""
+    variable forms a run of its own): the sharded buckets' cut, per run of one dtype."""
     runs: list[list] = []
-    size = 0
-    for var in variables:
-        nbytes = int(np.prod(var.shape)) * _np_dtype(var).itemsize
-        if runs and str(runs[-1][0].dtype) == str(var.dtype) and size + nbytes <= limit:
-            runs[-1].append(var)
-            size += nbytes
-        else:
-            runs.append([var])
-            size = nbytes
+    for _, same in itertools.groupby(variables, key=lambda v: str(v.dtype)):
+        same = list(same)
+        nbytes = [int(np.prod(v.shape)) * _np_dtype(v).itemsize for v in same]
+        runs += [[same[k] for k in bucket] for bucket in cut_into_buckets(range(len(same)), nbytes, limit)]
     return runs
 
 
