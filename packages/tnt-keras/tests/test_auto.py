@@ -134,17 +134,23 @@ def test_budget_that_only_recomputation_meets_picks_remat_stages():
     assert strategy is tnt.ParallelStrategy.PIPELINING and options["remat"] == "stages", options
 
 
-def test_prediction_of_data_counts_the_weights_as_counted_here():
+def test_prediction_of_data_counts_the_weights_as_counted_here(monkeypatch):
     m = two_convs()
     w = weight_bytes(m)
     plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=10 * w)
     data = next(c for c in plan.feasible + plan.rejected if c.layout.describe() == "DATA(d=2)")
     mem = data.estimate.memory
     assert mem["parameters"] == w and mem["gradients"] == w
-    assert mem["optimizer_slots"] == 2 * w and mem["communication_buffers"] == w
+    # DATA's transient buckets (the default) replace the gradients they carry: no set of
+    # their own, as the memory report counts it
+    assert mem["optimizer_slots"] == 2 * w and mem["communication_buffers"] == 0
     # activations: every layer's output per sample x 4 rows (8 / 2 replicas)
     per_sample = 4 * (4 * 4 * 64 * 2 + 64 + 4)
     assert mem["activations"] == per_sample * 4
+    monkeypatch.setenv("TNT_COMM_TRANSIENT_BUCKETS", "0")  # kept between rounds: one gradient set
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=10 * w)
+    data = next(c for c in plan.feasible + plan.rejected if c.layout.describe() == "DATA(d=2)")
+    assert data.estimate.memory["communication_buffers"] == w
 
 
 def test_impossible_budget_names_the_smallest_feasible_one():

@@ -32,6 +32,7 @@ import zipfile
 from pathlib import Path
 
 import _job
+import _replica_stats
 import h5py
 import keras
 import numpy as np
@@ -740,6 +741,9 @@ def main() -> None:
                 extra["load_p2_file"] = load_saved_at_p2(shared)
             extra["backup_resume"] = backup_resume_check(tmp)
         tnt_comm.barrier()
+    if layout == "all" and p == 2:  # ALL 2 stages x 2 replicas with BatchNormalization
+        extra["batch_norm_replicas"] = _replica_stats.one_model_after_fit(
+            parallel_strategy=strategy, num_pipeline_stages=2, num_micro_batches=2)
     if layout == "pipelining" and size == 2:
         extra["validation_split_history_diff"] = validation_split_check()
         extra["unseeded_shuffle"] = unseeded_shuffle_check()  # last: it unsets the global seed

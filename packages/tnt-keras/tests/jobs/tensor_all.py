@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import _job
+import _replica_stats
 import keras
 import tensor_parallel as tp_job
 
@@ -120,6 +121,9 @@ def main() -> None:
         # with its save / checkpoint checks: wall, and CPU summed over the ranks (/ cores: idle wall)
         cases[name]["seconds"] = (time.perf_counter() - started,
                                   sum(tnt_comm.allgather_object(time.process_time() - cpu)))
+    # tensor groups of 2 x 2 replicas with BatchNormalization (replicated layers)
+    extra["batch_norm_replicas"] = _replica_stats.one_model_after_fit(
+        parallel_strategy=tnt.ParallelStrategy.ALL, tensor_parallel_size=T)
     _job.write(out, {"ranks": tnt.get_size(), "cases": cases, **extra})
 
 

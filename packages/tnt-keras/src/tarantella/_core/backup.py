@@ -135,6 +135,8 @@ class DistributedBackup(keras.callbacks.Callback):
 
     def _save(self) -> None:
         meta = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+        # Replicas' batch-norm moving statistics averaged, as before every save (one model).
+        getattr(self.model, "_tnt_before_save", lambda: None)()
         # A sharded model's master holds the whole optimizer state while it writes.
         with getattr(self.model, "_tnt_serial_state", contextlib.nullcontext)():
             self._write(meta)

@@ -206,8 +206,9 @@ def moving_statistics(model: keras.Model) -> list:
     return out
 
 
-def average_moving_statistics(model: keras.Model) -> None:
-    """Replace every replica's batch-norm moving statistics by their mean over ranks.
+def average_moving_statistics(model: keras.Model, allreduce=None, size: int | None = None) -> None:
+    """Replace every replica's batch-norm moving statistics by their mean over the replicas
+    (``allreduce``: a SUM over them, default every rank; ``size``: how many they are).
 
     Each rank's BatchNormalization layers track the statistics of its own micro-batches,
     so replicas drift apart; averaging before evaluate, save, checkpoints and at the end
@@ -216,8 +217,10 @@ def average_moving_statistics(model: keras.Model) -> None:
     variables = moving_statistics(model)
     if not variables:
         return
+    if allreduce is None:
+        allreduce, size = (lambda a: tnt_comm.allreduce(a, tnt_comm.Op.SUM)), tnt_comm.size()
     flat = np.concatenate([np.asarray(v.numpy(), dtype=np.float64).reshape(-1) for v in variables])
-    mean = tnt_comm.allreduce(flat, tnt_comm.Op.SUM) / tnt_comm.size()
+    mean = allreduce(flat) / size
     offset = 0
     for var in variables:
         n = int(np.prod(var.shape))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._core import settings as _settings
 from . import _comm
 from ._layout import Layout
 from ._profile import Profile
@@ -62,7 +63,10 @@ class Stages:
 
 
 def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layout, rows: int,
-            in_flight: int, accumulate: bool, receive_per_sample: int) -> dict[str, int]:
+            in_flight: int, accumulate: bool, receive_per_sample: int, staged: bool = True) -> dict[str, int]:
+    """Bytes per category of one rank (as ``_core.memory.estimate`` counts its holdings);
+    ``staged``: the replicas' gradient exchange keeps a gradient set of buckets (False for
+    DATA's transient buckets, waited one at a time: they replace the gradients they carry)."""
     activation_sets = min(1, in_flight) if layout.remat else in_flight
     keep = None if names is None else set(names)
     frac = split.local_fraction if split is not None else {}
@@ -78,7 +82,7 @@ def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layou
         "optimizer_slots": slot_bytes,
         "gradient_accumulators": grads if accumulate else 0,
         "activations": acts * rows * activation_sets,
-        "communication_buffers": grads if d > 1 else 0,
+        "communication_buffers": grads if d > 1 and staged else 0,
         "receive_buffers": receive_per_sample * rows * in_flight,
     }
 
@@ -101,7 +105,10 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
     tensor_comm = 0.0
     if p == 1:
         rows = -(-global_batch // d)
-        mem = _memory(prof, None, split, slots, layout, rows, 1, False, 0)
+        # As the layouts' memory reports: DATA's fused engine frees each bucket with its last
+        # holder (TNT_COMM_TRANSIENT_BUCKETS, default on); tensor groups' replicas stage a set.
+        mem = _memory(prof, None, split, slots, layout, rows, 1, False, 0,
+                      staged=split is not None or not _settings.transient_buckets())
         compute = prof.time_s(rows, scale=scale)
         if split is not None:
             tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)

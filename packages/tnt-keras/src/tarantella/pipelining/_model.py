@@ -368,14 +368,18 @@ class PipelinedModel(DistributedModel):
             train = at_epoch(train, x, initial_epoch, kwargs.get("steps_per_epoch"))
         self._prepare()
         with self._rank_callbacks(callbacks) as rank_callbacks:
-            return super().fit(train, epochs=epochs, verbose=self._verbose(verbose),
-                               callbacks=rank_callbacks, validation_data=val, shuffle=False,
-                               initial_epoch=initial_epoch, **kwargs)
+            try:
+                return super().fit(train, epochs=epochs, verbose=self._verbose(verbose),
+                                   callbacks=rank_callbacks, validation_data=val, shuffle=False,
+                                   initial_epoch=initial_epoch, **kwargs)
+            finally:
+                self._tnt_stage.average_moving_statistics()
 
     def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  steps=None, callbacks=None, return_dict=False, **kwargs):
         """Keras' ``evaluate`` (forward-only schedule); the same result on every rank."""
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already split
+            self._tnt_stage.average_moving_statistics()
             return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
                                     sample_weight=sample_weight, steps=steps, callbacks=callbacks,
                                     return_dict=return_dict, **kwargs)
@@ -383,6 +387,7 @@ class PipelinedModel(DistributedModel):
         data = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=False,
                                   method="evaluate")
         self._prepare()
+        self._tnt_stage.average_moving_statistics()
         with self._rank_callbacks(callbacks) as rank_callbacks:
             logs = super().evaluate(data, verbose=self._verbose(verbose), steps=steps,
                                     callbacks=rank_callbacks, return_dict=True, **kwargs)
@@ -405,6 +410,9 @@ class PipelinedModel(DistributedModel):
         """Load a serial weights file; this rank keeps its stage's layers (and optimizer)."""
         load_pipelined_weights(self, filepath)
         self._tnt_synced = False
+
+    def _tnt_before_save(self) -> None:
+        self._tnt_stage.average_moving_statistics()  # one model in the file, as on every replica
 
     def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The whole serial model with optimizer state on the master (None elsewhere); all

@@ -39,6 +39,7 @@ from .._core import trace as _trace
 from .._core.errors import PipelineError
 from .._core.metric_states import metric_variables
 from .._core.serial_files import clone_optimizer, optimizer_state
+from .._core.sync import average_moving_statistics
 from ._executor import StageExecutor
 from ._passes import PREDICT, TEST, TRAIN
 from ._plan import Plan
@@ -165,6 +166,15 @@ class StageRuntime:
         for var in variables:
             value = np.asarray(var.numpy())
             var.assign(self.transport.replica_broadcast(value.reshape(-1)).reshape(value.shape))
+
+    def average_moving_statistics(self) -> None:
+        """Replace each replica's batch-norm moving statistics of this stage by their mean
+        over the stage's replicas (as DATA does over its ranks): each pipeline replica tracks
+        the statistics of its own micro-batches, so without this the replicas of ALL predict
+        and evaluate with different models and a file holds replica 0's alone."""
+        if self.transport.num_replicas == 1:
+            return
+        average_moving_statistics(self.model, self.transport.replica_allreduce, self.transport.num_replicas)
 
     # -- steps -------------------------------------------------------------------------------------
     def _sizes(self, x_flat) -> tuple[int, list[int]]:

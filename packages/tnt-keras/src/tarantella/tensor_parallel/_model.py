@@ -292,9 +292,25 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         self._tnt_memory_before_fit(args[0] if args else kwargs.get("x"),
                                     args[2] if len(args) > 2 else kwargs.get("batch_size"))
         with compiled_segments(self._tnt_xla_segments):
-            history = self._fit(*args, **kwargs)
+            try:
+                history = self._fit(*args, **kwargs)
+            finally:
+                self._average_replica_statistics()
         self.verify_group()
         return history
+
+    def _average_replica_statistics(self) -> None:
+        """Batch-norm moving statistics averaged over the data replicas (each tracks its own
+        slices; identical within a tensor group, which reads one batch): before evaluate,
+        save and at the end of fit, so every replica holds one model, as in DATA."""
+        if self._tnt_replicas is not None:
+            replicas = self._tnt_replicas
+            _sync.average_moving_statistics(
+                self.local_model, lambda a: replicas.allreduce(np.ascontiguousarray(a), tnt_comm.Op.SUM),
+                replicas.size)
+
+    def _tnt_before_save(self) -> None:
+        self._average_replica_statistics()
 
     def _fit(self, *args, **kwargs):
         if self._tnt_replicas is not None:
@@ -321,6 +337,7 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
     def evaluate(self, *args, **kwargs):
         """Keras' evaluate; with data replicas over the union of their slices (global metrics)."""
         with compiled_segments(self._tnt_xla_segments):
+            self._average_replica_statistics()
             if self._tnt_replicas is None or _internals.is_cached_eval_call(kwargs):
                 return super().evaluate(*args, **kwargs)
             return self._evaluate_replicas(*args, **kwargs)
