@@ -650,6 +650,7 @@ def main() -> None:
     drifted_whole_copy_check()
     with Clock(seconds, "save_load"):
         saving = save_load_checks(t, work)
+    with Clock(seconds, "streamed_save_memory"):
         saving.update(streamed_save_memory_check(t, work))
     with Clock(seconds, "checkpoint"):
         saving.update(checkpoint_checks(t, work))
