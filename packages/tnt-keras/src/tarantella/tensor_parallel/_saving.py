@@ -137,8 +137,11 @@ class _ShardHoldings:
     def __init__(self, tpm, with_optimizer: bool) -> None:
         split = _split_keys(tpm)
         keys = variable_keys(tpm.local_model)
-        self.weights = {keys[id(v)]: (v, split[keys[id(v)]][0] if keys[id(v)] in split else None)
-                        for v in tpm.local_model.weights if id(v) in keys}
+        self.weights = {}
+        for var in tpm.local_model.weights:
+            key = keys.get(id(var))
+            if key is not None:
+                self.weights[key] = (var, split[key][0] if key in split else None)
         optimizer = tpm.optimizer if with_optimizer else None
         self.optimizer_built = optimizer is not None and optimizer.built
         self.optimizer = {}
