@@ -442,8 +442,8 @@ def save_load_checks(t: int, work: Path) -> dict:
 def master_receipts(model):
     """On the master, inside the block: the largest array its tensor group's communicator
     handed it (``message``: a slice sent to it, or an allgather's joined variable) and the
-    peak of the bytes Python and numpy allocated (``traced_peak``, tracemalloc: every
-    array received, joined or copied; not TensorFlow's own buffers)."""
+    peak of the bytes Python and numpy allocated (``traced_peak``, tracemalloc: arrays
+    joined or copied; not TensorFlow's buffers nor tnt_comm's receive buffers)."""
     comm = model.group.comm
     seen = {"message": 0, "traced_peak": 0}
     master = tnt.is_master_rank()
