@@ -26,11 +26,16 @@ peak / serial Keras' peak:
 - tensor_peak_memory_per_rank_t2 (<= 0.55)
 - memory_estimate_error_max: the largest |estimate / measured - 1| over the ranks of every
   configuration, the estimate being ``model.memory_report()``'s total (<= 0.15)
-- save_peak_memory_master_p2 (<= 0.15): the master's peak during ``model.save`` of the
-  pp2 model after its fit (VmHWM after resetting the kernel's peak counter with
-  ``/proc/self/clear_refs`` <- "5", minus VmRSS right before the save) / the serial
-  model's state (its parameters + its optimizer's variables after fit, counted on the
-  serial Keras run). Every rank saves (the save is collective); the row takes rank 0's.
+- save_peak_memory_master_p2, save_peak_memory_master_t2 (<= 0.15): the master's peak
+  during ``model.save`` of the pp2 (tp2) model after its fit (VmHWM after resetting the
+  kernel's peak counter with ``/proc/self/clear_refs`` <- "5", minus VmRSS right before
+  the save) / the serial model's state (its parameters + its optimizer's variables after
+  fit, counted on the serial Keras run). Every rank saves (the save is collective); the
+  row takes rank 0's.
+- load_peak_memory_rank_p2, load_peak_memory_rank_t2 (no target: measured): the largest
+  rank's peak while every rank loads that file into the same layout
+  (``tnt.models.load_model``, beside the trained model it still holds; VmHWM reset before,
+  minus VmRSS before) / the serial model's state.
 """
 
 from __future__ import annotations
@@ -169,8 +174,8 @@ def worker(config: str, out: str) -> None:
     if strategy == "serial":  # what a save writes: parameters + optimizer variables
         state_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
                           for v in [*model.weights, *model.optimizer.variables])
-    save = None
-    if config == "pp2":  # the master's peak during save, on top of what it holds before
+    save = load = None
+    if config in ("pp2", "tp2"):  # the peak during save, on top of what the rank holds before
         path = f"{out}.save.keras"
         before = rss()
         reset_peak()
@@ -178,11 +183,19 @@ def worker(config: str, out: str) -> None:
         model.save(path)
         save = {"peak_bytes": vm_hwm() - before, "seconds": time.perf_counter() - t0,
                 "file_bytes": os.path.getsize(path)}
+        # then the peak while every rank loads that file into the same layout (beside the
+        # trained model it still holds)
+        before = rss()
+        reset_peak()
+        t0 = time.perf_counter()
+        loaded = tnt.models.load_model(path, parallel_strategy=getattr(tnt.ParallelStrategy, strategy), **options)
+        load = {"peak_bytes": vm_hwm() - before, "seconds": time.perf_counter() - t0}
+        del loaded
     record = {
         "config": config, "rank": rank, "ranks": ranks, "baseline_bytes": baseline,
         "peak_bytes": peak - baseline, "after_fit_bytes": after - baseline,
         "phase_peak_bytes": {k: v - baseline for k, v in phases.items()}, "fit_seconds": fit_s,
-        "estimate": report, "state_bytes": state_bytes, "save": save,
+        "estimate": report, "state_bytes": state_bytes, "save": save, "load": load,
         "tf": tf.__version__,
     }
     Path(f"{out}.{rank}.json").write_text(json.dumps(record, indent=1, default=float))
@@ -245,16 +258,26 @@ def rows(res: dict[str, list[dict]]) -> list[dict]:
                     "higher_is_better": False, "unit": "|memory_report() total / measured peak - 1|",
                     "detail": "; ".join(f"{c} rank {k}: {e:.3f}" for e, c, k in errors)
                     + f"; worst {worst[1]} rank {worst[2]} (memory.py)"})
-    if "pp2" in res and res["pp2"][0].get("save"):
-        master = res["pp2"][0]["save"]
-        state = res["serial"][0]["state_bytes"]
-        out.append({"name": "save_peak_memory_master_p2", "value": master["peak_bytes"] / state, "target": 0.15,
-                    "higher_is_better": False,
+    state = res["serial"][0]["state_bytes"]
+    for config, suffix in (("pp2", "p2"), ("tp2", "t2")):
+        if config not in res or not res[config][0].get("save"):
+            continue
+        master = res[config][0]["save"]
+        out.append({"name": f"save_peak_memory_master_{suffix}", "value": master["peak_bytes"] / state,
+                    "target": 0.15, "higher_is_better": False,
                     "unit": "x serial model state (parameters + optimizer variables)",
-                    "detail": f"master's VmHWM during model.save of the pp2 model minus VmRSS before: "
+                    "detail": f"master's VmHWM during model.save of the {config} model minus VmRSS before: "
                     f"{master['peak_bytes'] / mib:.0f} MiB vs state {state / mib:.0f} MiB; other ranks "
-                    + ", ".join(f"{r['save']['peak_bytes'] / mib:.0f}" for r in res["pp2"][1:])
+                    + ", ".join(f"{r['save']['peak_bytes'] / mib:.0f}" for r in res[config][1:])
                     + f" MiB; save {master['seconds']:.1f} s, file {master['file_bytes'] / mib:.0f} MiB (memory.py)"})
+        loads = [r["load"] for r in res[config]]
+        top = max(loads, key=lambda r: r["peak_bytes"])
+        out.append({"name": f"load_peak_memory_rank_{suffix}", "value": top["peak_bytes"] / state,
+                    "target": None, "higher_is_better": False,
+                    "unit": "x serial model state (parameters + optimizer variables), largest rank",
+                    "detail": f"each rank's VmHWM during tnt.models.load_model of that file into the {config} "
+                    "layout minus VmRSS before (MiB): " + ", ".join(f"{r['peak_bytes'] / mib:.0f}" for r in loads)
+                    + f" vs state {state / mib:.0f} MiB; load {top['seconds']:.1f} s (memory.py)"})
     return [r for r in out if r is not None]
 
 
@@ -277,7 +300,8 @@ def main(argv: list[str]) -> int:
         (RESULTS / "memory.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
     print(f"\n{'row':>40} {'value':>8} {'target':>8}")
     for r in result["rows"]:
-        print(f"{r['name']:>40} {r['value']:8.3f} {r['target']:8.3f}  {r['detail']}")
+        target = "-" if r["target"] is None else f"{r['target']:.3f}"
+        print(f"{r['name']:>40} {r['value']:8.3f} {target:>8}  {r['detail']}")
     return 0
 
 

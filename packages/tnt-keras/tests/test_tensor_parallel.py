@@ -141,6 +141,20 @@ def test_tensor_save_opens_in_plain_keras(report):
     assert s["plain_iterations"] == s["serial_iterations"] > 0, s
 
 
+def test_save_streams_slices_to_the_master_and_writes_keras_own_file(report):
+    """The master joins each split variable from the group's slices just before writing it:
+    it receives slices only (never a joined variable: the gathered path's allgather handed
+    it whole ones, 2048 B here and 4 MiB for the wide model), allocates about one variable
+    while it saves (the gathered path: 45 MiB for the wide model's 36 MiB of state), and
+    the file is Keras' own save of the gathered model, entry for entry."""
+    s = report["saving"]
+    assert 0 < s["save_largest_message_bytes"] <= s["largest_variable_bytes"] // RANKS, s
+    assert s["streamed_entries"] > 0 and s["streamed_differing_entries"] == [], s
+    assert s["streamed_same_config"] and s["streamed_same_members"], s
+    assert 0 < s["wide_save_largest_message_bytes"] <= s["wide_largest_variable_bytes"] // RANKS, s
+    assert s["wide_save_traced_peak_bytes"] <= 2 * s["wide_largest_variable_bytes"] < s["wide_state_bytes"] / 4, s
+
+
 def test_serial_save_loads_tensor_parallel_and_continues_as_serial(report):
     s = report["saving"]
     assert s["continue_history_diff"] <= TOL_LOSS, s["continue_history_diff"]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -85,3 +87,55 @@ def max_rel_diff(a, b) -> float:
         scale = max(1.0, float(np.max(np.abs(x)))) if x.size else 1.0
         worst = max(worst, max_abs_diff(x, y) / scale)
     return worst
+
+
+# -- files ---------------------------------------------------------------------------------------
+def h5_contents(data: bytes) -> dict:
+    """Every group's and dataset's path -> (attributes, value) of an HDF5 file's bytes."""
+    import h5py
+
+    out = {}
+    with h5py.File(io.BytesIO(data), "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, (
+            {k: str(v) for k, v in obj.attrs.items()},
+            np.asarray(obj[()]) if isinstance(obj, h5py.Dataset) else None)))
+    return out
+
+
+def config_of(archive: zipfile.ZipFile) -> dict:
+    """config.json without Keras' ``shared_object_id`` (an object's address at save time)."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k != "shared_object_id"}
+        return [strip(v) for v in x] if isinstance(x, list) else x
+    return strip(json.loads(archive.read("config.json")))
+
+
+def auto_name_counters(restore: dict | None = None) -> dict:
+    """Keras' counters of automatic names (an unnamed inner layer's ``dropout_8``): a copy,
+    after setting them to ``restore`` when given. A model built from a config after the
+    counters were restored gets the inner names an earlier one got, so two files written
+    of two builds can be compared attribute by attribute."""
+    import collections
+
+    from keras.src.backend.common import global_state
+
+    if restore is not None:
+        global_state.set_global_attribute("object_name_uids", collections.defaultdict(int, restore))
+    return dict(global_state.get_global_attribute("object_name_uids", default={}) or {})
+
+
+def same_file_as_keras(path: Path, full, keras_path: Path) -> dict:
+    """A tnt-written ``.keras`` file at ``path`` against Keras' own ``full.save`` (at
+    ``keras_path``): the same zip members, configuration, HDF5 attributes and bitwise the
+    same arrays (``streamed_differing_entries``: the groups/datasets that differ)."""
+    full.save(keras_path)
+    with zipfile.ZipFile(path) as a, zipfile.ZipFile(keras_path) as b:
+        ours, keras_own = h5_contents(a.read("model.weights.h5")), h5_contents(b.read("model.weights.h5"))
+        same_config = config_of(a) == config_of(b)
+        same_members = a.namelist() == b.namelist()
+    differing = sorted(k for k in set(ours) | set(keras_own)
+                       if k not in ours or k not in keras_own or ours[k][0] != keras_own[k][0]
+                       or (ours[k][1] is not None and not np.array_equal(ours[k][1], keras_own[k][1])))
+    return {"streamed_entries": len(ours), "streamed_differing_entries": differing,
+            "streamed_same_config": same_config, "streamed_same_members": same_members}

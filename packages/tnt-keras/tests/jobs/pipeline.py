@@ -21,19 +21,15 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import io
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import _job
 import _replica_stats
-import h5py
 import keras
 import numpy as np
 import tensorflow as tf
@@ -448,45 +444,11 @@ def largest_received(model):
         del transport.recv
 
 
-def h5_contents(data: bytes) -> dict:
-    """Every group's and dataset's path -> (attributes, value) of an HDF5 file's bytes."""
-    out = {}
-    with h5py.File(io.BytesIO(data), "r") as f:
-        f.visititems(lambda name, obj: out.__setitem__(name, (
-            {k: str(v) for k, v in obj.attrs.items()},
-            np.asarray(obj[()]) if isinstance(obj, h5py.Dataset) else None)))
-    return out
-
-
-def config_of(archive: zipfile.ZipFile) -> dict:
-    """config.json without Keras' ``shared_object_id`` (an object's address at save time)."""
-    def strip(x):
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k != "shared_object_id"}
-        return [strip(v) for v in x] if isinstance(x, list) else x
-    return strip(json.loads(archive.read("config.json")))
-
-
 def streamed_file_check(model, path: Path, tmp: Path) -> dict:
     """The streamed ``.keras`` file against Keras' own save of the serial model filled from
-    the stages (the gathered model): the same entries, configuration, attributes and
-    bitwise the same arrays."""
+    the stages (``_job.same_file_as_keras``)."""
     full = model._tnt_gather_serial()  # every rank takes part; the serial model on the master
-
-    def compare():
-        gathered = tmp / "gathered.keras"
-        full.save(gathered)
-        with zipfile.ZipFile(path) as a, zipfile.ZipFile(gathered) as b:
-            ours, keras_own = h5_contents(a.read("model.weights.h5")), h5_contents(b.read("model.weights.h5"))
-            same_config = config_of(a) == config_of(b)
-            same_members = a.namelist() == b.namelist()
-        differing = sorted(k for k in set(ours) | set(keras_own)
-                           if k not in ours or k not in keras_own or ours[k][0] != keras_own[k][0]
-                           or (ours[k][1] is not None and not np.array_equal(ours[k][1], keras_own[k][1])))
-        return {"streamed_entries": len(ours), "streamed_differing_entries": differing,
-                "streamed_same_config": same_config, "streamed_same_members": same_members}
-
-    return on_master(compare)
+    return on_master(lambda: _job.same_file_as_keras(path, full, tmp / "gathered.keras"))
 
 
 def interleaved_save_load(case: dict, tmp: Path) -> dict:

@@ -9,11 +9,13 @@ ranks. Plan and error checks need no training and run in the same job.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 # The 3-rank launch (a launch of its own), before TensorFlow runs its first function: XLA's
@@ -381,7 +383,11 @@ def save_load_checks(t: int, work: Path) -> dict:
     xp, _ = data("block", 9)
     xc, yc = data("block", 12 * 2 + 5)
     tp_path, serial_path = work / "tp.keras", work / "serial.keras"
-    model.save(tp_path)
+    names = _job.auto_name_counters()
+    with master_receipts(model) as received:
+        model.save(tp_path)
+    _job.auto_name_counters(names)  # the gathered model's inner layers get the same automatic names
+    streamed = streamed_file_check(model, tp_path, work)
     expect_error("error_load_weights_file_as_model",  # written by ModelCheckpoint in run_case
                  lambda: tnt.models.load_model(work / "ckpt_2.weights.h5", tensor_parallel_size=t,
                                                parallel_strategy=tnt.ParallelStrategy.TENSOR),
@@ -402,6 +408,8 @@ def save_load_checks(t: int, work: Path) -> dict:
         }
 
     out = on_master(plain_keras)
+    out.update(streamed, save_largest_message_bytes=received["message"],
+               largest_variable_bytes=max(w.nbytes for w in serial.get_weights()))
     fit = dict(batch_size=6, epochs=2, shuffle=False, verbose=0)
     keras.utils.set_random_seed(31)  # the dropout layers' seeds, drawn when the file's model is built
     with _ReadLog() as log:
@@ -428,6 +436,61 @@ def save_load_checks(t: int, work: Path) -> dict:
     out["continue_local_shapes"] = tnt_comm.allgather_object(
         {v.path: list(v.shape) for v in cont.trainable_variables if v.path.startswith("mha/query")})
     return out
+
+
+@contextlib.contextmanager
+def master_receipts(model):
+    """On the master, inside the block: the largest array its tensor group's communicator
+    handed it (``message``: a slice sent to it, or an allgather's joined variable) and the
+    peak of the bytes Python and numpy allocated (``traced_peak``, tracemalloc: arrays
+    joined or copied; not TensorFlow's buffers nor tnt_comm's receive buffers)."""
+    comm = model.group.comm
+    seen = {"message": 0, "traced_peak": 0}
+    master = tnt.is_master_rank()
+
+    def counting(real):
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs)
+            seen["message"] = max(seen["message"], int(out.nbytes))
+            return out
+        return call
+
+    for name in ("recv", "allgather"):
+        setattr(comm, name, counting(getattr(comm, name)))
+    if master:
+        tracemalloc.start()
+    try:
+        yield seen
+    finally:
+        if master:
+            seen["traced_peak"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        del comm.recv, comm.allgather
+
+
+def streamed_file_check(model, path: Path, work: Path) -> dict:
+    """The streamed ``.keras`` file against Keras' own save of the gathered serial model:
+    the same members, configuration, attributes and bitwise the same arrays."""
+    full = model._tnt_gather_serial()  # every rank takes part; the serial model on the master
+    return on_master(lambda: _job.same_file_as_keras(path, full, work / "tp_gathered.keras"))
+
+
+def streamed_save_memory_check(t: int, work: Path) -> dict:
+    """A wider MLP (three 1024 x 1024 kernels, Adam's slots built: 36 MiB of state beside
+    its small layers) saved at t: what the master allocates during ``save`` (tracemalloc's
+    peak) against its largest serial variable; the gathered path held every joined weight
+    and slot at once (about the whole state)."""
+    keras.utils.set_random_seed(5)
+    source = mlp(5, (1024, 1024, 1024, 1024, 4), "wide")
+    model = tnt.Model(source, parallel_strategy=tnt.ParallelStrategy.TENSOR, tensor_parallel_size=t,
+                      tensor_parallel_plan=TP.plan(source, tensor_parallel_size=t, min_split_params=0))
+    model.compile(optimizer("adam"), "sparse_categorical_crossentropy")
+    model.optimizer.build(model.trainable_variables)  # its slots, as after a step (no fit to trace)
+    with master_receipts(model) as received:
+        model.save(work / "wide.keras")
+    state = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in source.weights) * 3  # + Adam's 2 slots
+    return {"wide_save_traced_peak_bytes": received["traced_peak"], "wide_save_largest_message_bytes": received["message"],
+            "wide_largest_variable_bytes": 1024 * 1024 * 4, "wide_state_bytes": state}
 
 
 class Clock:
@@ -586,6 +649,8 @@ def main() -> None:
     drifted_whole_copy_check()
     with Clock(seconds, "save_load"):
         saving = save_load_checks(t, work)
+    with Clock(seconds, "streamed_save_memory"):
+        saving.update(streamed_save_memory_check(t, work))
     with Clock(seconds, "checkpoint"):
         saving.update(checkpoint_checks(t, work))
     saving["seconds"] = {k: (wall, max(tnt_comm.allgather_object(cpu))) for k, (wall, cpu) in seconds.items()}

@@ -70,6 +70,15 @@ class _Planned(NamedTuple):
     fallback: Callable[[], np.ndarray]
 
 
+def variable_view(variable) -> np.ndarray:
+    """``variable``'s value as an array viewing its memory where the backend allows it:
+    a TensorFlow variable's read is its buffer (``np.asarray(variable)`` would copy it),
+    kept alive by the array. Nobody changes a variable while a save streams it."""
+    value = getattr(variable, "value", variable)
+    read = getattr(value, "read_value", None)
+    return np.asarray(read() if read is not None else value)
+
+
 def _initial(variable) -> np.ndarray:
     """The serial model's own value of ``variable`` (its initializer's, when deferred)."""
     return np.asarray(current_or_initial(variable))
@@ -197,4 +206,5 @@ def write_model(path: str, model: keras.Model, events: list[tuple],
             os.unlink(weights)
 
 
-__all__ = ["OptimizerValue", "Request", "StreamedWrite", "Weight", "save_events", "write_model", "write_weights"]
+__all__ = ["OptimizerValue", "Request", "StreamedWrite", "Weight", "save_events", "variable_view", "write_model",
+           "write_weights"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import pickle
 import warnings
 
 import keras
@@ -34,6 +33,7 @@ import numpy as np
 
 import tnt_comm
 
+from .._core import array_requests as _requests
 from .._core import internals as _internals
 from .._core import runtime as _runtime
 from .._core import streamed_files as _streamed
@@ -50,22 +50,9 @@ from .._core.serial_files import (
 )
 from ._stages import held_layers
 
-#: Header "step" of save messages (never a training step number): a gather's, a stream's.
+#: Header "step" of a gather's messages (never a training step number; a stream's:
+#: ``array_requests.STREAM_STEP``).
 _SAVE_STEP = 2**30
-_STREAM_STEP = 2**30 + 1
-
-
-def _send_object(transport, obj, stage: int, tag: int, step: int = _SAVE_STEP) -> list:
-    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
-    length = np.array([data.size], dtype=np.int64)
-    return [transport.isend(length, stage, (step, 0, tag)),
-            transport.isend(data, stage, (step, 1, tag))]
-
-
-def _recv_object(transport, stage: int, tag: int, step: int = _SAVE_STEP):
-    length = int(transport.recv(stage, (step, 0, tag), np.int64, (1,))[0])
-    data = transport.recv(stage, (step, 1, tag), np.uint8, (length,))
-    return pickle.loads(data.tobytes())
 
 
 # -- streamed save ----------------------------------------------------------------------------
@@ -98,7 +85,7 @@ class _StageHoldings:
             value = self.optimizer.get(request.key)
         if value is None or isinstance(value, np.ndarray):
             return value
-        return np.asarray(value.value)
+        return _streamed.variable_view(value)
 
 
 class StreamedStages:
@@ -112,7 +99,6 @@ class StreamedStages:
         self.holdings = holdings
         self.full = full
         self.events = events
-        self._tags = dict.fromkeys(range(1, self.transport.num_stages), 1)  # next request's, by stage
 
     # -- off the master: stage s of replica 0 ---------------------------------------------------
     def serve(self) -> None:
@@ -121,61 +107,38 @@ class StreamedStages:
         t = self.transport
         if t.replica != 0 or t.stage == 0:
             return
-        for request in _send_object(t, sorted(self.holdings.layers), 0, 0, _STREAM_STEP):
+        for request in _requests.send_object(t, sorted(self.holdings.layers), 0, 0):
             request.wait()
-        tag = 1
-        while (asked := _recv_object(t, 0, tag, _STREAM_STEP)) is not None:
-            self._answer(asked, tag)  # its array is freed before the next one is read
-            tag += 1
-
-    def _answer(self, asked: _streamed.Request, tag: int) -> None:
-        t = self.transport
-        value = self.holdings.get(asked)
-        header = None if value is None else (value.dtype, value.shape)
-        sends = _send_object(t, header, 0, tag, _STREAM_STEP)
-        if value is not None:
-            sends.append(t.isend(np.ascontiguousarray(value).reshape(-1).view(np.uint8), 0, (_STREAM_STEP, 2, tag)))
-        for request in sends:
-            request.wait()
+        _requests.serve(t, 0, self.holdings.get)  # each array is freed before the next
 
     # -- on the master ----------------------------------------------------------------------------
     def write(self, path: str) -> None:
         """Write the file at ``path``, asking the other stages for their arrays; they are
         told to stop whatever happens here."""
         t = self.transport
+        asker = _requests.Asker(t, range(1, t.num_stages))
         try:
             owner = {name: 0 for name in self.holdings.layers}
             for stage in range(1, t.num_stages):
-                for name in _recv_object(t, stage, 0, _STREAM_STEP):
+                for name in _requests.recv_object(t, stage, 0):
                     owner.setdefault(name, stage)  # a tied layer: its first holder
-            fetch = functools.partial(self._fetch, owner=owner)
+            fetch = functools.partial(self._fetch, owner=owner, asker=asker)
             if self.kind == "model":
                 _streamed.write_model(path, self.full, self.events, fetch)
             else:
                 _streamed.write_weights(path, self.events, fetch)
         finally:
-            for stage in range(1, t.num_stages):
-                for request in _send_object(t, None, stage, self._tags[stage], _STREAM_STEP):
-                    request.wait()
+            asker.stop()
 
-    def _fetch(self, request: _streamed.Request, owner: dict[str, int]) -> np.ndarray | None:
+    def _fetch(self, request: _streamed.Request, owner: dict[str, int],
+               asker: _requests.Asker) -> np.ndarray | None:
         layer = request.layer
         stage = 0 if layer is None else owner.get(layer)
         if stage is None:
             return None
         if stage == 0:
             return self.holdings.get(request)
-        t, tag = self.transport, self._tags[stage]
-        self._tags[stage] += 1
-        for sent in _send_object(t, request, stage, tag, _STREAM_STEP):
-            sent.wait()
-        header = _recv_object(t, stage, tag, _STREAM_STEP)
-        if header is None:
-            return None
-        dtype, shape = header
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        raw = t.recv(stage, (_STREAM_STEP, 2, tag), np.uint8, (nbytes,))
-        return raw.view(dtype).reshape(shape)
+        return asker.ask(stage, request)
 
 
 def streamed_save(pm, kind: str, with_optimizer: bool) -> StreamedStages | None:
@@ -243,10 +206,10 @@ def gather_serial_model(pm, with_optimizer: bool = True) -> keras.Model | None:
         return None
     payload = stage_payload(pm, state=state)
     if transport.stage != 0:
-        for request in _send_object(transport, payload, 0, transport.stage):
+        for request in _requests.send_object(transport, payload, 0, transport.stage, _SAVE_STEP):
             request.wait()
         return None
-    payloads = [payload] + [_recv_object(transport, s, s) for s in range(1, transport.num_stages)]
+    payloads = [payload] + [_requests.recv_object(transport, s, s, _SAVE_STEP) for s in range(1, transport.num_stages)]
     with tnt_comm.long_local_work():  # the others wait in save_on_master's barrier meanwhile
         return fill_serial_model(pm, payloads, with_optimizer)
 

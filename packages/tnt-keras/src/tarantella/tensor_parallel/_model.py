@@ -363,6 +363,15 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         with serial_optimizer(self, self._tnt_sharding, gather=True):
             return _saving.gather_serial_model(self, with_optimizer)
 
+    def _tnt_streamed(self, kind: str, with_optimizer: bool):
+        """The serial file written by the master array by array, each split variable joined
+        from the group's slices just before it is written (``_saving.streamed_save``); all
+        ranks call it. Sharded replicas first join their slots on replica 0 of their group."""
+        if self._tnt_sharding is None or not with_optimizer or not self.compiled:
+            return _saving.streamed_save(self, kind, with_optimizer)
+        with serial_optimizer(self, self._tnt_sharding, gather=True):
+            return _saving.streamed_save(self, kind, with_optimizer)
+
 
 def replica_sharding(tpm: TensorParallelModel, level: int) -> Sharding | None:
     """DATA's shards over ``tpm``'s replica group (the ranks holding the same shard): each of

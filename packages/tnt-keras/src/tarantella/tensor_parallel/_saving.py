@@ -1,10 +1,17 @@
 """Save a tensor-parallel model as one ordinary Keras file; load a file into any t.
 
-Saving: every rank of the tensor group takes part in joining the split variables (each
-shard of a weight, and of its optimizer slots, allgathered along its split axis); the
-master then builds the serial model from its config, fills it, compiles it with a fresh
-optimizer holding the joined state and writes it with Keras' own ``save`` / ``save_weights``
-(once, atomically: ``_io.save_on_master``). The file is a plain serial Keras file.
+Saving (``streamed_save``): the master (rank 0 of the first tensor group) writes the file
+array by array (``_core.streamed_files``): it builds the serial model from its config with
+deferred variables (shapes, no memory), replays Keras' save walk of it and, for each
+variable, writes its own copy (a replicated variable) or joins a split one just before
+writing it: its own slice and, asked one rank at a time (``_core.array_requests``), every
+other rank's slice of the group, each copied into place and freed. No rank holds more
+than its own shards plus one serial variable (and one slice); with sharded data replicas,
+replica 0 of each shard first holds its shard's whole optimizer state, as for a gather.
+The file is the one Keras' own ``save`` / ``save_weights`` writes of the serial model
+(once, atomically: ``_io.save_on_master``). ``gather_serial_model`` (every split variable
+allgathered, the whole serial model filled on the master) remains for ``export`` and what
+a stream does not cover (extra ``save`` arguments, a layer saving assets or computed values).
 
 Loading: every rank builds the file's model with deferred variables (shapes, no memory:
 ``_core.deferred``), builds its shards, gives values to the replicated layers only,
@@ -19,15 +26,18 @@ of pipelining's saving (``"<layer>/<weight index>|<slot>"``).
 from __future__ import annotations
 
 import copy
+import functools
 
 import keras
 import numpy as np
 
 import tnt_comm
 
+from .._core import array_requests as _requests
 from .._core import internals as _internals
 from .._core import runtime as _runtime
-from .._core.deferred import is_deferred
+from .._core import streamed_files as _streamed
+from .._core.deferred import deferred_variables, is_deferred
 from .._core.errors import TensorParallelError
 from .._core.serial_files import (
     assign_optimizer_state,
@@ -82,6 +92,24 @@ def _joined_optimizer_state(tpm) -> dict[str, np.ndarray]:
             for key, var in zip(optimizer_keys(optimizer, tpm.local_model), optimizer.variables)}
 
 
+def _compile_arguments(tpm) -> dict:
+    """The user's compile arguments, as the serial model in the file is compiled."""
+    args = keras.saving.deserialize_keras_object(tpm.get_compile_config())
+    args.pop("jit_compile", None)  # the wrapper's False is not the user's choice
+    return args
+
+
+def _serial_from_config(tpm, deferred: bool) -> keras.Model:
+    """A new serial model from ``tpm``'s config (from_config consumes it: a copy);
+    ``deferred``: shapes only, no memory."""
+    serial = tpm._serial
+    config = copy.deepcopy(serial.get_config())
+    if deferred:
+        with deferred_variables():
+            return type(serial).from_config(config)
+    return type(serial).from_config(config)
+
+
 def gather_serial_model(tpm, with_optimizer: bool = True) -> keras.Model | None:
     """The whole serial model (with optimizer state) on the master; None elsewhere.
 
@@ -92,15 +120,131 @@ def gather_serial_model(tpm, with_optimizer: bool = True) -> keras.Model | None:
     if not _runtime.is_master_rank():
         return None
     with tnt_comm.long_local_work():  # the others wait in save_on_master's barrier meanwhile
-        serial = tpm._serial
-        full = type(serial).from_config(copy.deepcopy(serial.get_config()))  # from_config consumes it
+        full = _serial_from_config(tpm, deferred=False)
         full.set_weights(weights)
         if with_optimizer and tpm.compiled and tpm.optimizer is not None:
-            args = keras.saving.deserialize_keras_object(tpm.get_compile_config())
-            args.pop("jit_compile", None)  # the wrapper's False is not the user's choice
-            full.compile(**args)
+            full.compile(**_compile_arguments(tpm))
             assign_optimizer_state(full.optimizer, full, state)
     return full
+
+
+# -- streamed save ----------------------------------------------------------------------------
+class _ShardHoldings:
+    """What this rank holds of the serial file, by the file's keys: each variable of the
+    local model (a slice of a split one) and of its optimizer, with its split axis (None:
+    the whole variable, the same on every rank of the group). Nothing is copied."""
+
+    def __init__(self, tpm, with_optimizer: bool) -> None:
+        split = _split_keys(tpm)
+        keys = variable_keys(tpm.local_model)
+        self.weights = {}
+        for var in tpm.local_model.weights:
+            key = keys.get(id(var))
+            if key is not None:
+                self.weights[key] = (var, split[key][0] if key in split else None)
+        optimizer = tpm.optimizer if with_optimizer else None
+        self.optimizer_built = optimizer is not None and optimizer.built
+        self.optimizer = {}
+        if self.optimizer_built:
+            self.optimizer = {key: (var, _slot_axis(key, var, split))
+                              for key, var in zip(optimizer_keys(optimizer, tpm.local_model), optimizer.variables)
+                              if not is_deferred(var)}
+
+    def find(self, request: _streamed.Request) -> tuple[object | None, int | None]:
+        """(variable, split axis) that ``request`` names; (None, None): not held."""
+        if isinstance(request, _streamed.Weight):
+            return self.weights.get(f"{request.layer}/{request.index}", (None, None))
+        return self.optimizer.get(request.key, (None, None))
+
+    def get(self, request: _streamed.Request) -> np.ndarray | None:
+        """This rank's value of ``request`` (its slice of a split variable), viewing the
+        variable's memory where it can; None: not held."""
+        var, _ = self.find(request)
+        return None if var is None else _streamed.variable_view(var)
+
+
+class StreamedShards:
+    """A streamed save of a tensor-parallel model (see ``_core.streamed_files``): the
+    master writes, joining each split variable from the slices the other ranks of its
+    tensor group send it one at a time; other replicas' groups take no part."""
+
+    def __init__(self, tpm, kind: str, holdings: _ShardHoldings | None, full: keras.Model | None,
+                 events: list[tuple] | None) -> None:
+        self.size = tpm.group.size
+        self.peers = _requests.CommPeers(tpm.group.comm) if tpm.group.comm is not None else None
+        self.serving = tpm.replica == 0 and tpm.group.rank != 0
+        if _runtime.is_master_rank() and tpm.group.rank != 0:  # pragma: no cover - the mesh's order
+            raise TensorParallelError(f"the master is rank {tpm.group.rank} of its tensor group, not 0.")
+        self.kind = kind
+        self.holdings = holdings
+        self.full = full
+        self.events = events
+
+    def serve(self) -> None:
+        """Off the master, on the master's tensor group: answer its requests with this
+        rank's slices until it is done (nothing elsewhere)."""
+        if self.serving:
+            _requests.serve(self.peers, 0, self.holdings.get)  # each slice is freed before the next
+
+    def write(self, path: str) -> None:
+        """On the master: write the file at ``path``; the group is told to stop whatever
+        happens here."""
+        asker = _requests.Asker(self.peers, range(1, self.size))
+        try:
+            fetch = functools.partial(self._fetch, asker=asker)
+            if self.kind == "model":
+                _streamed.write_model(path, self.full, self.events, fetch)
+            else:
+                _streamed.write_weights(path, self.events, fetch)
+        finally:
+            asker.stop()
+
+    def _fetch(self, request: _streamed.Request, asker: _requests.Asker) -> np.ndarray | None:
+        """The serial value of ``request``: the master's own (replicated), or the group's
+        slices joined along the split axis in rank order, each slice freed once copied."""
+        var, axis = self.holdings.find(request)
+        if var is None:
+            return None
+        mine = _streamed.variable_view(var)
+        if axis is None or self.size == 1:
+            return mine
+        width = mine.shape[axis]
+        whole = np.empty(tuple(d * self.size if i == axis else d for i, d in enumerate(mine.shape)), mine.dtype)
+        index = [slice(None)] * mine.ndim
+        for r in range(self.size):
+            part = mine if r == 0 else asker.ask(r, request)
+            if part is None or part.shape != mine.shape or part.dtype != mine.dtype:  # pragma: no cover
+                raise TensorParallelError(f"rank {r} of the tensor group holds {request} as "
+                                          f"{None if part is None else (part.dtype, part.shape)}, "
+                                          f"not a slice like rank 0's {(mine.dtype, mine.shape)}.")
+            index[axis] = slice(r * width, (r + 1) * width)
+            whole[tuple(index)] = part
+            del part
+        return whole
+
+
+def streamed_save(tpm, kind: str, with_optimizer: bool) -> StreamedShards | None:
+    """A streamed save (``kind``: "model" for .keras, "weights" for .weights.h5) of
+    ``tpm``, or None when its serial model cannot be streamed (then gather it). Every rank
+    calls it (the decision is the master's); sharded replicas call it with their shard's
+    whole optimizer state in place (``_model``)."""
+    with_optimizer = with_optimizer and tpm.compiled and tpm.optimizer is not None
+    holdings = _ShardHoldings(tpm, with_optimizer) if tpm.replica == 0 else None
+    full = events = None
+    if _runtime.is_master_rank():
+        full = _serial_from_config(tpm, deferred=True)
+        optimizer = None
+        if with_optimizer:
+            full.compile(**_compile_arguments(tpm))
+            optimizer = full.optimizer
+        events = _streamed.save_events(full, optimizer, holdings.optimizer_built)
+    if _runtime.get_size() > 1:
+        events_ok = tnt_comm.broadcast_object(events is not None if _runtime.is_master_rank() else None, 0)
+    else:
+        events_ok = events is not None
+    if not events_ok:
+        return None
+    return StreamedShards(tpm, kind, holdings, full, events)
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -190,4 +334,4 @@ def load_weights(tpm, filepath) -> None:
         read_tensor_state(tpm, tpm._serial, tpm.optimizer, _internals.weights_store(local, archive))
 
 
-__all__ = ["gather_serial_model", "load_weights", "read_tensor_state"]
+__all__ = ["StreamedShards", "gather_serial_model", "load_weights", "read_tensor_state", "streamed_save"]
