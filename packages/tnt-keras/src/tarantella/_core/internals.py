@@ -513,3 +513,13 @@ def restore_value(variable, value) -> None:
     variable._initializer = None
     with tf.init_scope():
         variable._initialize(value)
+
+
+def without_autocast():
+    """A scope in which Keras variables read as stored (no mixed-precision cast): level 3
+    gathers the owned float32 values, which each layer call then casts as Keras would."""
+    try:
+        from keras.src.backend import AutocastScope
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.backend.AutocastScope", err) from err
+    return AutocastScope(None)

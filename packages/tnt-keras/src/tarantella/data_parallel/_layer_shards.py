@@ -60,6 +60,10 @@ class _StepState:
         self.scale = scale  # b_r when the global batch is unknown before backprop, else None
         self.has_data = tf.constant(True) if has_data is None else has_data
         self.backward = True  # a training step: gradients are reduce-scattered
+        # An input of every layer call that backprop differentiates on every replica: without
+        # it a replica owning no weight of the first layers (whose inputs need no gradient)
+        # would never run their backward collectives while the owners do (a hang, 3 ranks).
+        self.anchor = tf.zeros((), tf.float32)
 
 
 class LayerShards:
@@ -72,6 +76,9 @@ class LayerShards:
         self._layers: list = []
         self._hooked: list = []
         self._released: dict[int, object] = {}  # id(variable) -> variable, values dropped
+        # Whether the replicas released what they do not own: the same on every replica (one
+        # may own every per-layer variable and release none), so collectives branch on it.
+        self._sharded = False
         self._state: _StepState | None = None
 
     # -- the plan --------------------------------------------------------------------------
@@ -137,6 +144,7 @@ class LayerShards:
             if owners[i] != self.sharding.rank and id(v) not in self._released:
                 _internals.drop_value(v, _Released(v.path, owners[i]))
                 self._released[id(v)] = v
+        self._sharded = True
         self.hook()
 
     def is_per_layer(self, variable) -> bool:
@@ -148,7 +156,8 @@ class LayerShards:
         return id(variable) in self._released
 
     def released(self) -> bool:
-        return bool(self._released)
+        """Whether the replicas store only what they own (the same answer on every replica)."""
+        return self._sharded
 
     @contextlib.contextmanager
     def whole(self, gather: bool = True) -> Iterator[None]:
@@ -156,7 +165,7 @@ class LayerShards:
         ``gather``: each released one from its owner (one broadcast per variable, in the
         model's order: a collective); else zeros (about to be overwritten, e.g. by loading a
         file). Released again after."""
-        if not self._released:
+        if not self._sharded:
             yield
             return
         owners = self.sharding.owners
@@ -173,6 +182,7 @@ class LayerShards:
             elif gather and owners[i] == comm.rank:
                 comm.broadcast(np.ascontiguousarray(np.asarray(v.numpy()).reshape(-1)), comm.rank)
         self._released.clear()
+        self._sharded = False
         try:
             yield
         finally:
@@ -209,6 +219,10 @@ class LayerShards:
             yield state
         finally:
             self._state = None
+
+    def current(self) -> _StepState | None:
+        """The step being traced (inside :meth:`step`), else None."""
+        return self._state
 
     # -- collectives -----------------------------------------------------------------------------
     def _layout(self, positions: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
@@ -262,10 +276,11 @@ class LayerShards:
         counts = [sum(s for i, s in zip(order, sizes) if owners[i] == r) for r in range(self.sharding.size)]
         # Real reads of the owned variables, outside the custom gradient: the outer tape
         # differentiates through them, so an owner's gradient is the reduce-scattered sum.
-        owned = [tf.reshape(tf.convert_to_tensor(variables[i].value), [-1]) for i in mine]
+        with _internals.without_autocast():  # the stored dtype (the call casts, as Keras does)
+            owned = [tf.reshape(tf.convert_to_tensor(variables[i].value), [-1]) for i in mine]
+            held_values = [tf.convert_to_tensor(v.value) for v in layer.non_trainable_variables]
         flat_owned = tf.concat(owned, 0) if len(owned) > 1 else owned[0] if owned else tf.zeros([0], dtype)
-        held = [v for v in layer.non_trainable_variables]
-        held_values = [tf.convert_to_tensor(v.value) for v in held]
+        held = list(layer.non_trainable_variables)
         flat_args, structure = _flatten_call(args, kwargs)
         diff = [k for k, a in enumerate(flat_args) if _differentiable(a)]
 
@@ -288,7 +303,7 @@ class LayerShards:
         shapes: list = []  # the call's output structure (its flat tensors cross the custom gradient)
 
         @tf.custom_gradient
-        def forward(flat, *xs):
+        def forward(flat, _anchor, *xs):
             whole, state.token = self._gather(flat, dtype, sum(sizes), state.token)
             out, scope = run(split(whole), xs)
             for v, before in zip(held, held_values):
@@ -321,7 +336,7 @@ class LayerShards:
                 # The owned sums leave with the token: the next collective waits for this one.
                 with tf.control_dependencies([state.token]):
                     mine_sum = tf.identity(mine_sum)
-                input_grads = [mine_sum, *dx]
+                input_grads = [mine_sum, tf.zeros((), tf.float32), *dx]
                 if variables:
                     return input_grads, [None] * len(variables)
                 return input_grads
@@ -329,7 +344,7 @@ class LayerShards:
             return flat_out, grad
 
         if state.backward:
-            flat_out = forward(flat_owned, *[flat_args[k] for k in diff])
+            flat_out = forward(flat_owned, state.anchor, *[flat_args[k] for k in diff])
         else:  # evaluate / predict: no backward pass to prepare for
             whole, state.token = self._gather(flat_owned, dtype, sum(sizes), state.token)
             out, scope = run(split(whole), [flat_args[k] for k in diff])

@@ -170,7 +170,11 @@ class DistributedSteps:
     def _gradients(self, x, y, sample_weight, local_n, weight):
         """This rank's forward pass, metric updates and gradients of ``weight`` x its loss."""
         model = self._model
+        shards = self._layer_shards()
+        anchor = None if shards is None or shards.current() is None else shards.current().anchor
         with tf.GradientTape() as tape:
+            if anchor is not None:  # level 3: every layer's backward runs on every replica
+                tape.watch(anchor)
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=True)
             # Weighting the loss (not the gradient) by b_r / B keeps every per-sample
             # term of backprop at its serial magnitude: with float16 compute, a loss
@@ -181,10 +185,10 @@ class DistributedSteps:
         variables = model.trainable_variables
         if not variables:
             raise ValueError("The model has no trainable weights: nothing to train.")
-        shards = self._layer_shards()
         # Level 3: a variable another replica owns holds no value (the tape would read its handle).
         held = [i for i, v in enumerate(variables) if shards is None or not shards.is_released(v)]
-        held_grads = tape.gradient(scaled_loss, [variables[i] for i in held])
+        sources = [variables[i] for i in held] + ([anchor] if anchor is not None else [])
+        held_grads = tape.gradient(scaled_loss, sources)[:len(held)]
         grads = [None] * len(variables)
         for i, g in zip(held, held_grads):
             grads[i] = g
