@@ -12,6 +12,8 @@ update each owner's new values are allgathered, so every replica holds identical
 Level 1: gradients are allreduced as at level 0; level 2: reduce-scatters hand each replica
 only the sums of its own gradients (docs/sharding.md). Both collectives move buckets of at
 most ``bucket_bytes`` one after the other (``_core.shard_buckets``), never a whole copy.
+Level 3 (parameters too) gathers each leaf layer's weights around its call instead
+(``_layer_shards``); what it keeps whole takes level 2's path here.
 """
 
 from __future__ import annotations
