@@ -1,8 +1,11 @@
-"""Sharded data parallelism, ``tnt.Model(sharding=1|2)`` (docs/sharding.md), launched on 2 and
+"""Sharded data parallelism, ``tnt.Model(sharding=1|2|3)`` (docs/sharding.md), launched on 2 and
 3 ranks (uneven byte shares) against serial Keras in the same job (jobs/sharded.py): History
 and weights, identical replicas, optimizer slots only for owned variables, global_clipnorm
 and a LossScaleOptimizer, a level-2 file saved at d = 2 read by serial Keras and resumed at
-level 1, and the errors. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
+level 1, and the errors. Level 3 (parameters sharded): Adam with global_clipnorm (2 ranks) and
+SGD momentum (3 ranks) against serial Keras with evaluate/predict and the elements each rank
+stores; BatchNormalization, Dropout and a layer with its own seeded mask bitwise equal to level
+2; its file read serially and resumed at level 3. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
 level 2 (Adam, global_clipnorm), its file resumed at level 1, and 2 replicas of 2-rank tensor groups
 (no stages) at level 2 (Adam, a vocab-split Embedding), its file resumed at level 1, in the shared
 4-rank launch; its error paths on one process."""
