@@ -188,22 +188,21 @@ def bn_model() -> keras.Model:
 def l3_vs_l2_case() -> dict:
     """BatchNormalization, Dropout and a weighted layer drawing its own random mask: level 3
     against level 2 in the same job (local batch statistics and per-rank dropout masks make
-    both differ from serial Keras alike), weights with the moving statistics, History,
-    evaluate and predict."""
+    both differ from serial Keras alike), weights with the moving statistics, History and
+    predict (evaluate is compared with serial Keras in the level-3 cases)."""
     x, y = data()
     runs = {}
     for level in (2, 3):
         os.environ.pop("TNT_FUSION_THRESHOLD", None)
         tm = tnt.Model(bn_model(), sharding=level)
         tm.compile(optimizer("adam"), "mse")
-        history = tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
-        runs[level] = (history["loss"], tm.get_weights(), tm.evaluate(x, y, batch_size=BATCH, verbose=0),
-                       tm.predict(x, batch_size=BATCH, verbose=0),
+        # One epoch (suite time): 5 steps, the last of 6 samples.
+        history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        runs[level] = (history["loss"], tm.get_weights(), None, tm.predict(x, batch_size=BATCH, verbose=0),
                        sorted(tm._tnt_sharding.layers.per_layer_positions()) if level == 3 else None)
     return {
         "history_diff": _job.max_abs_diff(runs[3][0], runs[2][0]),
         "weight_diff": _job.max_abs_diff(runs[3][1], runs[2][1]),
-        "evaluate_diff": _job.max_abs_diff(runs[3][2], runs[2][2]),
         "predict_diff": _job.max_abs_diff(runs[3][3], runs[2][3]),
         "per_layer_positions": runs[3][4],
         "weights": len(runs[3][1]),
@@ -215,10 +214,10 @@ def l3_files_case(tmp) -> dict:
     sharding=3) continues as serial Keras continues."""
     x, y = data()
     path = str(tmp / "sharded_l3.keras")
-    serial, _ = serial_run("adam")
+    serial, _ = serial_run("adam", epochs=1)
     tm = tnt.Model(make_model(), sharding=3)
     tm.compile(optimizer("adam"), "mse")
-    tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     tm.save(path)
     tnt_comm.barrier()
     loaded = keras.models.load_model(path)
