@@ -3,19 +3,19 @@ and step time against plain data parallelism, on 2 ranks.
 
     python benchmarks/sharded.py [--quick]        # launches one 2-rank job per level
 
-One ``mpirun -n 2`` job per level k = 0, 1, 2 trains the same MLP (Psi ~ 12.6 M float32
+One ``mpirun -n 2`` job per level k = 0, 1, 2, 3 trains the same MLP (Psi ~ 12.6 M float32
 parameters, Adam) on synthetic data. Each rank reports:
 
 - its *accounted* model state: parameters + gradients (all of them at levels 0-1, the owned
-  ones at level 2, as ZeRO counts them) + optimizer variables (Keras' own, so only the owned
-  variables' slots at levels >= 1);
+  ones at levels 2-3, as ZeRO counts them; at level 3 only the owned parameters) + optimizer
+  variables (Keras' own, so only the owned variables' slots at levels >= 1);
 - its *measured* peak: VmHWM at the end minus VmRSS before the model was built (TensorFlow's
   transient buffers included, e.g. backprop's full local gradient, which exists at every level);
 - the median step time (Keras callback, timed steps after a warm-up epoch).
 
 Rows: shardK_state_memory_vs_dp_2ranks (measured peak / level 0's; target: the ZeRO formula,
-16 Psi -> 8 Psi + 8 Psi / d at level 1 and 4 Psi + 12 Psi / d at level 2, plus 15 %),
-shardK_step_time_vs_dp_2ranks (target 1.05 at level 2), and the byte balance of whole-variable
+16 Psi -> 8 Psi + 8 Psi / d at level 1, 4 Psi + 12 Psi / d at level 2 and 16 Psi / d at level
+3, plus 15 %), shardK_step_time_vs_dp_2ranks (target 1.05 at level 2, 1.30 at level 3), and the byte balance of whole-variable
 ownership on ResNet-50 and GPT-2 small (max / min bytes per replica; target 1.15), and
 reduce_scatter_allgather_vs_allreduce_2ranks: tnt_comm.reduce_scatter + allgather of Psi
 float32 against one allreduce of the same bytes.
@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 import benchlib as bl  # noqa: E402  (pins threads before TensorFlow)
 
 RANKS = 2
+LEVELS = (0, 1, 2, 3)
 WIDTHS = [1024, 2048, 2048, 2048, 1024, 10]  # Dense stack: ~12.6 M parameters
 MICRO_BATCH = 32
 WIDTHS_PSI = sum(a * b + b for a, b in itertools.pairwise(WIDTHS))  # the MLP's parameters
@@ -78,9 +79,11 @@ def worker(level: int, steps: int) -> None:
     sharding = getattr(tm, "_tnt_sharding", None)
     owned = model.trainable_variables if sharding is None else sharding.owned_variables()
     grad_bytes = bl.variable_bytes(owned if level >= 2 else model.trainable_variables)
+    shards = None if sharding is None else sharding.layers
+    stored = [v for v in model.weights if shards is None or not shards.is_released(v)]  # level 3: the owned
     record = {
         "level": level, "rank": tnt.get_rank(), "ranks": tnt.get_size(), "psi": psi,
-        "param_bytes": bl.variable_bytes(model.weights), "grad_bytes": grad_bytes,
+        "param_bytes": bl.variable_bytes(stored), "grad_bytes": grad_bytes,
         "optimizer_bytes": bl.variable_bytes(model.optimizer.variables),
         "peak_bytes": _status("VmHWM") - rss_before, "step_s": bl.median(times), "steps": len(times),
     }
@@ -145,12 +148,14 @@ def balance(size: int) -> dict[str, float]:
 
 def formula(level: int, d: int) -> float:
     """ZeRO's per-rank model state over plain data parallelism (Adam, float32: 16 Psi)."""
-    return {0: 16.0, 1: 8 + 8 / d, 2: 4 + 12 / d}[level] / 16.0
+    return {0: 16.0, 1: 8 + 8 / d, 2: 4 + 12 / d, 3: 16 / d}[level] / 16.0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--levels", default=",".join(map(str, LEVELS)),
+                        help="comma-separated levels to run (0 is always run: the rows' reference)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--comm", action="store_true", help=argparse.SUPPRESS)
@@ -167,7 +172,8 @@ def main() -> int:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     runs: dict[int, list[dict]] = {}
     machine = bl.machine()
-    for level in (0, 1, 2):
+    levels = sorted({0, *(int(k) for k in args.levels.split(",") if k)})
+    for level in levels:
         cmd = [bl.mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(RANKS), sys.executable,
                str(Path(__file__).resolve()), "--worker", str(level), "--steps", str(steps)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -187,7 +193,7 @@ def main() -> int:
     rows = []
     print(f"sharded data parallelism, {RANKS} ranks, MLP Psi = {base[0]['psi'] / 1e6:.1f} M, Adam")
     print(f"{'level':>5} {'accounted MB/rank':>18} {'peak MB/rank':>13} {'step ms':>8}")
-    for level in (0, 1, 2):
+    for level in levels:
         r = runs[level]
         accounted = max(x["param_bytes"] + x["grad_bytes"] + x["optimizer_bytes"] for x in r)
         peak = max(x["peak_bytes"] for x in r)
@@ -204,7 +210,7 @@ def main() -> int:
                            f"accounted state {accounted / 1e6:.0f} vs {acc0 / 1e6:.0f} MB = {accounted / acc0:.3f}; "
                            f"ZeRO formula {f:.3f} (target formula + 15 %)"))
         rows.append(bl_row(f"shard{level}_step_time_vs_dp_{RANKS}ranks", step / max(x["step_s"] for x in base),
-                           1.05 if level == 2 else None, False, "x level 0's step time",
+                           {2: 1.05, 3: 1.30}.get(level), False, "x level 0's step time",
                            f"median step {step * 1e3:.1f} vs {max(x['step_s'] for x in base) * 1e3:.1f} ms "
                            f"(slowest rank, {r[0]['steps']} steps)"))
     rows.append(bl_row(f"reduce_scatter_allgather_vs_allreduce_{RANKS}ranks",

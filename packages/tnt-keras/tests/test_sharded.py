@@ -1,8 +1,11 @@
-"""Sharded data parallelism, ``tnt.Model(sharding=1|2)`` (docs/sharding.md), launched on 2 and
+"""Sharded data parallelism, ``tnt.Model(sharding=1|2|3)`` (docs/sharding.md), launched on 2 and
 3 ranks (uneven byte shares) against serial Keras in the same job (jobs/sharded.py): History
 and weights, identical replicas, optimizer slots only for owned variables, global_clipnorm
 and a LossScaleOptimizer, a level-2 file saved at d = 2 read by serial Keras and resumed at
-level 1, and the errors. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
+level 1, and the errors. Level 3 (parameters sharded): Adam with global_clipnorm (2 ranks) and
+SGD momentum (3 ranks) against serial Keras with evaluate/predict and the elements each rank
+stores; BatchNormalization, Dropout and a layer with its own seeded mask bitwise equal to level
+2; its file read serially and resumed at level 3. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
 level 2 (Adam, global_clipnorm), its file resumed at level 1, and 2 replicas of 2-rank tensor groups
 (no stages) at level 2 (Adam, a vocab-split Embedding), its file resumed at level 1, in the shared
 4-rank launch; its error paths on one process."""
@@ -20,9 +23,10 @@ from tarantella.data_parallel import ShardingError, assign_owners
 TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exactness.py
 # The cases each launch runs (suite time: two launches of a few fits each).
 RUNS = {
-    2: ["l2_adam_clip", "l1_lso_sgd", "l2_adam_seq", "files", "errors"],
-    3: ["l1_adam_clip", "l2_sgd_momentum"],
+    2: ["l2_adam_clip", "l1_lso_sgd", "l2_adam_seq", "l3_adam_clip", "files", "l3_files", "l3_vs_l2", "errors"],
+    3: ["l1_adam_clip", "l2_sgd_momentum", "l3_sgd_momentum"],
 }
+NOT_CASES = ("files", "l3_files", "l3_vs_l2", "errors")
 SLOTS_PER_VARIABLE = {"sgd_momentum": 1, "lso_sgd": 1, "adam": 2, "adam_clip": 2, "adam_seq": 2}
 
 
@@ -65,7 +69,7 @@ def report2(shared_launches):
 
 
 def test_every_case_ran(report):
-    wanted = [n for n in RUNS[report["ranks"]] if n not in ("files", "errors")]
+    wanted = [n for n in RUNS[report["ranks"]] if n not in NOT_CASES]
     assert sorted(report["cases"]) == sorted(wanted)
 
 
@@ -95,9 +99,11 @@ SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_c
 
 def test_small_fusion_thresholds_cut_the_sharded_collectives_into_buckets(report):
     # The model's variables (832, 52, 364, 28, 84, 12 bytes) in buckets of <= 512 bytes: 3;
-    # under the default 8 MiB one. The exactness checks above ran over both layouts.
+    # under the default 8 MiB one. The exactness checks above ran over both layouts. Level 3
+    # gathers every variable of this model per layer: no bucket after the update.
     for name, c in report["cases"].items():
-        assert c["buckets"] == (3 if name in SMALL_BUCKETS else 1), (name, c["buckets"])
+        expected = 0 if name.startswith("l3_") else 3 if name in SMALL_BUCKETS else 1
+        assert c["buckets"] == expected, (name, c["buckets"])
 
 
 def test_buckets_hold_consecutive_variables_up_to_the_limit():
@@ -140,10 +146,42 @@ def test_file_of_level_2_loads_serially_and_resumes_at_level_1(report2):
 
 def test_errors_name_the_option(report2):
     errors = report2["errors"]
-    assert sorted(errors) == ["bad_level", "level_3_not_implemented", "optimizer_not_per_variable",
-                              "other_strategy"]
+    assert sorted(errors) == ["bad_level", "level_3_read_outside_a_step", "level_3_sync_batch_norm",
+                              "optimizer_not_per_variable", "other_strategy"]
     for name, e in errors.items():
         assert e["ok"], (name, e["detail"])
+
+
+def test_level_3_stores_only_owned_weights_and_evaluates_and_predicts_as_serial(report):
+    l3 = {n: c for n, c in report["cases"].items() if n.startswith("l3_")}
+    assert l3, report["cases"].keys()
+    for name, c in l3.items():
+        # Each rank stores exactly the trainable elements it owns; together, the model once.
+        assert c["stored_elements_per_rank"] == c["owned_elements_per_rank"], (name, c)
+        assert sum(c["stored_elements_per_rank"]) == c["variable_elements"], (name, c)
+        assert max(c["stored_elements_per_rank"]) < c["variable_elements"], (name, c)
+        assert c["evaluate_diff"] <= TOL_LOSS, (name, c)
+        assert c["predict_diff"] <= TOL_WEIGHTS, (name, c)
+
+
+def test_level_3_with_batch_norm_dropout_and_a_seeded_layer_equals_level_2_bitwise(report2):
+    # The same collectives' sums in the same order, and the recomputed forward draws the
+    # forward's masks: nothing may differ (a recompute with a fresh seed state would).
+    c = report2["l3_vs_l2"]
+    assert c["per_layer_positions"] == list(range(8)), c  # every trainable variable, BN's too
+    assert c["weights"] == 10, c  # with BN's moving statistics
+    for key in ("history_diff", "weight_diff", "predict_diff"):
+        assert c[key] == 0.0, (key, c)
+
+
+def test_level_3_file_loads_serially_and_resumes_at_level_3(report2):
+    f = report2["l3_files"]
+    assert f["loaded_weight_diff"] <= TOL_WEIGHTS, f
+    count, serial_count = f["loaded_optimizer_count"]
+    assert count == serial_count, f
+    assert f["loaded_optimizer_diff"] <= TOL_WEIGHTS, f
+    assert f["resumed_weight_diff"] <= TOL_WEIGHTS, f
+    assert sum(f["resumed_stored_elements_per_rank"]) == 343, f  # the model once over the ranks
 
 
 def test_assignment_is_a_balanced_pure_function():

@@ -1,4 +1,8 @@
-"""Sharded data parallelism (tnt.Model(sharding=1|2)) against serial Keras in the same job.
+"""Sharded data parallelism (tnt.Model(sharding=1|2|3)) against serial Keras in the same job.
+
+Level 3: SGD-momentum and Adam (global_clipnorm) against serial Keras with evaluate and
+predict and what each rank stores; BatchNormalization, Dropout and a weighted layer with its
+own random mask against level 2; its file read serially and resumed with sharding=3.
 
 Cases: levels 1 and 2 with SGD-momentum, Adam, Adam with global_clipnorm (clipping active)
 and a LossScaleOptimizer; each compares History and weights with serial Keras, checks the
@@ -115,6 +119,11 @@ def bucket_threshold(name: str) -> None:
         os.environ.pop("TNT_FUSION_THRESHOLD", None)
 
 
+def stored_elements(model, shards) -> int:
+    """Trainable elements this rank stores (level 3 releases the ones other replicas own)."""
+    return elements([v for v in model.trainable_variables if shards is None or not shards.is_released(v)])
+
+
 def case(level: int, kind: str) -> dict:
     bucket_threshold(f"l{level}_{kind}")
     x, y = data(kind)
@@ -125,10 +134,24 @@ def case(level: int, kind: str) -> dict:
     history = tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     sharding = tm._tnt_sharding
     slot_elements = tnt_comm.allgather_object(elements(model.optimizer.variables))
+    # Level 3 keeps no whole copy: the tnt.Model's get_weights() gathers it from the owners.
+    weights = tm.get_weights()
+    h = hashlib.sha256()
+    for w in weights:
+        h.update(np.ascontiguousarray(w).tobytes())
+    out = {}
+    if level == 3:  # held only by owners; evaluate and predict gather per layer too
+        out["stored_elements_per_rank"] = tnt_comm.allgather_object(stored_elements(model, sharding.layers))
+        out["owned_elements_per_rank"] = tnt_comm.allgather_object(elements(sharding.owned_variables()))
+        out["evaluate_diff"] = _job.max_abs_diff(tm.evaluate(x, y, batch_size=BATCH, verbose=0),
+                                                 serial.evaluate(x, y, batch_size=BATCH, verbose=0))
+        out["predict_diff"] = _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
+                                                serial.predict(x, batch_size=BATCH, verbose=0))
     return {
+        **out,
         "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
-        "weight_diff": _job.max_abs_diff(model.get_weights(), serial.get_weights()),
-        "replicas_identical": len(set(tnt_comm.allgather_object(digest(model)))) == 1,
+        "weight_diff": _job.max_abs_diff(weights, serial.get_weights()),
+        "replicas_identical": len(set(tnt_comm.allgather_object(h.hexdigest()))) == 1,
         "slot_elements_per_rank": slot_elements,
         "serial_slot_elements": elements(serial.optimizer.variables),
         "variable_elements": elements(model.trainable_variables),
@@ -140,6 +163,77 @@ def case(level: int, kind: str) -> dict:
         "applied_steps": [int(model.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())],
         "steps": EPOCHS * -(-len(x) // BATCH),
     }
+
+
+class NoisyDense(keras.layers.Dense):
+    """A Dense with a seeded dropout inside its own call: level 3 recomputes the call in
+    backprop, which must draw the forward's mask again (its seed state mapped as read)."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.noise_seed = keras.random.SeedGenerator(11)
+
+    def call(self, inputs, training=None):
+        out = super().call(inputs)
+        return keras.random.dropout(out, 0.3, seed=self.noise_seed) if training else out
+
+
+def bn_model() -> keras.Model:
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([
+        keras.Input((16,)), NoisyDense(13, activation="tanh"), keras.layers.BatchNormalization(),
+        keras.layers.Dropout(0.2, seed=5), keras.layers.Dense(7, activation="tanh"), keras.layers.Dense(3)])
+
+
+def l3_vs_l2_case() -> dict:
+    """BatchNormalization, Dropout and a weighted layer drawing its own random mask: level 3
+    against level 2 in the same job (local batch statistics and per-rank dropout masks make
+    both differ from serial Keras alike), weights with the moving statistics, History and
+    predict (evaluate is compared with serial Keras in the level-3 cases)."""
+    x, y = data()
+    runs = {}
+    for level in (2, 3):
+        os.environ.pop("TNT_FUSION_THRESHOLD", None)
+        tm = tnt.Model(bn_model(), sharding=level)
+        tm.compile(optimizer("adam"), "mse")
+        # One epoch (suite time): 5 steps, the last of 6 samples.
+        history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        runs[level] = (history["loss"], tm.get_weights(), None, tm.predict(x, batch_size=BATCH, verbose=0),
+                       sorted(tm._tnt_sharding.layers.per_layer_positions()) if level == 3 else None)
+    return {
+        "history_diff": _job.max_abs_diff(runs[3][0], runs[2][0]),
+        "weight_diff": _job.max_abs_diff(runs[3][1], runs[2][1]),
+        "predict_diff": _job.max_abs_diff(runs[3][3], runs[2][3]),
+        "per_layer_positions": runs[3][4],
+        "weights": len(runs[3][1]),
+    }
+
+
+def l3_files_case(tmp) -> dict:
+    """Level 3: save -> serial Keras load equals the serial run; tnt.models.load_model(...,
+    sharding=3) continues as serial Keras continues."""
+    x, y = data()
+    path = str(tmp / "sharded_l3.keras")
+    serial, _ = serial_run("adam", epochs=1)
+    tm = tnt.Model(make_model(), sharding=3)
+    tm.compile(optimizer("adam"), "mse")
+    tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    tm.save(path)
+    tnt_comm.barrier()
+    loaded = keras.models.load_model(path)
+    out = {
+        "loaded_weight_diff": _job.max_abs_diff(loaded.get_weights(), serial.get_weights()),
+        "loaded_optimizer_count": [len(loaded.optimizer.variables), len(serial.optimizer.variables)],
+        "loaded_optimizer_diff": _job.max_abs_diff([v.numpy() for v in loaded.optimizer.variables],
+                                                   [v.numpy() for v in serial.optimizer.variables]),
+    }
+    resumed = tnt.models.load_model(path, sharding=3)
+    resumed.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    out["resumed_weight_diff"] = _job.max_abs_diff(resumed.get_weights(), serial.get_weights())
+    shards = resumed._tnt_sharding.layers
+    out["resumed_stored_elements_per_rank"] = tnt_comm.allgather_object(stored_elements(resumed.model, shards))
+    return out
 
 
 def files_case(tmp) -> dict:
@@ -205,13 +299,22 @@ def error_cases() -> dict:
         tm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
     return {
-        "level_3_not_implemented": raised(lambda: tnt.Model(make_model(), sharding=3), "sharding=3", "sharding=2"),
+        "level_3_read_outside_a_step": raised(lambda: level_3_read(x, y), "ShardingError", "sharding=3",
+                                              "get_weights()", "sharding<=2"),
+        "level_3_sync_batch_norm": raised(lambda: tnt.Model(bn_model(), sync_batch_norm=True, sharding=3),
+                                          "ShardingError", "sync_batch_norm=False", "sharding=2"),
         "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),
         "optimizer_not_per_variable": raised(lambda: compiled(NotPerVariable(0.1)), "NotPerVariable",
                                              "sharding=0", "tnt_per_variable"),
         "other_strategy": raised(lambda: tnt.Model(make_model(), parallel_strategy=tnt.ParallelStrategy.PIPELINING,
                                                    num_pipeline_stages=2, sharding=1), "sharding", "DATA"),
     }
+
+
+def level_3_read(x, y) -> None:
+    """Reading the wrapped model's weights directly once level 3 released them (a built model
+    is synchronised, then released, when it is wrapped)."""
+    tnt.Model(make_model(), sharding=3).model.get_weights()
 
 
 def all_case(level: int, kind: str, tmp) -> dict:
@@ -370,12 +473,12 @@ ALL_CASES = {"all_l1_adam": (1, "adam"), "all_l2_adam_clip": (2, "adam_clip")}
 ALL_TENSOR_CASES = {"all_tensor_l2_adam": 2}
 
 CASES = {f"l{level}_{kind}": (level, kind)
-         for level in (1, 2) for kind in ("sgd_momentum", "adam", "adam_clip", "lso_sgd", "adam_seq")}
+         for level in (1, 2, 3) for kind in ("sgd_momentum", "adam", "adam_clip", "lso_sgd", "adam_seq")}
 
 
 def main() -> None:
     out = _job.out_path()
-    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "errors"])
+    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "l3_files", "l3_vs_l2", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: case(*CASES[n]) for n in chosen if n in CASES}}
     for name in chosen:
         if name in ALL_CASES:
@@ -384,6 +487,10 @@ def main() -> None:
             result.setdefault("all_tensor", {})[name] = all_tensor_case(ALL_TENSOR_CASES[name], out.parent)
     if "files" in chosen:
         result["files"] = files_case(out.parent)
+    if "l3_files" in chosen:
+        result["l3_files"] = l3_files_case(out.parent)
+    if "l3_vs_l2" in chosen:
+        result["l3_vs_l2"] = l3_vs_l2_case()
     if "errors" in chosen:
         result["errors"] = error_cases()
     _job.write(out, result)

@@ -479,3 +479,47 @@ def call_output_specs(model: keras.Model):
         return unpack_singleton(model._outputs_struct)
     except AttributeError:
         return None
+
+
+def in_symbolic_scope() -> bool:
+    """True inside Keras' shape inference (``compute_output_spec``: no values are computed)."""
+    try:
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope as inside
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.backend.common.symbolic_scope", err) from err
+    return bool(inside())
+
+
+def own_trainable_variables(layer) -> list:
+    """The trainable variables ``layer`` created itself (not its sublayers'), if it is trainable
+    (Layer._trainable_variables)."""
+    if not layer.trainable:
+        return []
+    try:
+        return [v for v in layer._trainable_variables if v.trainable]
+    except AttributeError as err:  # pragma: no cover
+        raise _missing("Layer._trainable_variables", err) from err
+
+
+def drop_value(variable, initializer) -> None:
+    """Free ``variable``'s value: it then reads as a variable made in a ``StatelessScope``
+    does (KerasVariable._value = None), through ``initializer`` (sharding level 3)."""
+    variable._value = None
+    variable._initializer = initializer
+
+
+def restore_value(variable, value) -> None:
+    """Give a variable freed by :func:`drop_value` a value again (eagerly)."""
+    variable._initializer = None
+    with tf.init_scope():
+        variable._initialize(value)
+
+
+def without_autocast():
+    """A scope in which Keras variables read as stored (no mixed-precision cast): level 3
+    gathers the owned float32 values, which each layer call then casts as Keras would."""
+    try:
+        from keras.src.backend import AutocastScope
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.backend.AutocastScope", err) from err
+    return AutocastScope(None)

@@ -97,8 +97,8 @@ def sharding_level(value=None) -> int:
     except ValueError:
         level = None
     if level not in (0, 1, 2, 3):
-        raise SettingError(f"{name}={raw!r} is no sharding level; use 0 (none), 1 (optimizer state) "
-                           "or 2 (+ gradients); see docs/sharding.md.")
+        raise SettingError(f"{name}={raw!r} is no sharding level; use 0 (none), 1 (optimizer state), "
+                           "2 (+ gradients) or 3 (+ parameters, DATA only); see docs/sharding.md.")
     return level
 
 

@@ -180,15 +180,16 @@ def build_variables(model: keras.Model, wrapper: keras.Model, dataset, with_metr
             optimizer.build(model.trainable_variables)
 
 
-def sync_replicas(model: keras.Model, with_optimizer: bool = True) -> None:
+def sync_replicas(model: keras.Model, with_optimizer: bool = True, skip=None) -> None:
     """Check the ranks built the same model, then give every rank the master's state
     (``with_optimizer=False``: sharded replicas, each holding its own optimizer state).
 
     Only variables whose bytes differ from the master's on some rank are broadcast: a
     model seeded alike on every rank, or synchronised before and unchanged since (a
     recompile), costs one small collective; a rank-local ``set_weights`` in between
-    is still found and overwritten."""
-    groups = [("model", list(model.variables))]
+    is still found and overwritten. ``skip(variable)``: left out (sharding level 3: the
+    variables this replica does not store)."""
+    groups = [("model", [v for v in model.variables if skip is None or not skip(v)])]
     optimizer = model.optimizer if model.compiled else None
     if with_optimizer and optimizer is not None and optimizer.built:
         groups.append(("optimizer state", list(optimizer.variables)))

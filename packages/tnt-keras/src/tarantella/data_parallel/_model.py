@@ -42,6 +42,7 @@ from .._core.strategy import (
     unknown_options_error,
 )
 from . import _grad_sync, _sharded_files, _sharding
+from ._layer_shards import LayerShards
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -64,8 +65,10 @@ class Model(DistributedModel):
             does), so a model with batch normalisation trains as serial Keras does.
         sharding: 0 (default, or ``TNT_SHARDING``): every replica holds the whole optimizer
             state; 1: each replica keeps the optimizer state of the variables it owns;
-            2: and receives only their summed gradients (docs/sharding.md). ``ALL`` with
-            pipeline stages takes it too: shards within each stage's replica group.
+            2: and receives only their summed gradients; 3 (DATA only): and stores only the
+            weights it owns, gathered layer by layer around each call (docs/sharding.md).
+            ``ALL`` with pipeline stages takes levels 1 and 2 too: shards within each stage's
+            replica group.
         memory_budget: bytes per rank (``"6GiB"``, ``"512MiB"``, an int; default none, or
             ``TNT_MEMORY_BUDGET``), taken by every strategy: ``fit`` first checks the plan's
             per-rank estimate against it and raises ``tnt.MemoryBudgetError`` on every rank
@@ -176,14 +179,16 @@ class Model(DistributedModel):
     # get_weights / set_weights: the base's (serial-shaped; the master's values win).
     def _tnt_serial_weights(self):
         """Every replica holds the serial model: its own weights, no collective."""
-        return self._model.get_weights()
+        with self._whole():
+            return self._model.get_weights()
 
     def _tnt_serial_shapes(self) -> list[tuple[int, ...]]:
         return [tuple(w.shape) for w in self._model.weights]
 
     def _tnt_assign_serial(self, weights) -> None:
         """Every replica takes the whole list (the master's, broadcast by the base)."""
-        self._model.set_weights(weights)
+        with self._whole(gather=False):
+            self._model.set_weights(weights)
 
     def __getattr__(self, name: str):
         # Attributes defined by a subclassed model (e.g. `model.encoder`) stay reachable.
@@ -277,13 +282,31 @@ class Model(DistributedModel):
     def _prepare(self, dataset: tf.data.Dataset, with_metrics: bool) -> None:
         """Before any step of fit/evaluate/predict/*_on_batch: variables exist everywhere,
         replicas are identical."""
-        _sync.build_variables(self._model, self, dataset, with_metrics)
+        shards = self._layer_shards()
+        # Level 3: a forward pass that builds the metrics gathers each layer's weights.
+        with shards.step(backward=False) if shards is not None and shards.released() else contextlib.nullcontext():
+            _sync.build_variables(self._model, self, dataset, with_metrics)
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
         if not self._tnt_synced and _runtime.get_size() > 1:
-            _sync.sync_replicas(self._model, with_optimizer=self._tnt_sharding is None)
+            shards = self._layer_shards()
+            if shards is not None and shards.released():  # each owner holds the only copy
+                _sync.sync_replicas(self._model, with_optimizer=False, skip=shards.is_per_layer)
+            else:
+                _sync.sync_replicas(self._model, with_optimizer=self._tnt_sharding is None)
+                if shards is not None:  # level 3: from now on a replica stores what it owns
+                    shards.release()
         self._tnt_synced = self._tnt_weights_synced = True
+
+    def _layer_shards(self):
+        """Level 3's per-layer shards (``_layer_shards.LayerShards``), else None."""
+        return None if self._tnt_sharding is None else self._tnt_sharding.layers
+
+    def _whole(self, gather: bool = True):
+        """While inside, every replica holds every weight (level 3 gathers them: a collective)."""
+        shards = self._layer_shards()
+        return shards.whole(gather) if shards is not None else contextlib.nullcontext()
 
     def _average_moving_statistics(self) -> None:
         if _runtime.get_size() > 1:
@@ -478,18 +501,21 @@ class Model(DistributedModel):
     def _tnt_serial_state(self):
         """While inside, the master's wrapped model holds the whole optimizer state (a
         collective; BackupAndRestore writes under it)."""
-        if self._tnt_sharding is None or not self._model.compiled:
+        if self._tnt_sharding is None:
             return contextlib.nullcontext()
-        return _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True)
+        if not self._model.compiled:
+            return self._whole()
+        return _together(self._whole(), _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True))
 
     def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write,
                kind: str | None = None) -> None:
         if self._tnt_sharding is None or not with_optimizer or not self._model.compiled:
-            return super()._write(filepath, overwrite, all_devices, with_optimizer, write, kind)
+            with self._whole():
+                return super()._write(filepath, overwrite, all_devices, with_optimizer, write, kind)
         if all_devices:
             raise _sharding.ShardingError("tnt_save_all_devices=True is not supported with sharding >= 1 "
                                           "(only the master assembles the whole optimizer state).")
-        with _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True):
+        with self._whole(), _sharded_files.serial_optimizer(self._model, self._tnt_sharding, gather=True):
             super()._write(filepath, overwrite, all_devices, with_optimizer, write, kind)
     def _tnt_memory_layout(self) -> _memory.Holdings:
         """A whole replica. The fused engine's buckets are a gradient set of their own only
@@ -507,9 +533,17 @@ class Model(DistributedModel):
     def _tnt_summary(self, *args, **kwargs) -> None:
         self._model.summary(*args, **kwargs)
 
+    def export(self, filepath, format="tf_saved_model", verbose=True, **kwargs) -> None:
+        """Keras' ``export`` of the serial model (refused at sharding=3, on every rank)."""
+        if self._layer_shards() is not None:
+            raise _sharding.ShardingError(
+                "tnt.Model.export() at sharding=3 is not supported: save() the model (one ordinary "
+                "Keras file), load it serially with keras.models.load_model and export that.")
+        super().export(filepath, format=format, verbose=verbose, **kwargs)
+
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load weights read by the master rank; all replicas end up identical."""
-        with _io.master_file(filepath) as local:
+        with _io.master_file(filepath) as local, self._whole(gather=False):
             if self._tnt_sharding is not None and self._model.compiled:
                 _sharded_files.load_into(self._model, self._tnt_sharding,
                                          lambda: self._model.load_weights(local, *args, **kwargs))
@@ -522,10 +556,6 @@ class Model(DistributedModel):
 def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
     """The model's shards for ``sharding=`` (or ``TNT_SHARDING``); None at level 0 or on one rank."""
     level = _settings.sharding_level(sharding)
-    if level == 3:
-        raise _sharding.ShardingError(
-            "tnt.Model(sharding=3) (parameters sharded too) is not implemented yet; use sharding=2 "
-            "(optimizer state and gradients) or sharding=1 (optimizer state).")
     if level == 0 or _runtime.get_size() == 1:
         return None
     if overrides(model, "train_step"):
@@ -533,7 +563,17 @@ def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
             f"tnt.Model(sharding={level}): {type(model).__name__} has its own train_step; sharding "
             "works with tnt's default training step for now. Use sharding=0 for this model.")
     # Its collectives move at most a fusion threshold's bytes at once (TNT_FUSION_THRESHOLD).
-    return _sharding.Sharding(model, level, bucket_bytes=_settings.load().fusion_threshold_bytes)
+    shards = _sharding.Sharding(model, level, bucket_bytes=_settings.load().fusion_threshold_bytes)
+    if level == 3:  # parameters too: each layer's weights gathered around its call
+        shards.layers = LayerShards(shards)
+    return shards
+
+
+@contextlib.contextmanager
+def _together(first, second):
+    """Enter ``first``, then ``second`` (a context manager of both, for a return value)."""
+    with first, second:
+        yield
 
 
 def _check_is_keras_model(model) -> None:

@@ -12,6 +12,8 @@ update each owner's new values are allgathered, so every replica holds identical
 Level 1: gradients are allreduced as at level 0; level 2: reduce-scatters hand each replica
 only the sums of its own gradients (docs/sharding.md). Both collectives move buckets of at
 most ``bucket_bytes`` one after the other (``_core.shard_buckets``), never a whole copy.
+Level 3 (parameters too) gathers each leaf layer's weights around its call instead
+(``_layer_shards``); what it keeps whole takes level 2's path here.
 """
 
 from __future__ import annotations
@@ -97,7 +99,10 @@ class Sharding:
         self.decisions = decisions or self.comm
         self.rank, self.size = self.comm.rank, self.comm.size
         self._owners: list[int] | None = None
+        self._variable_ids: list[int] = []  # id() of the variables the owners were assigned for
         self._installed: object | None = None  # the optimizer patched for shards
+        # Level 3: the per-layer plan and the released variables (_layer_shards.LayerShards).
+        self.layers = None
 
     # -- ownership ------------------------------------------------------------------------------
     @property
@@ -111,6 +116,7 @@ class Sharding:
                     f"variables to own, but the model has only {len(variables)} trainable variables; "
                     "use sharding=0 or fewer ranks.")
             self._owners = assign_owners([_nbytes(v) for v in variables], self.size)
+            self._variable_ids = [id(v) for v in variables]
         return self._owners
 
     def owned_mask(self) -> list[bool]:
@@ -139,6 +145,14 @@ class Sharding:
         if optimizer is None or self._installed is optimizer:
             return
         check_optimizer(optimizer, self.level)
+        if self.layers is not None and self.layers.released():
+            old = (list(self.owners), list(self._variable_ids))
+            self._owners = None
+            if (self.owners, self._variable_ids) != old:
+                raise ShardingError(
+                    "tnt.Model(sharding=3): the trainable variables changed (a layer's trainable flag?) "
+                    "after the replicas released the weights they do not own; set trainable flags "
+                    "before wrapping the model, or use sharding<=2.")
         self._owners = None  # a new compile: trainable variables may have changed
         sharding = self
         cls_build = type(optimizer).build
@@ -205,7 +219,9 @@ class Sharding:
         consecutive runs of at most ``bucket_bytes`` (``shard_buckets``); each bucket ordered by
         (owner, index): the wire layout."""
         variables = self.model.trainable_variables
-        positions = list(range(len(variables))) if positions is None else list(positions)
+        if positions is None:  # level 3: the per-layer variables are gathered layer by layer
+            positions = range(len(variables)) if self.layers is None else self.layers.whole_positions()
+        positions = list(positions)
         dtypes: list[tf.DType] = []
         for i in positions:
             if tf.as_dtype(variables[i].dtype) not in dtypes:

@@ -27,6 +27,8 @@ it instead (``_custom_steps``). Metric states are merged by ``_metric_states``.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -160,7 +162,7 @@ class DistributedSteps:
         # Synchronised batch norm's collectives are graph ops XLA cannot compile, nor are a
         # sharded update's (global norm, finiteness, allgather of updated values).
         jit = (bool(getattr(self._model, "jit_compile", False)) and not has_sync_batch_norm(self._model)
-               and not (name == "global" and self._sharding is not None))
+               and not (name == "global" and self._sharding is not None) and self._layer_shards() is None)
         if (name, jit) not in self._compiled_fns:
             self._compiled_fns[(name, jit)] = tf.function(fn, jit_compile=jit, autograph=False)
         return self._compiled_fns[(name, jit)]
@@ -168,7 +170,11 @@ class DistributedSteps:
     def _gradients(self, x, y, sample_weight, local_n, weight):
         """This rank's forward pass, metric updates and gradients of ``weight`` x its loss."""
         model = self._model
+        shards = self._layer_shards()
+        anchor = None if shards is None or shards.current() is None else shards.current().anchor
         with tf.GradientTape() as tape:
+            if anchor is not None:  # level 3: every layer's backward runs on every replica
+                tape.watch(anchor)
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=True)
             # Weighting the loss (not the gradient) by b_r / B keeps every per-sample
             # term of backprop at its serial magnitude: with float16 compute, a loss
@@ -179,13 +185,20 @@ class DistributedSteps:
         variables = model.trainable_variables
         if not variables:
             raise ValueError("The model has no trainable weights: nothing to train.")
-        grads = tape.gradient(scaled_loss, variables)
+        # Level 3: a variable another replica owns holds no value (the tape would read its handle).
+        held = [i for i, v in enumerate(variables) if shards is None or not shards.is_released(v)]
+        sources = [variables[i] for i in held] + ([anchor] if anchor is not None else [])
+        held_grads = tape.gradient(scaled_loss, sources)[:len(held)]
+        grads = [None] * len(variables)
+        for i, g in zip(held, held_grads):
+            grads[i] = g
         # Structural (the same on every rank and step): see _without_gradient.
         self._no_gradient = frozenset(i for i, g in enumerate(grads) if g is None)
         # Sparse gradients stay sparse, as Keras' own step hands them to the optimizer
         # (Note [Sparse gradients as serial]), unless the user asked for sparse_as_dense.
         densify = _sparse.to_dense if self._sparse_as_dense else (lambda g: g)
-        return [tf.zeros_like(v) if g is None else densify(g) for g, v in zip(grads, variables)]
+        # tf.zeros of the shape: a level-3 variable another replica owns holds no value to read.
+        return [tf.zeros(v.shape, v.dtype) if g is None else densify(g) for g, v in zip(grads, variables)]
 
     def _without_gradient(self, grads: list) -> list:
         """``grads`` with None again where the loss does not reach the variable. The
@@ -194,37 +207,61 @@ class DistributedSteps:
         still move it by weight decay (AdamW, ``weight_decay=``)."""
         return [None if i in self._no_gradient else g for i, g in enumerate(grads)]
 
+    def _layer_shards(self):
+        """Level 3's per-layer plan (``_layer_shards.LayerShards``), else None."""
+        return None if self._sharding is None else self._sharding.layers
+
+    def _per_layer_positions(self) -> tuple[set[int], list[int]]:
+        """Level 3: (positions gathered per layer, those of them this replica owns)."""
+        shards = self._layer_shards()
+        if shards is None:
+            return set(), []
+        positions = shards.per_layer_positions()
+        owned = self._sharding.owned_mask()
+        return positions, [i for i in sorted(positions) if owned[i]]
+
     def _local_part(self, x, y, sample_weight, sizes):
         """Everything before the exchange: returns the metric states before the step and
-        the values to SUM over ranks (``b_r``, metric contributions, weighted gradients)."""
+        the values to SUM over ranks (``b_r``, metric contributions, weighted gradients);
+        at level 3 also the owned per-layer gradients (already summed over the replicas by
+        each layer's reduce-scatter) and the token of the step's last per-layer collective."""
         local_n = local_batch_size(x) if sizes is None else tf.cast(sizes.local, tf.int32)
         x, y, sample_weight = nonempty((x, y, sample_weight), local_n)
         begun = self._train_metrics.begin(first_tensor(x))
         weight = None if sizes is None else tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
-        with self._train_metrics.watch(), valid_rows(local_n):
-            grads = self._gradients(x, y, sample_weight, local_n, weight)
         has_data = local_n > 0
         b = tf.cast(local_n, tf.float32)
+        shards = self._layer_shards()
+        per_layer, owned_per_layer = self._per_layer_positions()
+        level3 = (shards.step(scale=b if sizes is None else None, has_data=has_data) if shards is not None
+                  else contextlib.nullcontext())
+        with self._train_metrics.watch(), valid_rows(local_n), level3 as state:
+            grads = self._gradients(x, y, sample_weight, local_n, weight)
+        tail = tf.identity(state.token) if state is not None else tf.zeros((), tf.int32)
         before, contribution = self._train_metrics.contributions(begun, local_n, has_data)
-        weighted = [g if sizes is not None else _sparse.scale(g, b) for g in grads]
+        weighted = [g if sizes is not None or i in per_layer else _sparse.scale(g, b) for i, g in enumerate(grads)]
         self._sparse_positions = tuple(i for i, g in enumerate(weighted) if _sparse.is_sparse(g))
         sparse = [_sparse.keep_rows_if(g, has_data) for g in weighted if _sparse.is_sparse(g)]
-        dense = [g for g in weighted if not _sparse.is_sparse(g)]
+        dense = [g for i, g in enumerate(weighted) if not _sparse.is_sparse(g) and i not in per_layer]
         # No tf.where pass here: the reducer submits zeros for the gradients of a rank
         # without data (GraphReducer.reduce, keep=has_data).
         to_reduce = [tf.reshape(b, [1]), *contribution, *reversed(dense)]
-        return before, to_reduce, sparse, has_data
+        presummed = [weighted[i] for i in owned_per_layer]
+        return before, to_reduce, sparse, has_data, presummed, tail
 
-    def _global_part(self, before, reduced, sparse, divide_by_total: bool, after=()):
+    def _global_part(self, before, reduced, sparse, divide_by_total: bool, after=(), presummed=()):
         """Everything after the exchange: global metric states, then the optimizer step
-        (a sharded one's allgather after ``after``, the step's reduce-scatter)."""
+        (a sharded one's allgather after ``after``, the step's reduce-scatter; level 3's
+        owned per-layer sums in ``presummed``)."""
         offset = 1 + len(before)
         global_n = reduced[0][0]
         self._train_metrics.finish(before, reduced[1:offset], global_n)
         dense = iter(reversed(reduced[offset:]))
         gathered = iter(sparse)
         positions = set(self._sparse_positions or ())
-        grads = [next(gathered) if i in positions else next(dense)
+        per_layer, owned_per_layer = self._per_layer_positions()
+        summed = dict(zip(owned_per_layer, presummed))
+        grads = [summed.get(i) if i in per_layer else next(gathered) if i in positions else next(dense)
                  for i in range(len(self._model.trainable_variables))]
         if divide_by_total:  # B was not known before backprop: it is the reduced count
             grads = [g if g is None else _sparse.divide(g, global_n) for g in grads]
@@ -242,7 +279,7 @@ class DistributedSteps:
         """Level 2: ``reversed_dense`` (the dense gradients, last variable first) reduce-scattered
         over the replicas, None where another replica owns the variable; and the collective's
         last output (what the allgather of values must wait for)."""
-        sparse = set(self._sparse_positions or ())
+        sparse = set(self._sparse_positions or ()) | self._per_layer_positions()[0]
         positions = [i for i in range(len(self._model.trainable_variables)) if i not in sparse]
         variables = self._model.trainable_variables
         # The variable's static shape: a Dense on a 3-D input has a kernel gradient of shape
@@ -264,12 +301,12 @@ class DistributedSteps:
             model.optimizer.apply_gradients(zip(self._without_gradient(grads), model.trainable_variables))
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
-        before, to_reduce, sparse, has_data = self._compiled("local", self._local_part)(
+        before, to_reduce, sparse, has_data, presummed, tail = self._compiled("local", self._local_part)(
             x, y, sample_weight, sizes)
-        if self._in_graph_collectives or has_sync_batch_norm(model):
+        if self._in_graph_collectives or has_sync_batch_norm(model) or self._layer_shards() is not None:
             # Their collectives run inside backprop: no bucket may start before they end,
             # or ranks could interleave the two kinds differently.
-            with tf.control_dependencies(to_reduce):
+            with tf.control_dependencies([*to_reduce, tail, *presummed]):
                 start = tf.identity(start)
         offset = 1 + len(before)
         scattered = to_reduce[offset:] if self._scatters() else None
@@ -282,9 +319,12 @@ class DistributedSteps:
         sparse = [_sparse.allgather(g, self._comm, after=[reduced[0]]) for g in sparse]
         scatter_done = []
         if scattered is not None:  # level 2: each replica receives the sums of its own only
-            owned, scatter_done = self._scatter(scattered, has_data, after=[reduced[0], *(g.values for g in sparse)])
+            owned, scatter_done = self._scatter(scattered, has_data,
+                                                after=[reduced[0], tail, *(g.values for g in sparse)])
             reduced = reduced + owned
-        done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None, scatter_done)
+            scatter_done = scatter_done or [tail]
+        done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None, scatter_done,
+                                                           presummed)
         with tf.control_dependencies([done]):  # read the metrics after they became global
             return model.get_metrics_result()
 
@@ -303,9 +343,12 @@ class DistributedSteps:
         start = start_token()
         x, y, sample_weight = nonempty((x, y, sample_weight), local_n)
         begun = self._test_metrics.begin(first_tensor(x))
-        with self._test_metrics.watch():
+        with self._test_metrics.watch(), self._inference() as state:
             y_pred, loss = self._forward_loss(x, y, sample_weight, training=False)
             self._update_metrics(x, y, y_pred, sample_weight, loss, local_n)
+        if state is not None:  # the fused allreduce after level 3's per-layer allgathers
+            with tf.control_dependencies([state.token]):
+                start = tf.identity(start)
         has_data = local_n > 0
         before, contribution = self._test_metrics.contributions(begun, local_n, has_data)
         b = tf.reshape(tf.cast(local_n, tf.float32), [1])
@@ -323,5 +366,14 @@ class DistributedSteps:
         if self._size == 1:
             return self._model(x, training=False)
         local_n = local_batch_size(x)
-        y_pred = self._model(nonempty(x, local_n), training=False)
+        with self._inference() as state:
+            y_pred = self._model(nonempty(x, local_n), training=False)
+        after = [] if state is None else [state.token]
+        with tf.control_dependencies(after):  # the rows' allgather after level 3's per-layer ones
+            y_pred = tf.nest.map_structure(tf.identity, y_pred)
         return tf.nest.map_structure(lambda t: allgather_rows(t[:local_n], self._comm), y_pred)
+
+    def _inference(self):
+        """Level 3: a forward pass gathering each layer's weights (no backward); else nothing."""
+        shards = self._layer_shards()
+        return shards.step(backward=False) if shards is not None else contextlib.nullcontext()

@@ -1,0 +1,368 @@
+"""Sharding level 3 (ZeRO-3 / FSDP): a replica stores only the trainable variables it owns.
+
+Why per layer: a Keras leaf layer reads its weights only inside its own ``call``. Running
+that call under ``keras.StatelessScope(state_mapping=...)`` with values allgathered just
+before it gives the layer its whole weights for exactly that call, while the variables of
+other replicas hold no memory between calls. The backward pass is a ``tf.custom_gradient``
+around (gather + call) that keeps none of the gathered tensors: it gathers again when
+backprop reaches the layer, recomputes the call (same non-trainable and seed state) under a
+tape, and reduce-scatters the weight gradients so each owner receives their sum over the
+replicas (as level 2 does after backprop, here layer by layer).
+
+Every collective of a step is chained on the previous one's own output token in trace
+order (the same on every replica), as ``Sharding.gather_values`` chains its buckets.
+
+What stays whole on every replica (level 2's treatment: the owner updates, then its values
+are allgathered): variables of ``Embedding`` layers (sparse gradients), variables with a
+regularizer (Keras reads them outside the layer's call), variables of layers that also
+hold sublayers with weights or of a synchronised batch norm, and any variable shared by
+two layers (docs/sharding.md, "Level 3").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from .._core import internals as _internals
+from .._core.batch_norm import has_sync_batch_norm
+from ._sharding import ShardingError
+
+
+class _Released:
+    """The initializer a released variable reads through (``KerasVariable.value`` calls it
+    when the variable holds no value): zeros under Keras' shape inference, else an error
+    naming the fix — never the initializer's values in place of the trained ones."""
+
+    def __init__(self, path: str, owner: int) -> None:
+        self.path, self.owner = path, owner
+
+    def __call__(self, shape, dtype=None):
+        if _internals.in_symbolic_scope():
+            return tf.zeros(shape, dtype)
+        raise ShardingError(
+            f"tnt.Model(sharding=3): variable {self.path} is stored on replica {self.owner} only "
+            "(it is gathered inside tnt's steps). Read the weights with the tnt.Model's "
+            "get_weights(), write them with its save()/save_weights(), or use sharding<=2 to keep "
+            "whole weights on every replica.")
+
+
+class _StepState:
+    """One traced step's level-3 state: the last collective's token, and how this replica's
+    weight gradients are scaled before the reduce-scatter (as ``_local_part`` scales them)."""
+
+    def __init__(self, scale=None, has_data=None) -> None:
+        self.token = tf.zeros((), tf.int32)
+        self.scale = scale  # b_r when the global batch is unknown before backprop, else None
+        self.has_data = tf.constant(True) if has_data is None else has_data
+        self.backward = True  # a training step: gradients are reduce-scattered
+        # An input of every layer call that backprop differentiates on every replica: without
+        # it a replica owning no weight of the first layers (whose inputs need no gradient)
+        # would never run their backward collectives while the owners do (a hang, 3 ranks).
+        self.anchor = tf.zeros((), tf.float32)
+
+
+class LayerShards:
+    """The per-layer plan of one wrapped model at level 3 (see the module docstring)."""
+
+    def __init__(self, sharding) -> None:
+        self.sharding = sharding
+        self.model = sharding.model
+        self._plan: dict[int, list[int]] | None = None  # id(layer) -> variable positions
+        self._layers: list = []
+        self._hooked: list = []
+        self._released: dict[int, object] = {}  # id(variable) -> variable, values dropped
+        # Whether the replicas released what they do not own: the same on every replica (one
+        # may own every per-layer variable and release none), so collectives branch on it.
+        self._sharded = False
+        self._state: _StepState | None = None
+
+    # -- the plan --------------------------------------------------------------------------
+    def _make_plan(self) -> None:
+        variables = self.model.trainable_variables
+        index = {id(v): i for i, v in enumerate(variables)}
+        if has_sync_batch_norm(self.model):
+            raise ShardingError(
+                "tnt.Model(sharding=3) with synchronised batch normalisation: its collectives run "
+                "inside the layers' calls, which level 3 recomputes in backprop. Use sharding=2, or "
+                "sync_batch_norm=False.")
+        claimed: dict[int, int] = {}
+        candidates = []
+        for layer in _internals.all_sublayers(self.model):
+            own = [v for v in _internals.own_trainable_variables(layer) if id(v) in index]
+            for v in own:
+                claimed[id(v)] = claimed.get(id(v), 0) + 1
+            if not own or isinstance(layer, (keras.Model, keras.layers.Embedding)):
+                continue
+            if any(s.trainable_weights for s in _internals.all_sublayers(layer)):
+                continue  # a layer holding weighted sublayers: its own weights stay whole
+            if any(getattr(v, "regularizer", None) is not None for v in own):
+                continue  # Keras reads regularized weights outside the call (model.losses)
+            if len({str(v.dtype) for v in own}) != 1:
+                continue
+            candidates.append((layer, own))
+        plan: dict[int, list[int]] = {}
+        layers = []
+        for layer, own in candidates:
+            if any(claimed[id(v)] > 1 for v in own):
+                continue  # shared with another layer: it may be read outside this call
+            plan[id(layer)] = sorted(index[id(v)] for v in own)
+            layers.append(layer)
+        self._plan, self._layers = plan, layers
+
+    def plan(self) -> dict[int, list[int]]:
+        """id(layer) -> positions (in ``trainable_variables``) of the variables gathered per layer."""
+        if self._plan is None:
+            self._make_plan()
+        return self._plan
+
+    def forget_plan(self) -> None:
+        """The trainable variables changed (a new compile): plan again."""
+        self.unhook()
+        self._plan, self._layers = None, []
+
+    def per_layer_positions(self) -> set[int]:
+        """Positions whose storage is sharded (gathered per layer call)."""
+        return {i for positions in self.plan().values() for i in positions}
+
+    def whole_positions(self) -> list[int]:
+        """Positions kept whole on every replica (level 2's treatment)."""
+        per_layer = self.per_layer_positions()
+        return [i for i in range(len(self.model.trainable_variables)) if i not in per_layer]
+
+    # -- storage ---------------------------------------------------------------------------
+    def release(self) -> None:
+        """Drop the values of the per-layer variables this replica does not own."""
+        owners = self.sharding.owners
+        variables = self.model.trainable_variables
+        for i in sorted(self.per_layer_positions()):
+            v = variables[i]
+            if owners[i] != self.sharding.rank and id(v) not in self._released:
+                _internals.drop_value(v, _Released(v.path, owners[i]))
+                self._released[id(v)] = v
+        self._sharded = True
+        self.hook()
+
+    def is_per_layer(self, variable) -> bool:
+        """Whether ``variable`` is stored by its owner only (the same answer on every replica)."""
+        variables = self.model.trainable_variables
+        return any(variables[i] is variable for i in self.per_layer_positions())
+
+    def is_released(self, variable) -> bool:
+        return id(variable) in self._released
+
+    def released(self) -> bool:
+        """Whether the replicas store only what they own (the same answer on every replica)."""
+        return self._sharded
+
+    @contextlib.contextmanager
+    def whole(self, gather: bool = True) -> Iterator[None]:
+        """While inside, every variable holds its value on every replica (as at level 2):
+        ``gather``: each released one from its owner (one broadcast per variable, in the
+        model's order: a collective); else zeros (about to be overwritten, e.g. by loading a
+        file). Released again after."""
+        if not self._sharded:
+            yield
+            return
+        owners = self.sharding.owners
+        variables = self.model.trainable_variables
+        comm = self.sharding.comm
+        for i in sorted(self.per_layer_positions()):
+            v = variables[i]
+            shape = tuple(int(d) for d in v.shape)
+            if id(v) in self._released:
+                value = np.zeros(shape, np.dtype(tf.as_dtype(v.dtype).as_numpy_dtype))
+                if gather:
+                    value = comm.broadcast(value.reshape(-1), owners[i]).reshape(shape)
+                _internals.restore_value(v, value)
+            elif gather and owners[i] == comm.rank:
+                comm.broadcast(np.ascontiguousarray(np.asarray(v.numpy()).reshape(-1)), comm.rank)
+        self._released.clear()
+        self._sharded = False
+        try:
+            yield
+        finally:
+            self.release()
+
+    # -- the layer hook ------------------------------------------------------------------------
+    def hook(self) -> None:
+        """Route each planned layer's call through :meth:`_call` (an instance attribute
+        shadowing the class's ``call``; Keras' ``Operation.__call__`` calls ``self.call``)."""
+        if self._hooked:
+            return
+        self.plan()
+        for layer in self._layers:
+            original = layer.call
+
+            def call(*args, _layer=layer, _original=original, **kwargs):
+                return self._call(_layer, _original, args, kwargs)
+
+            object.__setattr__(layer, "call", call)
+            self._hooked.append(layer)
+
+    def unhook(self) -> None:
+        for layer in self._hooked:
+            layer.__dict__.pop("call", None)
+        self._hooked = []
+
+    @contextlib.contextmanager
+    def step(self, scale=None, has_data=None, backward: bool = True) -> Iterator[_StepState]:
+        """While inside (a step's trace), planned layers gather their weights for each call."""
+        state = _StepState(scale, has_data)
+        state.backward = backward
+        self._state = state
+        try:
+            yield state
+        finally:
+            self._state = None
+
+    def current(self) -> _StepState | None:
+        """The step being traced (inside :meth:`step`), else None."""
+        return self._state
+
+    # -- collectives -----------------------------------------------------------------------------
+    def _layout(self, positions: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """(wire order by (owner, position), the sizes in that order, the owned positions)."""
+        owners = self.sharding.owners
+        variables = self.model.trainable_variables
+        order = sorted(positions, key=lambda i: (owners[i], i))
+        sizes = [int(np.prod(variables[i].shape)) for i in order]
+        mine = [i for i in order if owners[i] == self.sharding.rank]
+        return order, sizes, mine
+
+    def _gather(self, flat: tf.Tensor, dtype: tf.DType, total: int, token: tf.Tensor):
+        comm = self.sharding.comm
+
+        def gather(a, _token):
+            whole = comm.allgather(np.ascontiguousarray(a))
+            return whole, np.int32(whole.size)
+
+        # The token is the collective's own output (a constant would be folded away and the
+        # next collective could overtake this one on one replica only).
+        whole, done = tf.numpy_function(gather, [flat, token], [dtype, tf.int32], stateful=True,
+                                        name="tnt_shard3_allgather")
+        whole.set_shape([total])
+        done.set_shape([])
+        return whole, done
+
+    def _scatter(self, flat: tf.Tensor, dtype: tf.DType, counts: list[int], own: int, keep, token):
+        comm = self.sharding.comm
+
+        def scatter(buf, keep, _token):
+            buf = np.ascontiguousarray(buf) if keep else np.zeros_like(buf)
+            mine = comm.reduce_scatter(buf, counts)
+            return mine, np.int32(mine.size)
+
+        mine, done = tf.numpy_function(scatter, [flat, keep, token], [dtype, tf.int32], stateful=True,
+                                       name="tnt_shard3_reduce_scatter")
+        mine.set_shape([own])
+        done.set_shape([])
+        return mine, done
+
+    # -- one layer call ----------------------------------------------------------------------------
+    def _call(self, layer, original, args, kwargs):
+        state = self._state
+        if state is None or _internals.in_symbolic_scope():
+            return original(*args, **kwargs)  # shape inference, or outside tnt's steps (held weights)
+        positions = self.plan()[id(layer)]
+        variables = self.model.trainable_variables
+        order, sizes, mine = self._layout(positions)
+        dtype = tf.as_dtype(variables[order[0]].dtype)
+        owners = self.sharding.owners
+        counts = [sum(s for i, s in zip(order, sizes) if owners[i] == r) for r in range(self.sharding.size)]
+        # Real reads of the owned variables, outside the custom gradient: the outer tape
+        # differentiates through them, so an owner's gradient is the reduce-scattered sum.
+        with _internals.without_autocast():  # the stored dtype (the call casts, as Keras does)
+            owned = [tf.reshape(tf.convert_to_tensor(variables[i].value), [-1]) for i in mine]
+            held_values = [tf.convert_to_tensor(v.value) for v in layer.non_trainable_variables]
+        flat_owned = tf.concat(owned, 0) if len(owned) > 1 else owned[0] if owned else tf.zeros([0], dtype)
+        held = list(layer.non_trainable_variables)
+        flat_args, structure = _flatten_call(args, kwargs)
+        diff = [k for k, a in enumerate(flat_args) if _differentiable(a)]
+
+        def run(pieces, xs, training_tape=None):
+            """The layer's call with the gathered weights and the forward's held state."""
+            call_args = list(flat_args)
+            for k, x in zip(diff, xs):
+                call_args[k] = x
+            a, kw = tf.nest.pack_sequence_as(structure, call_args)
+            mapping = [(variables[i], p) for i, p in zip(order, pieces)] + list(zip(held, held_values))
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                out = original(*a, **kw)
+            return out, scope
+
+        def split(whole):
+            parts = tf.split(whole, sizes) if len(sizes) > 1 else [whole]
+            return [tf.reshape(p, variables[i].shape) for i, p in zip(order, parts)]
+
+        updates: list = []
+        shapes: list = []  # the call's output structure (its flat tensors cross the custom gradient)
+
+        @tf.custom_gradient
+        def forward(flat, _anchor, *xs):
+            whole, state.token = self._gather(flat, dtype, sum(sizes), state.token)
+            out, scope = run(split(whole), xs)
+            for v, before in zip(held, held_values):
+                after = scope.get_current_value(v)
+                if after is not None and after is not before:
+                    updates.append((v, after))
+            shapes.append(out)
+            flat_out = tf.nest.flatten(out)
+
+            def grad(*dys, variables=None):
+                dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, flat_out)]
+                # Gather again when backprop reaches this layer (not kept from the forward).
+                with tf.control_dependencies(dys):
+                    again = tf.identity(flat)
+                whole2, state.token = self._gather(again, dtype, sum(sizes), state.token)
+                pieces = split(whole2)
+                with tf.GradientTape() as tape:
+                    tape.watch(pieces)
+                    tape.watch(list(xs))
+                    out2, _ = run(pieces, xs)
+                outs = tf.nest.flatten(out2)
+                grads = tape.gradient(outs, [*pieces, *xs], output_gradients=dys,
+                                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                dw, dx = grads[:len(pieces)], grads[len(pieces):]
+                flat_dw = tf.concat([tf.reshape(tf.cast(g, dtype), [-1]) for g in dw], 0)
+                if state.scale is not None:
+                    flat_dw = flat_dw * tf.cast(state.scale, dtype)
+                mine_sum, state.token = self._scatter(flat_dw, dtype, counts, counts[self.sharding.rank],
+                                                      state.has_data, state.token)
+                # The owned sums leave with the token: the next collective waits for this one.
+                with tf.control_dependencies([state.token]):
+                    mine_sum = tf.identity(mine_sum)
+                input_grads = [mine_sum, tf.zeros((), tf.float32), *dx]
+                if variables:
+                    return input_grads, [None] * len(variables)
+                return input_grads
+
+            return flat_out, grad
+
+        if state.backward:
+            flat_out = forward(flat_owned, state.anchor, *[flat_args[k] for k in diff])
+        else:  # evaluate / predict: no backward pass to prepare for
+            whole, state.token = self._gather(flat_owned, dtype, sum(sizes), state.token)
+            out, scope = run(split(whole), [flat_args[k] for k in diff])
+            for v, before in zip(held, held_values):
+                after = scope.get_current_value(v)
+                if after is not None and after is not before:
+                    updates.append((v, after))
+            shapes.append(out)
+            flat_out = tf.nest.flatten(out)
+        for v, value in updates:  # batch norm's moving statistics, a seed's next state
+            v.assign(value)
+        return tf.nest.pack_sequence_as(shapes[0], list(flat_out))
+
+
+def _flatten_call(args, kwargs):
+    structure = (list(args), dict(kwargs))
+    return tf.nest.flatten(structure), structure
+
+
+def _differentiable(a) -> bool:
+    return tf.is_tensor(a) and a.dtype.is_floating
