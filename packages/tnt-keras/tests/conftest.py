@@ -146,6 +146,15 @@ def assert_check(checks: dict, name: str) -> None:
     assert checks[name]["ok"], f"{name}: {checks[name]['detail']}"
 
 
+def assert_one_model_across_replicas(bn: dict) -> None:
+    """jobs/_replica_stats.py's report: the trained model, its file reloaded, plain Keras'
+    load of the file and every rank hold one model (batch-norm statistics averaged)."""
+    assert bn["trained_vs_reloaded_predict_diff"] == 0.0, bn
+    assert bn["trained_vs_reloaded_loss_diff"] == 0.0, bn
+    assert bn["ranks_loss_spread"] == 0.0, bn
+    assert bn["plain_keras_vs_reloaded_predict_diff"] == 0.0, bn
+
+
 def print_diff_table(title: str, cases: dict, extra=None) -> None:
     """Print each case's largest differences to serial Keras (History, weights, evaluate,
     predict), so the test log carries the measured figures; ``extra(case)`` adds a column."""

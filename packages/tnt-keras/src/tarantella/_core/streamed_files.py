@@ -31,7 +31,10 @@ from typing import NamedTuple, Protocol
 import keras
 import numpy as np
 
+import tnt_comm
+
 from . import internals as _internals
+from . import runtime as _runtime
 from .deferred import current_or_initial
 from .serial_files import clone_optimizer, numbered_keys, variable_keys
 
@@ -162,6 +165,14 @@ def save_events(model: keras.Model, optimizer=None, optimizer_built: bool = Fals
     if optimizer is not None:
         events += _optimizer_events(optimizer, model, optimizer_built)
     return events
+
+
+def events_on_every_rank(events: list[tuple] | None) -> bool:
+    """Whether the master made the save walk (``events`` there; every rank calls it): a
+    stream exists only if it did, so every rank must take the same branch (a collective)."""
+    if _runtime.get_size() == 1:
+        return events is not None
+    return bool(tnt_comm.broadcast_object(events is not None if _runtime.is_master_rank() else None, 0))
 
 
 def _replay(store, events: list[tuple], fetch: Callable[[Request], np.ndarray | None]) -> None:

@@ -302,8 +302,8 @@ class LayerShards:
         updates: list = []
         shapes: list = []  # the call's output structure (its flat tensors cross the custom gradient)
 
-        @tf.custom_gradient
-        def forward(flat, _anchor, *xs):
+        def forward_once(flat, xs):
+            """Gather, call, note the call's non-trainable updates; the flat outputs."""
             whole, state.token = self._gather(flat, dtype, sum(sizes), state.token)
             out, scope = run(split(whole), xs)
             for v, before in zip(held, held_values):
@@ -311,7 +311,11 @@ class LayerShards:
                 if after is not None and after is not before:
                     updates.append((v, after))
             shapes.append(out)
-            flat_out = tf.nest.flatten(out)
+            return tf.nest.flatten(out)
+
+        @tf.custom_gradient
+        def forward(flat, _anchor, *xs):
+            flat_out = forward_once(flat, xs)
 
             def grad(*dys, variables=None):
                 dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, flat_out)]
@@ -346,14 +350,7 @@ class LayerShards:
         if state.backward:
             flat_out = forward(flat_owned, state.anchor, *[flat_args[k] for k in diff])
         else:  # evaluate / predict: no backward pass to prepare for
-            whole, state.token = self._gather(flat_owned, dtype, sum(sizes), state.token)
-            out, scope = run(split(whole), [flat_args[k] for k in diff])
-            for v, before in zip(held, held_values):
-                after = scope.get_current_value(v)
-                if after is not None and after is not before:
-                    updates.append((v, after))
-            shapes.append(out)
-            flat_out = tf.nest.flatten(out)
+            flat_out = forward_once(flat_owned, [flat_args[k] for k in diff])
         for v, value in updates:  # batch norm's moving statistics, a seed's next state
             v.assign(value)
         return tf.nest.pack_sequence_as(shapes[0], list(flat_out))

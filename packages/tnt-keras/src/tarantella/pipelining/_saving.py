@@ -157,11 +157,7 @@ def streamed_save(pm, kind: str, with_optimizer: bool) -> StreamedStages | None:
             full.compile(optimizer=clone_optimizer(optimizer), loss=args["loss"], metrics=args["metrics"],
                          loss_weights=args["loss_weights"], weighted_metrics=args["weighted_metrics"])
         events = _streamed.save_events(full, optimizer, holdings.optimizer_built)
-    if _runtime.get_size() > 1:
-        events_ok = tnt_comm.broadcast_object(events is not None if _runtime.is_master_rank() else None, 0)
-    else:
-        events_ok = events is not None
-    if not events_ok:
+    if not _streamed.events_on_every_rank(events):
         return None
     return StreamedStages(pm, kind, holdings, full, events)
 

@@ -238,11 +238,7 @@ def streamed_save(tpm, kind: str, with_optimizer: bool) -> StreamedShards | None
             full.compile(**_compile_arguments(tpm))
             optimizer = full.optimizer
         events = _streamed.save_events(full, optimizer, holdings.optimizer_built)
-    if _runtime.get_size() > 1:
-        events_ok = tnt_comm.broadcast_object(events is not None if _runtime.is_master_rank() else None, 0)
-    else:
-        events_ok = events is not None
-    if not events_ok:
+    if not _streamed.events_on_every_rank(events):
         return None
     return StreamedShards(tpm, kind, holdings, full, events)
 
