@@ -3,6 +3,8 @@
 Level 3: SGD-momentum and Adam (global_clipnorm) against serial Keras with evaluate and
 predict and what each rank stores; BatchNormalization, Dropout and a weighted layer with its
 own random mask against level 2; its file read serially and resumed with sharding=3.
+A model built under tnt.deferred_variables() at level 3 (3 ranks): which trainable variables
+each rank ever materialised, their initial values, one epoch against serial Keras.
 
 Cases: levels 1 and 2 with SGD-momentum, Adam, Adam with global_clipnorm (clipping active)
 and a LossScaleOptimizer; each compares History and weights with serial Keras, checks the
