@@ -83,17 +83,24 @@ def launch(level: int, width: int, layers: int, ranks: int, cap: int, timeout: f
            "seconds": round(time.perf_counter() - t0, 1),
            "vmhwm_mib": [round(r["vmhwm"] / 2**20) for r in bl.parse_results(out)] if ok else None}
     if not ok:
-        lines = [ln for ln in err.splitlines() if "rror" in ln or "Killed" in ln] or err.strip().splitlines()[-1:]
+        lines = ([ln for ln in err.splitlines() if "Error" in ln or "bad_alloc" in ln or "Killed" in ln]
+                 or err.strip().splitlines()[-1:])
         res["error"] = (lines or [""])[-1][:200]
     print(json.dumps(res), flush=True)
     return res
 
 
 def largest(level: int, layers: int, ranks: int, cap: int, start: int, step: int, launches: int,
-            timeout: float) -> tuple[int | None, list[dict]]:
-    """The widest W (a multiple of ``step``) whose capped fit succeeded, within ``launches``."""
+            timeout: float, bracket: tuple[int, int] | None = None) -> tuple[int | None, list[dict]]:
+    """The widest W (a multiple of ``step``) whose capped fit succeeded, within ``launches``;
+    ``bracket``: (a width that trained, one that failed) of an earlier run, bisected on."""
     tried: list[dict] = []
     good, bad, w = None, None, start
+    if bracket is not None:
+        good, bad = bracket
+        w = (good + bad) // 2 // step * step
+        if w <= good:
+            return good, tried
     while len(tried) < launches:
         r = launch(level, w, layers, ranks, cap, timeout)
         tried.append(r)
@@ -125,6 +132,8 @@ def main() -> int:
     ap.add_argument("--launches", type=int, default=5, help="launches per level")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per launch")
     ap.add_argument("--quick", action="store_true", help="3 launches per level")
+    ap.add_argument("--bracket", default="",
+                    help="resume: 'good:bad,good:bad' widths of levels 0,3 from an earlier run, bisected on")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -135,15 +144,17 @@ def main() -> int:
     launches = 3 if args.quick else args.launches
     machine = bl.machine()
     found, runs = {}, {}
+    brackets = [tuple(int(w) for w in b.split(":")) for b in args.bracket.split(",")] if args.bracket else None
     for level in (0, 3):
         start = dict(zip((0, 3), (int(w) for w in args.start.split(","))))[level]
         found[level], runs[level] = largest(level, args.layers, args.ranks, cap, start, args.step,
-                                            launches, args.timeout)
+                                            launches, args.timeout, brackets[(0, 3).index(level)] if brackets else None)
     if found[0] is None or found[3] is None:
         print(f"no width trained under the cap at some level: {found}", file=sys.stderr)
         return 1
     p0, p3 = params(found[0], args.layers), params(found[3], args.layers)
-    upper = {lv: min((r["width"] for r in runs[lv] if not r["ok"]), default=None) for lv in (0, 3)}
+    upper = {lv: min([r["width"] for r in runs[lv] if not r["ok"]]
+                     + ([brackets[(0, 3).index(lv)][1]] if brackets else []), default=None) for lv in (0, 3)}
     row = {"name": f"shard3_largest_model_vs_dp_{args.ranks}ranks_cap", "value": p3 / p0, "target": None,
            "higher_is_better": True, "unit": "x level 0's largest parameters",
            "detail": f"prlimit --data={args.cap_mib} MiB per rank, Dense(W) x {args.layers}, Adam, "
