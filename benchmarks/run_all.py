@@ -73,6 +73,9 @@ BENCHMARKS: list[Benchmark] = [
     # Sharded data parallelism (issue 30): memory and step time per level; launches its own
     # 2-rank jobs (one per level), rows come with the JSON.
     Benchmark("sharded", "sharded.py"),
+    # Level 3 of a deferred build vs level 0: the largest MLP that trains under prlimit --data
+    # per rank, 4 ranks (about 15 min on 2 cores: named only; its own capped launches).
+    Benchmark("sharded_cap", "sharded_cap.py", default=False, timeout=3600.0),
     # Stage recomputation (issue 29): activation memory saved and step time paid; launches
     # its own 2-rank jobs (one per schedule x remat), rows come with the JSON.
     Benchmark("remat", "remat.py"),

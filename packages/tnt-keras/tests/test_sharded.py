@@ -5,7 +5,8 @@ and a LossScaleOptimizer, a level-2 file saved at d = 2 read by serial Keras and
 level 1, and the errors. Level 3 (parameters sharded): Adam with global_clipnorm (2 ranks) and
 SGD momentum (3 ranks) against serial Keras with evaluate/predict and the elements each rank
 stores; BatchNormalization, Dropout and a layer with its own seeded mask bitwise equal to level
-2; its file read serially and resumed at level 3. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
+2; its file read serially and resumed at level 3. A deferred build at level 3 (3 ranks):
+each per-layer variable materialised on its owner only, initial values bitwise, 1 epoch vs serial. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
 level 2 (Adam, global_clipnorm), its file resumed at level 1, and 2 replicas of 2-rank tensor groups
 (no stages) at level 2 (Adam, a vocab-split Embedding), its file resumed at level 1, in the shared
 4-rank launch; its error paths on one process."""
@@ -24,9 +25,9 @@ TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exa
 # The cases each launch runs (suite time: two launches of a few fits each).
 RUNS = {
     2: ["l2_adam_clip", "l1_lso_sgd", "l2_adam_seq", "l3_adam_clip", "files", "l3_files", "l3_vs_l2", "errors"],
-    3: ["l1_adam_clip", "l2_sgd_momentum", "l3_sgd_momentum"],
+    3: ["l1_adam_clip", "l2_sgd_momentum", "l3_sgd_momentum", "l3_deferred"],
 }
-NOT_CASES = ("files", "l3_files", "l3_vs_l2", "errors")
+NOT_CASES = ("files", "l3_files", "l3_vs_l2", "l3_deferred", "errors")
 SLOTS_PER_VARIABLE = {"sgd_momentum": 1, "lso_sgd": 1, "adam": 2, "adam_clip": 2, "adam_seq": 2}
 
 
@@ -182,6 +183,47 @@ def test_level_3_file_loads_serially_and_resumes_at_level_3(report2):
     assert f["loaded_optimizer_diff"] <= TOL_WEIGHTS, f
     assert f["resumed_weight_diff"] <= TOL_WEIGHTS, f
     assert sum(f["resumed_stored_elements_per_rank"]) == 343, f  # the model once over the ranks
+
+
+def test_level_3_of_a_deferred_build_materialises_only_what_each_replica_stores(shared_launches):
+    # jobs/sharded.py deferred_model on 3 ranks: Dense(13) 16x13 + 13, Dense(7) with an L2
+    # kernel regularizer 13x7 + 7 (kept whole: Keras reads it outside the call), Dense(3) 7x3 + 3.
+    c = _report(3, shared_launches)["l3_deferred"]
+    per_layer, whole = {0: 208, 1: 13, 4: 21, 5: 3}, {2: 91, 3: 7}
+    made = c["materialised_per_rank"]
+    assert c["variables"] == 6 and len(made) == 3, c
+    # Every per-layer variable got memory on exactly one rank, never on the others (not even
+    # transiently while wrapping or training); every whole one on each rank.
+    for i in per_layer:
+        assert sum(i in m for m in made) == 1, (i, c)
+    for i in whole:
+        assert all(i in m for m in made), (i, c)
+    assert sum(c["materialised_elements_per_rank"]) == sum(per_layer.values()) + 3 * sum(whole.values()), c
+    assert c["materialised_elements_per_rank"] == c["stored_elements_per_rank"], c
+    assert all(c["initial_bitwise_equal_per_rank"]), c  # the eager build's initial values
+    assert c["history_diff"] <= TOL_LOSS, c
+    assert c["weight_diff"] <= TOL_WEIGHTS, c
+
+
+def test_a_deferred_build_on_one_rank_trains_as_the_eager_build():
+    """Levels 0-2 (and one rank, where every level is plain Keras) materialise a deferred
+    model whole, from its initializers: the eager build's values and training."""
+    def build():
+        keras.utils.set_random_seed(5)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+    eager = build()
+    with tnt.deferred_variables():
+        deferred = build()
+    tm = tnt.Model(deferred, sharding=2)
+    for a, b in zip(tm.get_weights(), eager.get_weights()):
+        assert np.array_equal(a, b)
+    for m in (tm, eager):
+        m.compile(keras.optimizers.SGD(0.1), "mse")
+        m.fit(x, x[:, :2], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(tm.get_weights(), eager.get_weights()):
+        assert np.array_equal(a, b)
 
 
 def test_assignment_is_a_balanced_pure_function():

@@ -3,6 +3,8 @@
 Level 3: SGD-momentum and Adam (global_clipnorm) against serial Keras with evaluate and
 predict and what each rank stores; BatchNormalization, Dropout and a weighted layer with its
 own random mask against level 2; its file read serially and resumed with sharding=3.
+A model built under tnt.deferred_variables() at level 3 (3 ranks): which trainable variables
+each rank ever materialised, their initial values, one epoch against serial Keras.
 
 Cases: levels 1 and 2 with SGD-momentum, Adam, Adam with global_clipnorm (clipping active)
 and a LossScaleOptimizer; each compares History and weights with serial Keras, checks the
@@ -234,6 +236,62 @@ def l3_files_case(tmp) -> dict:
     shards = resumed._tnt_sharding.layers
     out["resumed_stored_elements_per_rank"] = tnt_comm.allgather_object(stored_elements(resumed.model, shards))
     return out
+
+
+def deferred_model() -> keras.Model:
+    """make_model's with an L2-regularized middle layer (kept whole at level 3): built eagerly
+    for serial Keras, and under tnt.deferred_variables() for level 3."""
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(13, activation="tanh"),
+        keras.layers.Dense(7, activation="tanh", kernel_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dense(3),
+    ])
+
+
+def l3_deferred_case() -> dict:
+    """Level 3 of a model built under tnt.deferred_variables(): which trainable variables each
+    rank ever gave memory to (every Keras variable gets it through ``_initialize``, recorded
+    from the wrap to the end of fit), that those hold the eager build's values bitwise, and
+    one epoch against serial Keras built eagerly from the same seed."""
+    x, y = data()
+    serial = deferred_model()
+    initial = [v.numpy() for v in serial.trainable_variables]
+    serial.compile(optimizer("adam"), "mse")
+    serial_history = serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    with tnt.deferred_variables():
+        model = deferred_model()
+    index = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    made: list[int] = []  # positions of the trainable variables given memory on this rank
+    cls = type(model.trainable_variables[0])
+    original = cls._initialize
+
+    def recording(variable, value):
+        if id(variable) in index:
+            made.append(index[id(variable)])
+        return original(variable, value)
+
+    cls._initialize = recording
+    try:
+        tm = tnt.Model(model, sharding=3)
+        shards = tm._tnt_sharding.layers
+        held = [i for i, v in enumerate(model.trainable_variables) if not shards.is_released(v)]
+        initial_equal = all(np.array_equal(model.trainable_variables[i].numpy(), initial[i]) for i in held)
+        tm.compile(optimizer("adam"), "mse")
+        history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    finally:
+        cls._initialize = original
+    return {
+        "materialised_per_rank": tnt_comm.allgather_object(sorted(set(made))),
+        "materialised_elements_per_rank": tnt_comm.allgather_object(
+            elements([model.trainable_variables[i] for i in sorted(set(made))])),
+        "stored_elements_per_rank": tnt_comm.allgather_object(stored_elements(model, shards)),
+        "initial_bitwise_equal_per_rank": tnt_comm.allgather_object(initial_equal),
+        "variables": len(model.trainable_variables),
+        "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
+        "weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
+    }
 
 
 def files_case(tmp) -> dict:
@@ -478,7 +536,8 @@ CASES = {f"l{level}_{kind}": (level, kind)
 
 def main() -> None:
     out = _job.out_path()
-    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "l3_files", "l3_vs_l2", "errors"])
+    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "l3_files", "l3_vs_l2",
+                         "l3_deferred", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: case(*CASES[n]) for n in chosen if n in CASES}}
     for name in chosen:
         if name in ALL_CASES:
@@ -491,6 +550,8 @@ def main() -> None:
         result["l3_files"] = l3_files_case(out.parent)
     if "l3_vs_l2" in chosen:
         result["l3_vs_l2"] = l3_vs_l2_case()
+    if "l3_deferred" in chosen:
+        result["l3_deferred"] = _job.timed("l3_deferred", l3_deferred_case)
     if "errors" in chosen:
         result["errors"] = error_cases()
     _job.write(out, result)

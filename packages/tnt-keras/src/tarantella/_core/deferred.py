@@ -27,8 +27,9 @@ def deferred_variables() -> Iterator[None]:
             keras_model = build_model()        # shapes only, no memory for weights
         model = tnt.Model(keras_model, parallel_strategy=tnt.ParallelStrategy.PIPELINING, ...)
 
-    Only tnt's pipelined model can train such a model (each rank materialises its stage);
-    on one rank or one stage tnt materialises it whole (see :func:`materialise`).
+    Pipelining and tensor parallelism materialise each rank's part only; so does
+    ``tnt.Model(..., sharding=3)`` (each replica its owned per-layer variables and those kept
+    whole). Other DATA models, one rank and one stage materialise it whole (:func:`materialise`).
     """
     before = len(_internals.uninitialized_pending())
     try:

@@ -28,6 +28,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from .._core import deferred as _deferred
 from .._core import internals as _internals
 from .._core.batch_norm import has_sync_batch_norm
 from ._sharding import ShardingError
@@ -144,6 +145,25 @@ class LayerShards:
             if owners[i] != self.sharding.rank and id(v) not in self._released:
                 _internals.drop_value(v, _Released(v.path, owners[i]))
                 self._released[id(v)] = v
+        self._sharded = True
+        self.hook()
+
+    def materialise_owned(self) -> None:
+        """A model built in ``deferred_variables()``: give values (its initializers', as an
+        eager build gives) to what this replica stores — the per-layer variables it owns and
+        every variable kept whole — and release the others' per-layer variables from the
+        start, so that no replica ever holds the whole model (not even during the build)."""
+        owners = self.sharding.owners
+        variables = self.model.trainable_variables
+        for i in sorted(self.per_layer_positions()):
+            v = variables[i]
+            if owners[i] != self.sharding.rank and _deferred.is_deferred(v):
+                _internals.drop_value(v, _Released(v.path, owners[i]))
+                self._released[id(v)] = v
+        optimizer = getattr(self.model, "optimizer", None)
+        for v in [*self.model.variables, *(optimizer.variables if optimizer is not None else [])]:
+            if id(v) not in self._released and _deferred.is_deferred(v):
+                _internals.initialize_deferred(v)
         self._sharded = True
         self.hook()
 

@@ -22,6 +22,7 @@ import tensorflow as tf
 from .. import native as _native
 from .._core import backup as _backup
 from .._core import batch_norm as _batch_norm
+from .._core import deferred as _deferred
 from .._core import files as _io
 from .._core import inputs as _inputs
 from .._core import internals as _internals
@@ -106,6 +107,7 @@ class Model(DistributedModel):
             return
         _check_is_keras_model(model)
         self_sharding = _make_sharding(model, sharding)
+        _materialise(model, self_sharding)
         # PIPELINING / TENSOR / ALL with nothing to distribute but data: their options were
         # checked by the strategy (__new__) and do not apply to the wrapper.
         kwargs = split_options(parallel_strategy, kwargs, where="tnt.Model")[3]
@@ -567,6 +569,18 @@ def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
     if level == 3:  # parameters too: each layer's weights gathered around its call
         shards.layers = LayerShards(shards)
     return shards
+
+
+def _materialise(model: keras.Model, shards: _sharding.Sharding | None) -> None:
+    """A model built in ``tnt.deferred_variables()`` gets its values here: at level 3 each
+    replica only those it stores (``LayerShards.materialise_owned``), else every replica the
+    whole model (its initializers' values, the ones an eager build gives)."""
+    if not _deferred.has_deferred(model):
+        return
+    if shards is not None and shards.layers is not None:
+        shards.layers.materialise_owned()
+    else:
+        _deferred.materialise(model)
 
 
 @contextlib.contextmanager
