@@ -186,6 +186,15 @@ def _replay(store, events: list[tuple], fetch: Callable[[Request], np.ndarray | 
         del value  # one array at a time
 
 
+def write(kind: str, path: str, model: keras.Model, events: list[tuple],
+          fetch: Callable[[Request], np.ndarray | None]) -> None:
+    """``kind`` "model": the ``.keras`` file of ``model``; else its ``.weights.h5``."""
+    if kind == "model":
+        write_model(path, model, events, fetch)
+    else:
+        write_weights(path, events, fetch)
+
+
 def write_weights(path: str, events: list[tuple], fetch: Callable[[Request], np.ndarray | None]) -> None:
     """The serial model's ``.weights.h5`` at ``path``, array by array."""
     store = _internals.h5_writer(path)

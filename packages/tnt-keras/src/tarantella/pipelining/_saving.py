@@ -123,10 +123,7 @@ class StreamedStages:
                 for name in _requests.recv_object(t, stage, 0):
                     owner.setdefault(name, stage)  # a tied layer: its first holder
             fetch = functools.partial(self._fetch, owner=owner, asker=asker)
-            if self.kind == "model":
-                _streamed.write_model(path, self.full, self.events, fetch)
-            else:
-                _streamed.write_weights(path, self.events, fetch)
+            _streamed.write(self.kind, path, self.full, self.events, fetch)
         finally:
             asker.stop()
 

@@ -192,10 +192,7 @@ class StreamedShards:
         asker = _requests.Asker(self.peers, range(1, self.size))
         try:
             fetch = functools.partial(self._fetch, asker=asker)
-            if self.kind == "model":
-                _streamed.write_model(path, self.full, self.events, fetch)
-            else:
-                _streamed.write_weights(path, self.events, fetch)
+            _streamed.write(self.kind, path, self.full, self.events, fetch)
         finally:
             asker.stop()
 
