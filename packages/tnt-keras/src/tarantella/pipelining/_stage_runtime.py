@@ -39,6 +39,7 @@ from .._core import trace as _trace
 from .._core.errors import PipelineError
 from .._core.metric_states import metric_variables
 from .._core.serial_files import clone_optimizer, optimizer_state
+from .._core.serial_updates import update_one_variable_at_a_time
 from .._core.sync import average_moving_statistics
 from ._executor import StageExecutor
 from ._passes import PREDICT, TEST, TRAIN
@@ -118,7 +119,7 @@ class StageRuntime:
     # -- set-up ----------------------------------------------------------------------------------
     def compile(self, optimizer, loss=None, metrics=None, loss_weights=None, weighted_metrics=None) -> None:
         """Give the stage its own optimizer (a clone) and the last stage the loss and metrics."""
-        opt = clone_optimizer(optimizer)
+        opt = update_one_variable_at_a_time(clone_optimizer(optimizer))
         self.loss_scaled = isinstance(opt, keras.optimizers.LossScaleOptimizer)
         clipping = opt.inner_optimizer if self.loss_scaled else opt  # LSO clips in its inner one
         self.global_clipnorm = clipping.global_clipnorm
