@@ -438,6 +438,13 @@ class NotPerVariable(keras.optimizers.SGD):
     """A subclass: tnt cannot know its update stays per variable."""
 
 
+class OwnStep(keras.Sequential):
+    """A model with its own train_step (sharding refuses it: see error_cases)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
 def error_cases() -> dict:
     x, y = data()
 
@@ -459,6 +466,9 @@ def error_cases() -> dict:
                                               "get_weights()", "sharding<=2"),
         "level_3_sync_batch_norm": raised(lambda: tnt.Model(bn_model(), sync_batch_norm=True, sharding=3),
                                           "ShardingError", "sync_batch_norm=False", "sharding=2"),
+        "level_3_own_train_step": raised(lambda: tnt.Model(OwnStep([keras.Input((4,)), keras.layers.Dense(3),
+                                                                     keras.layers.Dense(2)]), sharding=3),
+                                         "ShardingError", "own train_step", "sharding=0", "compute_loss()"),
         "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),
         "optimizer_not_per_variable": raised(lambda: compiled(NotPerVariable(0.1)), "NotPerVariable",
                                              "sharding=0", "tnt_per_variable"),
