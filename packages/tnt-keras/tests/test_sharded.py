@@ -5,7 +5,9 @@ and a LossScaleOptimizer, a level-2 file saved at d = 2 read by serial Keras and
 level 1, and the errors. Level 3 (parameters sharded): Adam with global_clipnorm (2 ranks) and
 SGD momentum (3 ranks) against serial Keras with evaluate/predict and the elements each rank
 stores; BatchNormalization, Dropout and a layer with its own seeded mask bitwise equal to level
-2; its file read serially and resumed at level 3. A deferred build at level 3 (3 ranks):
+2; its file read serially and resumed at level 3; *_on_batch after the level-3 fits; mixed_float16
+with a LossScaleOptimizer skipping overflowing steps (2 ranks); a level-3 BackupAndRestore backup
+written by the 2-rank launch resumed at level 3 by the 3-rank launch. A deferred build at level 3 (3 ranks):
 each per-layer variable materialised on its owner only, initial values bitwise, 1 epoch vs serial. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
 level 2 (Adam, global_clipnorm), its file resumed at level 1, and 2 replicas of 2-rank tensor groups
 (no stages) at level 2 (Adam, a vocab-split Embedding), its file resumed at level 1, in the shared

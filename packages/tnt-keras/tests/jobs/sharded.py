@@ -1,8 +1,10 @@
 """Sharded data parallelism (tnt.Model(sharding=1|2|3)) against serial Keras in the same job.
 
 Level 3: SGD-momentum and Adam (global_clipnorm) against serial Keras with evaluate and
-predict and what each rank stores; BatchNormalization, Dropout and a weighted layer with its
-own random mask against level 2; its file read serially and resumed with sharding=3.
+predict, then *_on_batch, and what each rank stores; BatchNormalization, Dropout and a
+weighted layer with its own random mask against level 2; its file read serially and resumed
+with sharding=3, and its BackupAndRestore backup (left in --shared by the 2-rank launch)
+resumed at level 3 on 3 ranks; mixed_float16 with a LossScaleOptimizer skipping some steps.
 A model built under tnt.deferred_variables() at level 3 (3 ranks): which trainable variables
 each rank ever materialised, their initial values, one epoch against serial Keras.
 
