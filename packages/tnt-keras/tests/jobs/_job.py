@@ -27,11 +27,19 @@ def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--shared", default=None, type=Path,
+                        help="a folder common to the session's launches (shared_launch.py, {shared})")
     return parser.parse_args()
 
 
 def out_path() -> Path:
     return _args().out
+
+
+def shared_dir() -> Path | None:
+    """``--shared``: where a smaller launch's job leaves files for a larger one (launches go in
+    ascending rank count), or None."""
+    return _args().shared
 
 
 def only(names) -> list[str]:

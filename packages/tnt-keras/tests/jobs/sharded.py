@@ -1,8 +1,10 @@
 """Sharded data parallelism (tnt.Model(sharding=1|2|3)) against serial Keras in the same job.
 
 Level 3: SGD-momentum and Adam (global_clipnorm) against serial Keras with evaluate and
-predict and what each rank stores; BatchNormalization, Dropout and a weighted layer with its
-own random mask against level 2; its file read serially and resumed with sharding=3.
+predict, then *_on_batch, and what each rank stores; BatchNormalization, Dropout and a
+weighted layer with its own random mask against level 2; its file read serially and resumed
+with sharding=3, and its BackupAndRestore backup (left in --shared by the 2-rank launch)
+resumed at level 3 on 3 ranks; mixed_float16 with a LossScaleOptimizer skipping some steps.
 A model built under tnt.deferred_variables() at level 3 (3 ranks): which trainable variables
 each rank ever materialised, their initial values, one epoch against serial Keras.
 
@@ -28,6 +30,7 @@ import hashlib
 import os
 import shutil
 import time
+from pathlib import Path
 
 import _job
 import keras
@@ -135,9 +138,12 @@ def case(level: int, kind: str) -> dict:
     tm.compile(optimizer(kind), "mse")
     history = tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0).history
     sharding = tm._tnt_sharding
+    # Optimizer steps applied (a LossScaleOptimizer skips overflowing ones) of all steps.
+    applied = [int(model.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())]
     slot_elements = tnt_comm.allgather_object(elements(model.optimizer.variables))
     # Level 3 keeps no whole copy: the tnt.Model's get_weights() gathers it from the owners.
     weights = tm.get_weights()
+    weight_diff = _job.max_abs_diff(weights, serial.get_weights())  # before level 3's *_on_batch steps
     h = hashlib.sha256()
     for w in weights:
         h.update(np.ascontiguousarray(w).tobytes())
@@ -149,10 +155,11 @@ def case(level: int, kind: str) -> dict:
                                                  serial.evaluate(x, y, batch_size=BATCH, verbose=0))
         out["predict_diff"] = _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
                                                 serial.predict(x, batch_size=BATCH, verbose=0))
+        out.update(_job.timed(f"l{level}_{kind} *_on_batch", lambda: on_batch(tm, serial, x, y)))
     return {
         **out,
         "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
-        "weight_diff": _job.max_abs_diff(weights, serial.get_weights()),
+        "weight_diff": weight_diff,
         "replicas_identical": len(set(tnt_comm.allgather_object(h.hexdigest()))) == 1,
         "slot_elements_per_rank": slot_elements,
         "serial_slot_elements": elements(serial.optimizer.variables),
@@ -161,9 +168,24 @@ def case(level: int, kind: str) -> dict:
         "buckets": sharding.bucket_count(),
         "owned_per_rank": tnt_comm.allgather_object(len(sharding.owned_variables())),
         "initial_gradient_norm": initial_gradient_norm(),
-        # Optimizer steps applied (a LossScaleOptimizer skips overflowing ones) of all steps.
-        "applied_steps": [int(model.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())],
+        "applied_steps": applied,
         "steps": EPOCHS * -(-len(x) // BATCH),
+    }
+
+
+def on_batch(tm, serial, x, y) -> dict:
+    """After the level-3 fit, evaluate and predict (weights equal to serial Keras'): two
+    train_on_batch of global batches of 10 and 6 rows (the shapes fit traced, uneven on 3
+    ranks), then test_on_batch and predict_on_batch, each against serial Keras."""
+    train = [_job.max_abs_diff(tm.train_on_batch(x[lo:hi], y[lo:hi]), serial.train_on_batch(x[lo:hi], y[lo:hi]))
+             for lo, hi in ((0, 10), (40, 46))]
+    return {
+        "train_on_batch_diff": train,
+        "test_on_batch_diff": _job.max_abs_diff(tm.test_on_batch(x[10:20], y[10:20]),
+                                                serial.test_on_batch(x[10:20], y[10:20])),
+        "predict_on_batch_diff": _job.max_abs_diff(tm.predict_on_batch(x[20:30]), serial.predict_on_batch(x[20:30])),
+        "on_batch_weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
+        "on_batch_applied_steps": [int(tm.model.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())],
     }
 
 
@@ -211,15 +233,22 @@ def l3_vs_l2_case() -> dict:
     }
 
 
-def l3_files_case(tmp) -> dict:
+def l3_files_case(tmp, shared) -> dict:
     """Level 3: save -> serial Keras load equals the serial run; tnt.models.load_model(...,
-    sharding=3) continues as serial Keras continues."""
+    sharding=3) continues as serial Keras continues. Its fit also keeps a BackupAndRestore
+    backup of the epoch in the session's shared folder: the 3-rank launch resumes it at level 3
+    (l3_backup_resume) against serial Keras' second epoch, left beside it."""
     x, y = data()
     path = str(tmp / "sharded_l3.keras")
+    folder = _backup_folder(shared)
+    if tnt.is_master_rank():
+        shutil.rmtree(folder, ignore_errors=True)
+    tnt_comm.barrier()
     serial, _ = serial_run("adam", epochs=1)
     tm = tnt.Model(make_model(), sharding=3)
     tm.compile(optimizer("adam"), "mse")
-    tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+           callbacks=[keras.callbacks.BackupAndRestore(str(folder / "d2"), delete_checkpoint=False)])
     tm.save(path)
     tnt_comm.barrier()
     loaded = keras.models.load_model(path)
@@ -231,12 +260,83 @@ def l3_files_case(tmp) -> dict:
     }
     resumed = tnt.models.load_model(path, sharding=3)
     resumed.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    second = serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
     out["resumed_weight_diff"] = _job.max_abs_diff(resumed.get_weights(), serial.get_weights())
     shards = resumed._tnt_sharding.layers
     out["resumed_stored_elements_per_rank"] = tnt_comm.allgather_object(stored_elements(resumed.model, shards))
+    if tnt.is_master_rank():  # serial Keras' second epoch, for the 3-rank resume to compare with
+        np.savez(folder / "serial_epoch_2.npz", loss=np.asarray(second["loss"]),
+                 **{f"w{i}": w for i, w in enumerate(serial.get_weights())})
+    tnt_comm.barrier()
     return out
 
+
+def l3_mixed_case() -> dict:
+    """mixed_float16 at level 3 (float16 compute, float32 variables gathered per layer): an
+    explicit LossScaleOptimizer(SGD momentum) whose scale overflows float16 in some steps (large
+    targets), against serial Keras under the same policy; the loss scale, the steps applied and
+    the weights. One epoch (5 steps, the last of 6 samples)."""
+    x, y = data("lso")
+
+    def lso():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01, momentum=0.9),
+                                                   initial_scale=2.0**15, dynamic_growth_steps=2)
+
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        serial = make_model()
+        serial.compile(lso(), "mse")
+        serial_history = serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        model = make_model()
+        tm = tnt.Model(model, sharding=3)
+        tm.compile(lso(), "mse")
+        history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        weights = tm.get_weights()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return {
+        "compute_dtype": model.layers[0].compute_dtype,
+        "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
+        "weight_diff": _job.max_abs_diff(weights, serial.get_weights()),
+        "replicas_identical": len(set(tnt_comm.allgather_object(hashlib.sha256(
+            b"".join(np.ascontiguousarray(w).tobytes() for w in weights)).hexdigest()))) == 1,
+        "loss_scale": [float(model.optimizer.dynamic_scale.numpy()), float(serial.optimizer.dynamic_scale.numpy())],
+        "applied_steps": [int(model.optimizer.iterations.numpy()), int(serial.optimizer.iterations.numpy())],
+        "steps": -(-len(x) // BATCH),
+        "stored_elements_per_rank": tnt_comm.allgather_object(stored_elements(model, tm._tnt_sharding.layers)),
+    }
+
+
+def _backup_folder(shared) -> Path:
+    return Path(shared) / "sharded_l3_backup"
+
+
+def l3_backup_resume_case(shared) -> dict:
+    """The 2-rank launch's level-3 BackupAndRestore backup (l3_files, one epoch) resumed here at
+    level 3 on 3 ranks: the second epoch against serial Keras' (computed there)."""
+    x, y = data()
+    folder = _backup_folder(shared)
+    if not (folder / "serial_epoch_2.npz").exists():
+        return {"missing": str(folder)}
+    tnt_comm.barrier()
+    if tnt.is_master_rank():  # resume a copy: the 2-rank launch's backup stays as written
+        shutil.rmtree(folder / "d3", ignore_errors=True)
+        shutil.copytree(folder / "d2", folder / "d3")
+    tnt_comm.barrier()
+    serial = np.load(folder / "serial_epoch_2.npz")
+    model = make_model()
+    tm = tnt.Model(model, sharding=3)
+    tm.compile(optimizer("adam"), "mse")
+    h = tm.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0,
+               callbacks=[keras.callbacks.BackupAndRestore(str(folder / "d3"))])
+    weights = tm.get_weights()
+    return {
+        "resumed_epochs": h.epoch,
+        "history_diff": _job.max_abs_diff(h.history["loss"], list(serial["loss"])),
+        "weight_diff": _job.max_abs_diff(weights, [serial[f"w{i}"] for i in range(len(weights))]),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "stored_elements_per_rank": tnt_comm.allgather_object(stored_elements(model, tm._tnt_sharding.layers)),
+    }
 
 def deferred_model() -> keras.Model:
     """make_model's with an L2-regularized middle layer (kept whole at level 3): built eagerly
@@ -340,6 +440,13 @@ class NotPerVariable(keras.optimizers.SGD):
     """A subclass: tnt cannot know its update stays per variable."""
 
 
+class OwnStep(keras.Sequential):
+    """A model with its own train_step (sharding refuses it: see error_cases)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
 def error_cases() -> dict:
     x, y = data()
 
@@ -361,6 +468,9 @@ def error_cases() -> dict:
                                               "get_weights()", "sharding<=2"),
         "level_3_sync_batch_norm": raised(lambda: tnt.Model(bn_model(), sync_batch_norm=True, sharding=3),
                                           "ShardingError", "sync_batch_norm=False", "sharding=2"),
+        "level_3_own_train_step": raised(lambda: tnt.Model(OwnStep([keras.Input((4,)), keras.layers.Dense(3),
+                                                                     keras.layers.Dense(2)]), sharding=3),
+                                         "ShardingError", "own train_step", "sharding=0", "compute_loss()"),
         "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),
         "optimizer_not_per_variable": raised(lambda: compiled(NotPerVariable(0.1)), "NotPerVariable",
                                              "sharding=0", "tnt_per_variable"),
@@ -537,8 +647,8 @@ CASES = {f"l{level}_{kind}": (level, kind)
 def main() -> None:
     out = _job.out_path()
     chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "l3_files", "l3_vs_l2",
-                         "l3_deferred", "errors"])
-    result = {"ranks": tnt.get_size(), "cases": {n: case(*CASES[n]) for n in chosen if n in CASES}}
+                         "l3_deferred", "l3_mixed", "l3_backup_resume", "errors"])
+    result = {"ranks": tnt.get_size(), "cases": {n: _job.timed(n, lambda n=n: case(*CASES[n])) for n in chosen if n in CASES}}
     for name in chosen:
         if name in ALL_CASES:
             result.setdefault("all", {})[name] = all_case(*ALL_CASES[name], out.parent)
@@ -547,11 +657,15 @@ def main() -> None:
     if "files" in chosen:
         result["files"] = files_case(out.parent)
     if "l3_files" in chosen:
-        result["l3_files"] = l3_files_case(out.parent)
+        result["l3_files"] = _job.timed("l3_files", lambda: l3_files_case(out.parent, _job.shared_dir() or out.parent))
     if "l3_vs_l2" in chosen:
         result["l3_vs_l2"] = l3_vs_l2_case()
     if "l3_deferred" in chosen:
         result["l3_deferred"] = _job.timed("l3_deferred", l3_deferred_case)
+    for name, run in (("l3_mixed", l3_mixed_case),
+                      ("l3_backup_resume", lambda: l3_backup_resume_case(_job.shared_dir() or out.parent))):
+        if name in chosen:
+            result[name] = _job.timed(name, run)
     if "errors" in chosen:
         result["errors"] = error_cases()
     _job.write(out, result)

@@ -523,3 +523,24 @@ def without_autocast():
     except ImportError as err:  # pragma: no cover
         raise _missing("keras.src.backend.AutocastScope", err) from err
     return AutocastScope(None)
+
+
+def autocast_dtype() -> str | None:
+    """The dtype Keras' current autocast scope casts float variables to (a mixed-precision
+    layer's ``__call__`` enters one), None without a cast: level 3 recomputes a layer's call
+    in backprop, outside that ``__call__``, and must cast its weights alike."""
+    try:
+        from keras.src.backend import get_autocast_scope
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.backend.get_autocast_scope", err) from err
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+def autocast_to(dtype: str | None):
+    """A scope in which float Keras variables read cast to ``dtype`` (None: as stored)."""
+    try:
+        from keras.src.backend import AutocastScope
+    except ImportError as err:  # pragma: no cover
+        raise _missing("keras.src.backend.AutocastScope", err) from err
+    return AutocastScope(dtype)

@@ -291,7 +291,8 @@ class LayerShards:
         positions = self.plan()[id(layer)]
         variables = self.model.trainable_variables
         order, sizes, mine = self._layout(positions)
-        dtype = tf.as_dtype(variables[order[0]].dtype)
+        with _internals.without_autocast():  # the stored dtype (a variable reports the cast one)
+            dtype = tf.as_dtype(variables[order[0]].dtype)
         owners = self.sharding.owners
         counts = [sum(s for i, s in zip(order, sizes) if owners[i] == r) for r in range(self.sharding.size)]
         # Real reads of the owned variables, outside the custom gradient: the outer tape
@@ -303,6 +304,9 @@ class LayerShards:
         held = list(layer.non_trainable_variables)
         flat_args, structure = _flatten_call(args, kwargs)
         diff = [k for k, a in enumerate(flat_args) if _differentiable(a)]
+        # The layer's __call__ entered its autocast scope (mixed precision: float16 compute of
+        # float32 weights); backprop's recompute runs outside it and must cast alike.
+        cast_to = _internals.autocast_dtype()
 
         def run(pieces, xs, training_tape=None):
             """The layer's call with the gathered weights and the forward's held state."""
@@ -311,7 +315,7 @@ class LayerShards:
                 call_args[k] = x
             a, kw = tf.nest.pack_sequence_as(structure, call_args)
             mapping = [(variables[i], p) for i, p in zip(order, pieces)] + list(zip(held, held_values))
-            with keras.StatelessScope(state_mapping=mapping) as scope:
+            with _internals.autocast_to(cast_to), keras.StatelessScope(state_mapping=mapping) as scope:
                 out = original(*a, **kw)
             return out, scope
 
