@@ -163,6 +163,16 @@ class StageShards:
     def is_released(self, variable) -> bool:
         return id(variable) in self._parked
 
+    def stored_bytes(self, variables: Sequence) -> int:
+        """Bytes the buffers of ``variables`` hold now, read from the buffers themselves (a
+        freed variable's holds 0 elements), not from their shapes."""
+        total = 0
+        for v in variables:
+            backing = self._parked[id(v)][1] if id(v) in self._parked else v.value
+            buffer = tf.raw_ops.ReadVariableOp(resource=backing.handle, dtype=backing.dtype)
+            total += int(tf.size(buffer)) * backing.dtype.size
+        return total
+
     def release(self, variables: Sequence) -> None:
         """Level 3: free the values of the variables of ``variables`` (the stage's trainable
         ones) other replicas own; no collective. Nothing before owners are assigned, nor
