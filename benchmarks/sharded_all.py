@@ -8,7 +8,10 @@ Each rank reports the bytes of its stage's Keras optimizer variables (counted: a
 after the imports, before the model was built), the peak of the steady steps (VmHWM reset
 through /proc/self/clear_refs after a first fit of one step that traced everything, minus
 the same baseline) and the bytes its stage's weight buffers hold after training (read from
-the buffers: level 3 frees the non-owned ones between steps). The model: a Dense stack
+the buffers: level 3 frees the non-owned ones between steps), and TensorFlow's CPU
+allocator's bytes in use between steps and its peak over the steady steps
+(``tf.config.experimental.get_memory_info``: freed buffers stay in the allocator's pool,
+so RSS cannot show what is freed between steps). The model: a Dense stack
 (Psi ~ 8.4 M float32 parameters), Adam, cut into 2 stages.
 """
 
@@ -36,6 +39,7 @@ def _status(field: str) -> int:
 def worker(level: int, steps: int, out: str) -> None:
     import keras
     import numpy as np
+    import tensorflow as tf
 
     import tarantella as tnt
     import tnt_comm
@@ -52,8 +56,12 @@ def worker(level: int, steps: int, out: str) -> None:
     model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # traces
     first_peak = _status("VmHWM")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the steady steps' peak next
+    tf.config.experimental.reset_memory_stats("CPU:0")
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     steady = _status("VmHWM") - before
+    # TensorFlow's CPU allocator: the bytes it hands out now (between steps: what RSS cannot
+    # show, as freed buffers stay in the allocator's pool) and at most during the steady steps.
+    allocator = tf.config.experimental.get_memory_info("CPU:0")
     optimizer = model._tnt_stage.optimizer
     shards = model._tnt_stage.shards
     weights = model.stage_model.trainable_variables
@@ -65,6 +73,8 @@ def worker(level: int, steps: int, out: str) -> None:
         int(sum(np.prod(v.shape) * 4 for v in weights)),
         "peak_bytes": max(first_peak, _status("VmHWM")) - before,  # the whole run's (both fits)
         "steady_peak_bytes": steady,
+        "tf_between_steps_bytes": int(allocator["current"]),
+        "tf_steady_peak_bytes": int(allocator["peak"]),
     }
     everyone = tnt_comm.allgather_object(mine)
     if tnt.is_master_rank():
@@ -93,6 +103,8 @@ def main() -> None:
         print(f"sharding={row['level']}: " + ", ".join(
             f"s{r['stage']}r{r['replica']} optimizer {r['optimizer_bytes'] / 1e6:.1f} MB peak {r['peak_bytes'] / 1e6:.0f} MB"
             f" (steady {r['steady_peak_bytes'] / 1e6:.0f} MB) weights stored {r['stored_weight_bytes'] / 1e6:.1f} MB"
+            f" TF allocator between steps {r['tf_between_steps_bytes'] / 1e6:.1f} MB,"
+            f" steady peak {r['tf_steady_peak_bytes'] / 1e6:.1f} MB"
             for r in ranks), flush=True)
 
 
