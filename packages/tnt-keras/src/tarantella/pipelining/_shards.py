@@ -77,6 +77,7 @@ class StageShards:
         self.owners: list[int] = []
         self._parked: dict[int, tuple] = {}  # id(variable) -> (variable, its backing tf.Variable)
         self._released = False  # level 3: the non-owned values are freed (alike on every replica)
+        self._freed_from: tuple[list, list[int]] = ([], [])  # (variables, owners) at the release
         self._holds = 0  # nesting depth of ``gathered()``
         self._refree = False  # whether the outermost ``gathered()`` found them released
 
@@ -183,35 +184,43 @@ class StageShards:
             if self.owners[i] != self.rank and id(v) not in self._parked:
                 self._parked[id(v)] = (v, _internals.park_value(v, _Freed(v.path, self.owners[i])))
         self._released = True
+        self._freed_from = (list(variables), list(self.owners))
 
-    def gather(self, variables: Sequence, values: bool = True) -> None:
-        """Level 3: every freed variable of ``variables`` gets its owner's value again, one
-        allgather per bucket (``gather_values``' layout; collective over the group). Not
-        ``values``: zeros instead, no collective (about to be overwritten, e.g. by a file)."""
+    def gather(self, values: bool = True) -> None:
+        """Level 3: every freed variable gets its owner's value again, one allgather per bucket
+        (``gather_values``' layout over the variables and owners of the release, which a
+        recompile may have changed since; collective over the group). Not ``values``: zeros
+        instead, no collective (about to be overwritten, e.g. by a file)."""
         if not self._released:
             return
-        if not values:
-            for v, backing in self._parked.values():
-                _internals.unpark_value(v, backing, np.zeros(v.shape, np.dtype(backing.dtype.as_numpy_dtype)))
-        else:
-            for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
-                                        lambda i: _nbytes(variables[i])):
-                mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
-                flat = np.concatenate(mine) if mine else np.zeros(0, dt)
-                del mine
-                whole = self.comm.allgather(np.ascontiguousarray(flat))
-                del flat
-                offset = 0
-                for i in idx:
-                    v = variables[i]
-                    n = int(np.prod(v.shape))
-                    if id(v) in self._parked:
-                        _internals.unpark_value(v, self._parked[id(v)][1],
-                                                np.asarray(whole[offset: offset + n]).reshape(v.shape))
-                    offset += n
-                del whole
+        variables, owners = self._freed_from
+        assigned, self.owners = self.owners, owners  # the layout of the release
+        try:
+            if not values:
+                for v, backing in self._parked.values():
+                    _internals.unpark_value(v, backing, np.zeros(v.shape, np.dtype(backing.dtype.as_numpy_dtype)))
+            else:
+                for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
+                                            lambda i: _nbytes(variables[i])):
+                    mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
+                    flat = np.concatenate(mine) if mine else np.zeros(0, dt)
+                    del mine
+                    whole = self.comm.allgather(np.ascontiguousarray(flat))
+                    del flat
+                    offset = 0
+                    for i in idx:
+                        v = variables[i]
+                        n = int(np.prod(v.shape))
+                        if id(v) in self._parked:
+                            _internals.unpark_value(v, self._parked[id(v)][1],
+                                                    np.asarray(whole[offset: offset + n]).reshape(v.shape))
+                        offset += n
+                    del whole
+        finally:
+            self.owners = assigned
         self._parked.clear()
         self._released = False
+        self._freed_from = ([], [])
 
     @contextlib.contextmanager
     def gathered(self, variables: Sequence, values: bool = True) -> Iterator[None]:
@@ -220,7 +229,7 @@ class StageShards:
         nothing below level 3 or before the first release (replica 0's sync comes first)."""
         if self._holds == 0:
             self._refree = self._released
-            self.gather(variables, values)
+            self.gather(values)
         self._holds += 1
         try:
             yield

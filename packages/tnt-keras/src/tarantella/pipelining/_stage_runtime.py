@@ -136,6 +136,7 @@ class StageRuntime:
                 chunk.model.compile(optimizer=opt, loss=None, jit_compile=False, auto_scale_loss=False)
         trainable = self.model.trainable_variables
         if self.shards is not None:  # the owned variables' slots only
+            self.shards.gather()  # level 3, compiled again: whole until the next sync frees them
             check_enough_variables(len(trainable), self.shards.size, self.transport.stage, self.shards.level,
                                    self.transport)
             self.shards.assign(trainable)
@@ -164,8 +165,8 @@ class StageRuntime:
         if self.transport.num_replicas == 1:
             return
         trainable = self.model.trainable_variables
-        if self.shards is not None:  # level 3 after a load: whole again first (a collective)
-            self.shards.gather(trainable)
+        if self.shards is not None:  # level 3 after a load or a recompile: whole first (a collective)
+            self.shards.gather()
         variables = list(self.model.variables)
         if self.optimizer is not None and self.shards is None:  # sharded: each its own slots
             variables += list(self.optimizer.variables)
@@ -218,7 +219,7 @@ class StageRuntime:
         total = n if total is None else int(total)
         variables = self.model.trainable_variables
         if self.shards is not None:  # level 3: the stage's whole weights before the first forward
-            self.shards.gather(variables)
+            self.shards.gather()
         result = self.executor.run(TRAIN, x_flat, y, sample_weight, sizes, max(total, 1))
         self.peak_live = max(self.peak_live, result.peak_live)
         self.peak_taped = max(self.peak_taped, result.peak_taped)
