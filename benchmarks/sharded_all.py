@@ -1,12 +1,18 @@
 """Sharding on ALL's replica axis (docs/sharding.md, "ALL"): per-rank optimizer state and
-measured peak of 2 pipeline stages x 2 replicas at sharding 0, 1 and 2.
+measured peak of 2 pipeline stages x 2 replicas at sharding 0, 1, 2 and 3.
 
-    python benchmarks/sharded_all.py [--steps 3]   # one 4-rank launch per level
+    python benchmarks/sharded_all.py [--steps 3] [--levels 0,1,2,3]   # one 4-rank launch per level
 
 Each rank reports the bytes of its stage's Keras optimizer variables (counted: at levels
-1 and 2 only the owned variables' slots) and its measured peak (VmHWM at the end minus
-VmRSS before the model was built). The model: a Dense stack (Psi ~ 8.4 M float32
-parameters), Adam, cut into 2 stages.
+1-3 only the owned variables' slots), its measured peak (VmHWM at the end minus VmRSS
+after the imports, before the model was built), the peak of the steady steps (VmHWM reset
+through /proc/self/clear_refs after a first fit of one step that traced everything, minus
+the same baseline) and the bytes its stage's weight buffers hold after training (read from
+the buffers: level 3 frees the non-owned ones between steps), and TensorFlow's CPU
+allocator's bytes in use between steps and its peak over the steady steps
+(``tf.config.experimental.get_memory_info``: freed buffers stay in the allocator's pool,
+so RSS cannot show what is freed between steps). The model: a Dense stack
+(Psi ~ 8.4 M float32 parameters), Adam, cut into 2 stages.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ def _status(field: str) -> int:
 def worker(level: int, steps: int, out: str) -> None:
     import keras
     import numpy as np
+    import tensorflow as tf
 
     import tarantella as tnt
     import tnt_comm
@@ -46,13 +53,28 @@ def worker(level: int, steps: int, out: str) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH * steps, WIDTHS[0])).astype("float32")
     y = rng.normal(size=(BATCH * steps, WIDTHS[-1])).astype("float32")
+    model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)  # traces
+    first_peak = _status("VmHWM")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the steady steps' peak next
+    tf.config.experimental.reset_memory_stats("CPU:0")
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    steady = _status("VmHWM") - before
+    # TensorFlow's CPU allocator: the bytes it hands out now (between steps: what RSS cannot
+    # show, as freed buffers stay in the allocator's pool) and at most during the steady steps.
+    allocator = tf.config.experimental.get_memory_info("CPU:0")
     optimizer = model._tnt_stage.optimizer
+    shards = model._tnt_stage.shards
+    weights = model.stage_model.trainable_variables
     mine = {
         "stage": model.stage, "replica": model.replica,
         "optimizer_bytes": int(sum(np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in optimizer.variables)),
-        "weight_bytes": int(sum(np.prod(v.shape) * 4 for v in model.stage_model.trainable_variables)),
-        "peak_bytes": _status("VmHWM") - before,
+        "weight_bytes": int(sum(np.prod(v.shape) * 4 for v in weights)),
+        "stored_weight_bytes": shards.stored_bytes(weights) if shards is not None else
+        int(sum(np.prod(v.shape) * 4 for v in weights)),
+        "peak_bytes": max(first_peak, _status("VmHWM")) - before,  # the whole run's (both fits)
+        "steady_peak_bytes": steady,
+        "tf_between_steps_bytes": int(allocator["current"]),
+        "tf_steady_peak_bytes": int(allocator["peak"]),
     }
     everyone = tnt_comm.allgather_object(mine)
     if tnt.is_master_rank():
@@ -62,6 +84,7 @@ def worker(level: int, steps: int, out: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--levels", default="0,1,2,3")
     parser.add_argument("--worker", type=int)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -69,7 +92,7 @@ def main() -> None:
         worker(args.worker, args.steps, args.out)
         return
     rows = []
-    for level in (0, 1, 2):
+    for level in (int(k) for k in args.levels.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out.json")
             subprocess.run(["tarantella", "-n", "4", "--python-interpreter", sys.executable, "--", __file__,
@@ -79,6 +102,9 @@ def main() -> None:
         ranks = sorted(row["ranks"], key=lambda r: (r["stage"], r["replica"]))
         print(f"sharding={row['level']}: " + ", ".join(
             f"s{r['stage']}r{r['replica']} optimizer {r['optimizer_bytes'] / 1e6:.1f} MB peak {r['peak_bytes'] / 1e6:.0f} MB"
+            f" (steady {r['steady_peak_bytes'] / 1e6:.0f} MB) weights stored {r['stored_weight_bytes'] / 1e6:.1f} MB"
+            f" TF allocator between steps {r['tf_between_steps_bytes'] / 1e6:.1f} MB,"
+            f" steady peak {r['tf_steady_peak_bytes'] / 1e6:.1f} MB"
             for r in ranks), flush=True)
 
 

@@ -9,7 +9,9 @@ stores; BatchNormalization, Dropout and a layer with its own seeded mask bitwise
 with a LossScaleOptimizer skipping overflowing steps (2 ranks); a level-3 BackupAndRestore backup
 written by the 2-rank launch resumed at level 3 by the 3-rank launch. A deferred build at level 3 (3 ranks):
 each per-layer variable materialised on its owner only, initial values bitwise, 1 epoch vs serial. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
-level 2 (Adam, global_clipnorm), its file resumed at level 1, and 2 replicas of 2-rank tensor groups
+level 2 (Adam, global_clipnorm), its file resumed at level 1, and at level 3 (the stage's
+weights gathered per step: bitwise level 2's, only owned weights stored between steps, evaluate,
+predict, its file loaded at level 3), and 2 replicas of 2-rank tensor groups
 (no stages) at level 2 (Adam, a vocab-split Embedding), its file resumed at level 1, in the shared
 4-rank launch; its error paths on one process."""
 
@@ -38,7 +40,7 @@ _REPORTS: dict[int, dict] = {}
 #: ALL, 2 stages x 2 replicas (jobs/sharded.py all_case), in the shared 4-rank launch. Level 1
 #: trains there too: the level-2 file is loaded at level 1 and trained on (all_l1_adam, the
 #: same from a fresh model, passes as well; left out for suite time).
-ALL_RUN = ["all_l2_adam_clip"]  # Adam with global_clipnorm (clipping active: test_global_clipnorm_was_active)
+ALL_RUN = ["all_l2_adam_clip", "all_l3_adam_clip"]  # Adam, global_clipnorm (active: test_global_clipnorm_was_active)
 #: ALL, 2 replicas of 2-rank tensor groups without stages (jobs/sharded.py all_tensor_case).
 ALL_TENSOR_RUN = ["all_tensor_l2_adam"]
 
@@ -100,7 +102,8 @@ def test_each_replica_holds_only_its_owned_slots(report):
 
 
 #: Cases the job runs with TNT_FUSION_THRESHOLD=0.5 (KB): several buckets (jobs/sharded.py).
-SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_tensor_l2_adam"}
+SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_l3_adam_clip",
+                 "all_tensor_l2_adam"}
 
 
 def test_small_fusion_thresholds_cut_the_sharded_collectives_into_buckets(report):
@@ -365,6 +368,38 @@ def test_all_level_2_file_loads_at_level_1_and_trains_on_as_serial(report_all):
     _assert_slots_partition("resumed", c, c["resumed_slot_elements_per_rank"])
 
 
+def test_all_level_3_equals_level_2_bitwise(report_all):
+    # Level 3 gathers before the schedule what level 2 gathers after the update: the same
+    # owners' values, the same reduce-scattered sums (a gather of stale or zero values, or a
+    # replica reading its freed copy, would differ).
+    assert report_all["all_l3_adam_clip"]["weights_digest"] == report_all["all_l2_adam_clip"]["weights_digest"]
+
+
+def test_all_level_3_stores_only_owned_weights_between_steps(report_all):
+    c = report_all["all_l3_adam_clip"]
+    elements = dict(c["stage_variable_elements"])
+    for key in ("stored_per_rank", "loaded_stored_per_rank"):
+        for stage, rows in _by_stage([(s, (stored, owned)) for s, stored, owned in c[key]]).items():
+            # Read from the buffers: each replica holds exactly what it owns, the stage once.
+            assert all(stored == owned for stored, owned in rows), (key, stage, rows)
+            assert sum(stored for stored, _ in rows) == elements[stage], (key, stage, rows)
+            assert all(0 < stored < elements[stage] for stored, _ in rows), (key, stage, rows)
+    _assert_slots_partition("loaded at level 3", c, c["loaded_slot_elements_per_rank"])
+
+
+def test_all_level_3_evaluates_predicts_and_loads_as_serial(report_all):
+    c = report_all["all_l3_adam_clip"]
+    assert c["evaluate_diff"] <= TOL_LOSS, c
+    assert c["predict_diff"] <= TOL_WEIGHTS, c
+    assert c["loaded_evaluate_diff"] <= TOL_LOSS, c  # the file at level 3: synchronised, freed, gathered
+
+
+def test_all_level_3_read_outside_a_step_names_the_fix(report_all):
+    read = report_all["all_l3_adam_clip"]["read_outside_a_step"]
+    for needle in ("ShardingError", "sharding=3", "get_weights()", "save()", "sharding<=2"):
+        assert needle in read, read
+
+
 # -- ALL: 2 replicas of 2-rank tensor groups (one stage) on 4 ranks --------------------------------
 @pytest.fixture(scope="module")
 def report_tensor(shared_launches) -> dict:
@@ -453,15 +488,21 @@ def _mlp() -> keras.Model:
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
 
 
-def test_all_level_3_names_levels_1_and_2():
-    with pytest.raises(ShardingError, match=r"sharding=3.*sharding=2"):
-        tnt.Model(_mlp(), parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2, sharding=3)
+def test_all_level_3_passes_to_pipeline_replicas_and_is_refused_with_tensor_groups():
+    """Level 3 runs on replicas of pipelines (and of whole models); tensor groups name levels 1 and 2."""
+    from tarantella.hybrid._strategy import _sharding_level
+
+    assert _sharding_level({"sharding": 3}) == 3
+    with pytest.raises(ShardingError, match=r"tensor_parallel_size=2, sharding=3.*sharding=2.*sharding=1"):
+        _sharding_level({"sharding": 3}, tensor_parallel_size=2)
 
 
-def test_all_level_3_from_the_environment_names_it(monkeypatch):
+def test_all_level_3_of_tensor_groups_from_the_environment_names_it(monkeypatch):
+    from tarantella.hybrid._strategy import _sharding_level
+
     monkeypatch.setenv("TNT_SHARDING", "3")
     with pytest.raises(ShardingError, match="TNT_SHARDING=3"):
-        tnt.Model(_mlp(), parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2)
+        _sharding_level({}, tensor_parallel_size=2)
 
 
 def test_all_bad_level_lists_the_levels():

@@ -13,10 +13,12 @@ and a LossScaleOptimizer; each compares History and weights with serial Keras, c
 replicas hold identical weights and that each holds only its owned variables' optimizer
 slots. Files: a level-2 model saved at this number of ranks loads in serial Keras with serial
 Keras' weights and optimizer state, and loaded again with sharding=1 continues as serial
-Keras continues. Errors: level 3, a bad level, an optimizer not known to be per-variable,
+Keras continues. Errors: level 3 read outside a step, a bad level, an optimizer not known to be per-variable,
 sharding= with another strategy. ALL (4 ranks: 2 pipeline stages x 2 replicas, Adam): levels
 1 and 2 against serial Keras, replicas of a stage bitwise alike, slots per rank, the saved
-file read by serial Keras, and (level 2) loaded at level 1 and trained on as serial Keras.
+file read by serial Keras, and (level 2) loaded at level 1 and trained on as serial Keras;
+level 3 (the stage's weights gathered per step): what each rank stores, a read outside a step,
+evaluate and predict, its file loaded at level 3 and evaluated, against serial Keras.
 ALL of tensor groups without stages (4 ranks: t = 2 x 2 replicas, Adam, level 2, a vocab-split
 Embedding with sparse gradients): History and weights against serial Keras, replicas of a
 shard SHA-256 alike, slots partitioned per shard, the saved file read by serial Keras, and
@@ -113,7 +115,8 @@ def initial_gradient_norm() -> float:
 
 #: Cases run with a fusion threshold of 512 bytes: their sharded collectives move the
 #: model's variables in several buckets (the default 8 MiB holds this model in one).
-SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_tensor_l2_adam"}
+SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_l3_adam_clip",
+                 "all_tensor_l2_adam"}
 
 
 def bucket_threshold(name: str) -> None:
@@ -499,12 +502,16 @@ def all_case(level: int, kind: str, tmp) -> dict:
     stage_runtime = tm._tnt_stage
     optimizer_vars = stage_runtime.optimizer.variables
     shards = stage_runtime.shards
+    weights = tm.get_weights()
+    with tm._tnt_whole():  # level 3: the stage's weights gathered from their owners meanwhile
+        stage_digest = digest(tm.stage_model)
     out = {
         "strategy": type(tm).__name__,
         "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
-        "weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
+        "weight_diff": _job.max_abs_diff(weights, serial.get_weights()),
+        "weights_digest": hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in weights)).hexdigest(),
         # (stage, replica, digest of the stage's weights) of every rank
-        "stage_digests": tnt_comm.allgather_object((tm.stage, tm.replica, digest(tm.stage_model))),
+        "stage_digests": tnt_comm.allgather_object((tm.stage, tm.replica, stage_digest)),
         "slot_elements_per_rank": tnt_comm.allgather_object((tm.stage, elements(optimizer_vars))),
         "optimizer_bytes_per_rank": tnt_comm.allgather_object(int(sum(
             np.prod(v.shape) * np.dtype(v.dtype).itemsize for v in optimizer_vars))),
@@ -525,6 +532,8 @@ def all_case(level: int, kind: str, tmp) -> dict:
         out["loaded_optimizer_count"] = [len(loaded.optimizer.variables), len(serial.optimizer.variables)]
         out["loaded_optimizer_diff"] = _job.max_abs_diff([v.numpy() for v in loaded.optimizer.variables],
                                                          [v.numpy() for v in serial.optimizer.variables])
+    if level == 3:
+        out.update(all_level_3(tm, serial, path, x, y))
     if level == 2:  # the file loaded at level 1 trains on as serial Keras does
         resumed = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2,
                                         num_micro_batches=2, sharding=1)
@@ -536,6 +545,41 @@ def all_case(level: int, kind: str, tmp) -> dict:
         out["resumed_slot_elements_per_rank"] = tnt_comm.allgather_object(
             (resumed.stage, elements(resumed._tnt_stage.optimizer.variables)))
     out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def stage_stored(tm) -> tuple[int, int, int]:
+    """(stage, trainable elements this rank's buffers hold, elements it owns): level 3 frees
+    the others between steps (read from the buffers, not from the shapes)."""
+    shards = tm._tnt_stage.shards
+    variables = tm.stage_model.trainable_variables
+    return tm.stage, shards.stored_bytes(variables) // 4, elements(shards.owned(variables))
+
+
+def all_level_3(tm, serial, path: str, x, y) -> dict:
+    """ALL at level 3: what each rank stores, a read outside tnt's steps, evaluate and predict
+    against serial Keras, and its file loaded at level 3 (evaluated: synchronised, freed,
+    gathered again) against serial Keras."""
+    try:
+        tm.stage_model.get_weights()
+        read = "no error"
+    except Exception as e:  # the type and message are what is checked
+        read = f"{type(e).__name__}: {e}"
+    out = {
+        "stored_per_rank": tnt_comm.allgather_object(stage_stored(tm)),
+        "read_outside_a_step": read[:400],
+        "evaluate_diff": _job.max_abs_diff(tm.evaluate(x, y, batch_size=BATCH, verbose=0),
+                                           serial.evaluate(x, y, batch_size=BATCH, verbose=0)),
+        "predict_diff": _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
+                                          serial.predict(x, batch_size=BATCH, verbose=0)),
+    }
+    loaded = tnt.models.load_model(path, parallel_strategy=tnt.ParallelStrategy.ALL, num_pipeline_stages=2,
+                                   num_micro_batches=2, sharding=3)
+    out["loaded_evaluate_diff"] = _job.max_abs_diff(loaded.evaluate(x, y, batch_size=BATCH, verbose=0),
+                                                    serial.evaluate(x, y, batch_size=BATCH, verbose=0))
+    out["loaded_stored_per_rank"] = tnt_comm.allgather_object(stage_stored(loaded))
+    out["loaded_slot_elements_per_rank"] = tnt_comm.allgather_object(
+        (loaded.stage, elements(loaded._tnt_stage.optimizer.variables)))
     return out
 
 
@@ -637,7 +681,7 @@ def all_tensor_case(level: int, tmp) -> dict:
     return out
 
 
-ALL_CASES = {"all_l1_adam": (1, "adam"), "all_l2_adam_clip": (2, "adam_clip")}
+ALL_CASES = {"all_l1_adam": (1, "adam"), "all_l2_adam_clip": (2, "adam_clip"), "all_l3_adam_clip": (3, "adam_clip")}
 ALL_TENSOR_CASES = {"all_tensor_l2_adam": 2}
 
 CASES = {f"l{level}_{kind}": (level, kind)

@@ -515,6 +515,27 @@ def restore_value(variable, value) -> None:
         variable._initialize(value)
 
 
+def park_value(variable, initializer):
+    """Free ``variable``'s memory but keep its backing ``tf.Variable`` (returned): its buffer
+    shrinks to 0 elements, so traced functions that captured its handle stay valid for
+    :func:`unpark_value`; meanwhile eager reads go through ``initializer`` as after
+    :func:`drop_value` (sharding level 3 of pipeline stages)."""
+    backing = variable._value
+    tf.raw_ops.AssignVariableOp(resource=backing.handle, value=tf.zeros([0], backing.dtype), validate_shape=False)
+    variable._value = None
+    variable._initializer = initializer
+    return backing
+
+
+def unpark_value(variable, backing, value) -> None:
+    """Give a variable parked by :func:`park_value` its whole ``value`` again, in the same
+    backing ``tf.Variable`` (the handle traced functions captured)."""
+    tf.raw_ops.AssignVariableOp(resource=backing.handle, value=tf.convert_to_tensor(value, backing.dtype),
+                                validate_shape=False)
+    variable._initializer = None
+    variable._value = backing
+
+
 def without_autocast():
     """A scope in which Keras variables read as stored (no mixed-precision cast): level 3
     gathers the owned float32 values, which each layer call then casts as Keras would."""

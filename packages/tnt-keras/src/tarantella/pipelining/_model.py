@@ -76,7 +76,8 @@ class PipelinedModel(DistributedModel):
                  pipeline_schedule: str = "1f1b", pipeline_plan: Plan | None = None,
                  remat: str | None = None, virtual_stages: int | None = None, sharding: int = 0,
                  _stage_builder=None) -> None:
-        """``sharding`` (ALL's replica axis, 1 or 2): see ``_shards``.
+        """``sharding`` (ALL's replica axis, 1, 2 or 3): see ``_shards``; at 3 the files, weights
+        and forward-only loops hold the stage's whole weights while they run (``_tnt_whole``).
         ``_stage_builder(plan, transport) -> StageModel``: how this rank's stage is made
         (default: the stage's layers cloned whole; tensor_parallel's stages of tensor groups
         pass their own, with ``tensor_parallel_size``: the mesh then has t > 1)."""
@@ -194,7 +195,9 @@ class PipelinedModel(DistributedModel):
         """Every stage's weights joined in the serial order, on every rank (collective:
         an allgather over the pipeline; the replicas hold the same)."""
         by_layer = {}
-        for payload in self.transport.pipeline_allgather_object(self._tnt_stage_payload(False)):
+        with self._tnt_whole():
+            payloads = self.transport.pipeline_allgather_object(self._tnt_stage_payload(False))
+        for payload in payloads:
             by_layer.update(payload["weights"])
         return [w for name in self.plan.graph.layer_order for w in by_layer.get(name, [])]
 
@@ -219,10 +222,21 @@ class PipelinedModel(DistributedModel):
         """This stage's layers take their weights from the serial list (matched by layer
         name and weight index); other stages' weights are ignored."""
         by_key = {key: w for (key, _), w in zip(self._tnt_serial_layout(), weights)}
-        for layer in self.stage_layers():
-            for j, variable in enumerate(layer.weights):
-                variable.assign(self._tnt_part(layer, variable, by_key[f"{layer.name}/{j}"]))
+        with self._tnt_whole(gather=False):
+            for layer in self.stage_layers():
+                for j, variable in enumerate(layer.weights):
+                    variable.assign(self._tnt_part(layer, variable, by_key[f"{layer.name}/{j}"]))
         self._tnt_synced = False
+
+    def _tnt_whole(self, gather: bool = True):
+        """While inside, every replica holds its stage's whole weights (sharding=3: gathered
+        from their owners, a collective over the replica group, and freed again after;
+        ``gather`` False: zeros, for a load to overwrite)."""
+        return self._tnt_stage.gathered(values=gather)
+
+    def _tnt_serial_state(self):
+        """What BackupAndRestore writes under: the stage's whole weights (sharding=3)."""
+        return self._tnt_whole()
 
     def _tnt_check_same_plan(self, transport) -> None:
         """Every stage's plan equals stage 0's, or every stage raises (a stage raising alone
@@ -380,15 +394,16 @@ class PipelinedModel(DistributedModel):
         """Keras' ``evaluate`` (forward-only schedule); the same result on every rank."""
         if kwargs.get("_use_cached_eval_dataset"):  # validation inside fit: already split
             self._tnt_stage.average_moving_statistics()
-            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
-                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
-                                    return_dict=return_dict, **kwargs)
+            with self._tnt_whole():  # sharding=3: gathered once for the whole loop
+                return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                        sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                        return_dict=return_dict, **kwargs)
         self._assert_compiled("evaluate")
         data = self._replica_data(x, y, sample_weight, batch_size=batch_size, shuffle=False,
                                   method="evaluate")
         self._prepare()
         self._tnt_stage.average_moving_statistics()
-        with self._rank_callbacks(callbacks) as rank_callbacks:
+        with self._rank_callbacks(callbacks) as rank_callbacks, self._tnt_whole():
             logs = super().evaluate(data, verbose=self._verbose(verbose), steps=steps,
                                     callbacks=rank_callbacks, return_dict=True, **kwargs)
         if return_dict:
@@ -401,23 +416,30 @@ class PipelinedModel(DistributedModel):
         """Keras' ``predict`` (forward-only schedule); every rank returns all outputs in order."""
         data = self._replica_data(x, batch_size=batch_size, shuffle=False, method="predict")
         self._prepare()
-        with self._rank_callbacks(callbacks) as rank_callbacks:
+        with self._rank_callbacks(callbacks) as rank_callbacks, self._tnt_whole():
             return super().predict(data, verbose=self._verbose(verbose), steps=steps,
                                    callbacks=rank_callbacks)
 
     # -- files (the base writes them; see _core.distributed) -------------------------------------
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load a serial weights file; this rank keeps its stage's layers (and optimizer)."""
-        load_pipelined_weights(self, filepath)
+        with self._tnt_whole(gather=False):
+            load_pipelined_weights(self, filepath)
         self._tnt_synced = False
 
     def _tnt_before_save(self) -> None:
         self._tnt_stage.average_moving_statistics()  # one model in the file, as on every replica
 
+    def _write(self, filepath, overwrite: bool, all_devices: bool, with_optimizer: bool, write,
+               kind: str | None = None) -> None:
+        with self._tnt_whole():  # sharding=3: replica 0 of each stage serves whole weights
+            super()._write(filepath, overwrite, all_devices, with_optimizer, write, kind)
+
     def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The whole serial model with optimizer state on the master (None elsewhere); all
         ranks call it (``export``, and saves a stream does not cover)."""
-        return gather_serial_model(self, with_optimizer)
+        with self._tnt_whole():
+            return gather_serial_model(self, with_optimizer)
 
     def _tnt_streamed(self, kind: str, with_optimizer: bool):
         """The serial file written by the master array by array, each stage sending its

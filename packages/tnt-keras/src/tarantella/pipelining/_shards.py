@@ -12,23 +12,57 @@ level 0; level 2 reduce-scatters the dense ones, so a replica receives only its 
 This is the Python-driven step end of a pipeline stage (``_stage_runtime``): eager numpy
 collectives on the replica group's communicator, one call per bucket of at most
 ``bucket_bytes`` (``_core.shard_buckets``; docs/sharding.md).
+
+Level 3 (parameters too) gathers per stage per step, not per layer per micro-batch: a
+replica stores only its owned variables between steps; the stage's others are allgathered
+once before the schedule's first forward and freed again after its last backward, before
+the reduce-scatter and the optimizer's update (``StageRuntime.train_step``). Why not per
+layer: a pipeline runs each layer once per micro-batch (m >= 4p by default), so ZeRO-3
+proper would gather every weight 2m times a step (forward and backward of each micro-batch,
+DeepSpeed refuses ZeRO-3 with pipelines for this reason), where per step it is gathered
+once: the allgather level 2 runs after the update, moved to before the schedule, the same
+bytes. What it saves: the non-owned weights between steps and during the update (4 bytes
+per parameter not owned), not the in-step peak (the whole stage and its gradients exist
+during backprop, as at level 2). A freed variable keeps its backing ``tf.Variable``
+(a buffer of 0 elements: ``_core.internals.park_value``), so the schedule's traced passes,
+which captured it, need no retrace; an eager read outside tnt's steps raises
+``ShardingError`` naming the fix.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 import tnt_comm
 
+from .._core import internals as _internals
 from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
 from ..data_parallel import ShardingError, assign_owners
 
 
 def _nbytes(v) -> int:
     return int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+
+
+class _Freed:
+    """What a freed (level-3) variable reads through outside tnt's steps: zeros under Keras'
+    shape inference, else an error naming the fix, never stale or initial values."""
+
+    def __init__(self, path: str, owner: int) -> None:
+        self.path, self.owner = path, owner
+
+    def __call__(self, shape, dtype=None):
+        if _internals.in_symbolic_scope():
+            return tf.zeros(shape, dtype)
+        raise ShardingError(
+            f"tnt.Model(parallel_strategy=ALL, sharding=3): variable {self.path} is stored on replica "
+            f"{self.owner} of its pipeline stage only (gathered inside tnt's steps). Read the weights with "
+            "the tnt.Model's get_weights(), write them with its save()/save_weights(), or use sharding<=2 "
+            "to keep the stage's whole weights on every replica.")
 
 
 class StageShards:
@@ -41,6 +75,11 @@ class StageShards:
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.owners: list[int] = []
+        self._parked: dict[int, tuple] = {}  # id(variable) -> (variable, its backing tf.Variable)
+        self._released = False  # level 3: the non-owned values are freed (alike on every replica)
+        self._freed_from: tuple[list, list[int]] = ([], [])  # (variables, owners) at the release
+        self._holds = 0  # nesting depth of ``gathered()``
+        self._refree = False  # whether the outermost ``gathered()`` found them released
 
     def assign(self, variables: Sequence) -> None:
         """Fix the owners of ``variables`` (the stage's trainable ones, at compile)."""
@@ -115,6 +154,89 @@ class StageShards:
                 if self.owners[i] != self.rank:
                     variables[i].assign(np.asarray(whole[offset: offset + n]).reshape(variables[i].shape))
                 offset += n
+
+    # -- level 3: the stage's weights stored by their owners only ------------------------------
+    @property
+    def released(self) -> bool:
+        """Whether the replicas store only what they own now (the same answer on every replica)."""
+        return self._released
+
+    def is_released(self, variable) -> bool:
+        return id(variable) in self._parked
+
+    def stored_bytes(self, variables: Sequence) -> int:
+        """Bytes the buffers of ``variables`` hold now, read from the buffers themselves (a
+        freed variable's holds 0 elements), not from their shapes."""
+        total = 0
+        for v in variables:
+            backing = self._parked[id(v)][1] if id(v) in self._parked else v.value
+            buffer = tf.raw_ops.ReadVariableOp(resource=backing.handle, dtype=backing.dtype)
+            total += int(tf.size(buffer)) * backing.dtype.size
+        return total
+
+    def release(self, variables: Sequence) -> None:
+        """Level 3: free the values of the variables of ``variables`` (the stage's trainable
+        ones) other replicas own; no collective. Nothing before owners are assigned, nor
+        while ``gathered()`` holds them."""
+        if self.level < 3 or len(self.owners) != len(variables) or self._holds:
+            return
+        for i, v in enumerate(variables):
+            if self.owners[i] != self.rank and id(v) not in self._parked:
+                self._parked[id(v)] = (v, _internals.park_value(v, _Freed(v.path, self.owners[i])))
+        self._released = True
+        self._freed_from = (list(variables), list(self.owners))
+
+    def gather(self, values: bool = True) -> None:
+        """Level 3: every freed variable gets its owner's value again, one allgather per bucket
+        (``gather_values``' layout over the variables and owners of the release, which a
+        recompile may have changed since; collective over the group). Not ``values``: zeros
+        instead, no collective (about to be overwritten, e.g. by a file)."""
+        if not self._released:
+            return
+        variables, owners = self._freed_from
+        assigned, self.owners = self.owners, owners  # the layout of the release
+        try:
+            if not values:
+                for v, backing in self._parked.values():
+                    _internals.unpark_value(v, backing, np.zeros(v.shape, np.dtype(backing.dtype.as_numpy_dtype)))
+            else:
+                for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
+                                            lambda i: _nbytes(variables[i])):
+                    mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
+                    flat = np.concatenate(mine) if mine else np.zeros(0, dt)
+                    del mine
+                    whole = self.comm.allgather(np.ascontiguousarray(flat))
+                    del flat
+                    offset = 0
+                    for i in idx:
+                        v = variables[i]
+                        n = int(np.prod(v.shape))
+                        if id(v) in self._parked:
+                            _internals.unpark_value(v, self._parked[id(v)][1],
+                                                    np.asarray(whole[offset: offset + n]).reshape(v.shape))
+                        offset += n
+                    del whole
+        finally:
+            self.owners = assigned
+        self._parked.clear()
+        self._released = False
+        self._freed_from = ([], [])
+
+    @contextlib.contextmanager
+    def gathered(self, variables: Sequence, values: bool = True) -> Iterator[None]:
+        """While inside, every replica holds the stage's whole weights (level 3, once released:
+        gathered on entry, a collective, and the non-owned ones freed again on exit); nests;
+        nothing below level 3 or before the first release (replica 0's sync comes first)."""
+        if self._holds == 0:
+            self._refree = self._released
+            self.gather(values)
+        self._holds += 1
+        try:
+            yield
+        finally:
+            self._holds -= 1
+            if self._holds == 0 and self._refree:
+                self.release(variables)
 
     def whole_state(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The stage's whole optimizer state (keys as ``optimizer_state``) on replica 0 of the

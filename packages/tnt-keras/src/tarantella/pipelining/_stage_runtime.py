@@ -26,6 +26,7 @@ before backprop, as Keras' own train step scales it (``_executor``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 
@@ -64,7 +65,8 @@ class StageRuntime:
                  stage_model: StageModel | None = None, fusion_threshold_bytes: int = 8 << 20,
                  remat: str | None = None, virtual_stages: int | None = None, sharding: int = 0) -> None:
         """``sharding`` 1 or 2: the stage's replicas shard its optimizer state (and at 2 its
-        gradients) over the replica group (``_shards``); 0: each holds all of it."""
+        gradients) over the replica group (``_shards``); 3: and its weights, gathered per stage
+        per step (``_shards``' docstring); 0: each holds all of it."""
         self.plan = plan
         self.transport = transport
         self.num_micro_batches = num_micro_batches
@@ -135,6 +137,7 @@ class StageRuntime:
                 chunk.model.compile(optimizer=opt, loss=None, jit_compile=False, auto_scale_loss=False)
         trainable = self.model.trainable_variables
         if self.shards is not None:  # the owned variables' slots only
+            self.shards.gather()  # level 3, compiled again: whole until the next sync frees them
             check_enough_variables(len(trainable), self.shards.size, self.transport.stage, self.shards.level,
                                    self.transport)
             self.shards.assign(trainable)
@@ -158,15 +161,29 @@ class StageRuntime:
         return tf.constant(True)
 
     def sync_replicas(self) -> None:
-        """Every replica of this stage starts from replica 0's weights and optimizer state."""
+        """Every replica of this stage starts from replica 0's weights and optimizer state;
+        at level 3 each then stores only what it owns (from here on)."""
         if self.transport.num_replicas == 1:
             return
+        trainable = self.model.trainable_variables
+        if self.shards is not None:  # level 3 after a load or a recompile: whole first (a collective)
+            self.shards.gather()
         variables = list(self.model.variables)
         if self.optimizer is not None and self.shards is None:  # sharded: each its own slots
             variables += list(self.optimizer.variables)
         for var in variables:
             value = np.asarray(var.numpy())
             var.assign(self.transport.replica_broadcast(value.reshape(-1)).reshape(value.shape))
+        if self.shards is not None:
+            self.shards.release(trainable)
+
+    def gathered(self, values: bool = True):
+        """While inside, this replica holds the stage's whole weights (level 3: gathered from
+        their owners on entry, a collective over the replica group, freed on exit; ``values``
+        False: zeros, no collective, for a load to overwrite); else nothing to do."""
+        if self.shards is None:
+            return contextlib.nullcontext()
+        return self.shards.gathered(self.model.trainable_variables, values)
 
     def average_moving_statistics(self) -> None:
         """Replace each replica's batch-norm moving statistics of this stage by their mean
@@ -201,13 +218,15 @@ class StageRuntime:
         x_flat = keras.tree.flatten(x)
         n, sizes = self._sizes(x_flat)
         total = n if total is None else int(total)
+        variables = self.model.trainable_variables
+        if self.shards is not None:  # level 3: the stage's whole weights before the first forward
+            self.shards.gather()
         result = self.executor.run(TRAIN, x_flat, y, sample_weight, sizes, max(total, 1))
         self.peak_live = max(self.peak_live, result.peak_live)
         self.peak_taped = max(self.peak_taped, result.peak_taped)
         self.schedule_seconds += result.seconds
         self.busy_seconds += result.busy_seconds
         self.windows.append((*result.window, result.busy_seconds))
-        variables = self.model.trainable_variables
         if result.grads is not None:
             grads = result.grads
             self._sparse_positions = {i: g.indices.dtype for i, g in enumerate(grads) if _sparse.is_sparse(g)}
@@ -216,6 +235,8 @@ class StageRuntime:
                      else tf.zeros_like(v)
                      for i, v in enumerate(variables)]
         self._add_other_stages_regularization(n)
+        if self.shards is not None:  # level 3: after the last backward, before the update
+            self.shards.release(variables)
         if not self._no_gradient_agreed:
             self._agree_no_gradient(len(variables))
         rec = _trace.recorder()
@@ -233,7 +254,7 @@ class StageRuntime:
         if self.global_clipnorm and finite:  # a skipped step is not clipped (nor applied)
             grads = self._clip_over_pipeline(grads)
         self._apply(grads)
-        if self.shards is not None:  # the owners' updated values to every replica
+        if self.shards is not None and self.shards.level < 3:  # the owners' updated values to every replica
             self.shards.gather_values(self.model.trainable_variables)
         return self._logs()
 
@@ -259,15 +280,17 @@ class StageRuntime:
     def test_step(self, x, y, sample_weight) -> dict:
         x_flat = keras.tree.flatten(x)
         n, sizes = self._sizes(x_flat)
-        self.executor.run(TEST, x_flat, y, sample_weight, sizes, max(n, 1))
-        self._add_other_stages_regularization(n)
+        with self.gathered():
+            self.executor.run(TEST, x_flat, y, sample_weight, sizes, max(n, 1))
+            self._add_other_stages_regularization(n)
         return self._logs()
 
     def predict_step(self, x):
         """The model's outputs for the whole batch of all replicas, on every rank."""
         x_flat = keras.tree.flatten(x)
         n, sizes = self._sizes(x_flat)
-        result = self.executor.run(PREDICT, x_flat, None, None, sizes, max(n, 1))
+        with self.gathered():
+            result = self.executor.run(PREDICT, x_flat, None, None, sizes, max(n, 1))
         outputs = None
         if self.is_last:
             graph = self.plan.graph
