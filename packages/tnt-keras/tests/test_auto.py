@@ -67,6 +67,63 @@ def test_budget_between_sharded_and_plain_data_picks_sharding():
     assert "nothing splits" in reasons["TENSOR(d=1, t=2)"], reasons
 
 
+def eight_convs() -> keras.Model:
+    """Eight equal convolutions on a 2 x 2 map: nothing a tensor group splits, and level 3
+    gathers one eighth of the weights at a time."""
+    inp = keras.Input((2, 2, 64))
+    x = inp
+    for i in range(8):
+        x = keras.layers.Conv2D(64, 3, padding="same", name=f"c{i}")(x)
+    return keras.Model(inp, x)
+
+
+def test_budget_between_level_3_and_the_rest_picks_sharding_3():
+    m = eight_convs()
+    w = weight_bytes(m)
+    layer = w // 8  # one conv: 3 x 3 x 64 x 64 kernel + 64 bias, float32
+    assert layer == 4 * (3 * 3 * 64 * 64 + 64)
+    acts = 8 * 2 * 2 * 64 * 4  # every conv's output per sample x 1 row (2 / 2 replicas)
+    # Counted by hand, Adam, d = 2: largest first onto the least loaded replica gives each
+    # replica 4 kernels and 4 biases (w / 2); it stores them (w / 2), receives their gradient
+    # sums (w / 2) and keeps their 2 slots (w); backprop holds 3 copies of one layer
+    # (gathered weights, local weight gradient, the reduce-scatter's copy): 2.375 w + acts.
+    # Level 1 / 2: w + w + w (slots / 2); the pipeline's stage: 2.5 w (its accumulator).
+    level3 = {"parameters": w // 2, "gradients": w // 2, "optimizer_slots": w, "activations": acts,
+              "communication_buffers": 3 * layer}
+    budget = int(2.45 * w)
+    assert sum(level3.values()) < budget < 2.5 * w
+    prof = given_profile(m, {f"c{i}": 1e-4 for i in range(8)})
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=2, memory_budget=budget, profile_=prof)
+    assert plan.layout.describe() == "DATA(d=2, sharding=3)", plan.summary(print_fn=None)
+    assert plan.model_options() == (tnt.ParallelStrategy.DATA, {"sharding": 3})
+    assert {k: v for k, v in plan.memory_per_rank.items() if v} == level3
+    reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
+    for name in ("DATA(d=2)", "DATA(d=2, sharding=1)", "DATA(d=2, sharding=2)", "PIPELINING(d=1, p=2 m=2 bytes)"):
+        assert reasons[name].startswith("over budget by"), reasons
+    text = plan.summary(print_fn=None)
+    assert "chosen: DATA(d=2, sharding=3)" in text
+    assert re.search(r"DATA\(d=2, sharding=2\)\s+[\d.,]+\s+[\d.,]+\s+rejected: over budget by", text), text
+    # its time: one more forward per layer (1/3 of forward + backward) and the collectives
+    free = tnt.plan_parallel(m, num_ranks=2, global_batch_size=2, memory_budget=None, profile_=prof)
+    by_name = {c.layout.describe(): c.estimate for c in free.feasible}
+    assert by_name["DATA(d=2, sharding=3)"].compute_s == pytest.approx(by_name["DATA(d=2)"].compute_s * 4 / 3)
+    assert by_name["DATA(d=2, sharding=3)"].comm_s > by_name["DATA(d=2, sharding=2)"].comm_s > 0
+    from tarantella.auto._search import layouts
+
+    level3_names = sorted(lay.describe() for lay in layouts(4, 8)[0] if lay.sharding == 3)
+    assert level3_names == ["DATA(d=4, sharding=3)"], level3_names  # ALL (replicas of stages or groups) refuses 3
+
+
+def test_level_3_is_rejected_where_it_cannot_run():
+    inp = keras.Input((8,))
+    m = keras.Model(inp, keras.layers.Dense(8, use_bias=False, name="only")(inp))  # 1 variable, 2 replicas
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=4, memory_budget=None,
+                             profile_=given_profile(m, {"only": 1e-4}))
+    reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
+    assert reasons["DATA(d=2, sharding=3)"].startswith("no sharding=3:"), reasons
+    assert "only 1 trainable variables" in reasons["DATA(d=2, sharding=3)"], reasons
+
+
 def test_budget_below_sharding_picks_the_pipeline():
     m = two_convs()
     w = weight_bytes(m)

@@ -84,36 +84,9 @@ class LayerShards:
 
     # -- the plan --------------------------------------------------------------------------
     def _make_plan(self) -> None:
-        variables = self.model.trainable_variables
-        index = {id(v): i for i, v in enumerate(variables)}
-        if has_sync_batch_norm(self.model):
-            raise ShardingError(
-                "tnt.Model(sharding=3) with synchronised batch normalisation: its collectives run "
-                "inside the layers' calls, which level 3 recomputes in backprop. Use sharding=2, or "
-                "sync_batch_norm=False.")
-        claimed: dict[int, int] = {}
-        candidates = []
-        for layer in _internals.all_sublayers(self.model):
-            own = [v for v in _internals.own_trainable_variables(layer) if id(v) in index]
-            for v in own:
-                claimed[id(v)] = claimed.get(id(v), 0) + 1
-            if not own or isinstance(layer, (keras.Model, keras.layers.Embedding)):
-                continue
-            if any(s.trainable_weights for s in _internals.all_sublayers(layer)):
-                continue  # a layer holding weighted sublayers: its own weights stay whole
-            if any(getattr(v, "regularizer", None) is not None for v in own):
-                continue  # Keras reads regularized weights outside the call (model.losses)
-            if len({str(v.dtype) for v in own}) != 1:
-                continue
-            candidates.append((layer, own))
-        plan: dict[int, list[int]] = {}
-        layers = []
-        for layer, own in candidates:
-            if any(claimed[id(v)] > 1 for v in own):
-                continue  # shared with another layer: it may be read outside this call
-            plan[id(layer)] = sorted(index[id(v)] for v in own)
-            layers.append(layer)
-        self._plan, self._layers = plan, layers
+        planned = per_layer_plan(self.model)
+        self._plan = {id(layer): positions for layer, positions in planned}
+        self._layers = [layer for layer, _ in planned]
 
     def plan(self) -> dict[int, list[int]]:
         """id(layer) -> positions (in ``trainable_variables``) of the variables gathered per layer."""
@@ -383,3 +356,34 @@ def _flatten_call(args, kwargs):
 
 def _differentiable(a) -> bool:
     return tf.is_tensor(a) and a.dtype.is_floating
+
+
+def per_layer_plan(model: keras.Model) -> list[tuple[keras.layers.Layer, list[int]]]:
+    """The leaf layers whose weights level 3 gathers around their call, each with the
+    positions (in ``model.trainable_variables``) of those weights; every other trainable
+    variable stays whole (module docstring). A pure function of the model, the same on
+    every replica, so the planner (``tnt.plan_parallel``) counts what a replica will store."""
+    variables = model.trainable_variables
+    index = {id(v): i for i, v in enumerate(variables)}
+    if has_sync_batch_norm(model):
+        raise ShardingError(
+            "tnt.Model(sharding=3) with synchronised batch normalisation: its collectives run "
+            "inside the layers' calls, which level 3 recomputes in backprop. Use sharding=2, or "
+            "sync_batch_norm=False.")
+    claimed: dict[int, int] = {}
+    candidates = []
+    for layer in _internals.all_sublayers(model):
+        own = [v for v in _internals.own_trainable_variables(layer) if id(v) in index]
+        for v in own:
+            claimed[id(v)] = claimed.get(id(v), 0) + 1
+        if not own or isinstance(layer, (keras.Model, keras.layers.Embedding)):
+            continue
+        if any(s.trainable_weights for s in _internals.all_sublayers(layer)):
+            continue  # a layer holding weighted sublayers: its own weights stay whole
+        if any(getattr(v, "regularizer", None) is not None for v in own):
+            continue  # Keras reads regularized weights outside the call (model.losses)
+        if len({str(v.dtype) for v in own}) != 1:
+            continue
+        candidates.append((layer, own))
+    return [(layer, sorted(index[id(v)] for v in own)) for layer, own in candidates
+            if not any(claimed[id(v)] > 1 for v in own)]  # shared: may be read outside this call
