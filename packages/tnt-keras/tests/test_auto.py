@@ -5,7 +5,8 @@ pipeline meets picks the pipeline; an impossible budget is a MemoryBudgetError n
 smallest feasible budget (and that budget then plans); the summary lists rejections with
 how far over budget; the DATA prediction's categories match the weights counted here.
 Launched (jobs/auto.py, 2 ranks): AUTO under a budget below plain DATA's picks a
-memory-saving layout, the same on both ranks, and trains as serial Keras does.
+memory-saving layout, the same on both ranks, and trains as serial Keras does; under a
+budget only level 3 meets it keeps a deferred model deferred and trains as serial Keras.
 """
 
 from __future__ import annotations
@@ -354,3 +355,14 @@ def test_auto_under_a_budget_below_data_trains_as_serial_keras(launched):
     assert pipe is not None and pipe["plan_layout"] == pipe["layout"] and "PIPELINING" in pipe["layout"], r
     assert pipe["model_type"] == "PipelinedModel" and pipe["split_after"] == pipe["built_split_after"], pipe
     assert pipe["history_diff"] <= TOL_LOSS and pipe["weight_diff"] <= TOL_WEIGHTS, pipe
+
+
+def test_auto_at_sharding_3_keeps_a_deferred_model_deferred_and_trains_as_serial_keras(launched):
+    r = launched["level3"]
+    assert r["chosen"] == "DATA(d=2, sharding=3)", r
+    assert r["materialise_calls"] == 0, r  # never whole: each replica gave values to its part only
+    # each replica stores 4 of the 8 kernels and 4 of the biases (largest first, least loaded)
+    assert r["held_trainable_bytes"] == [r["weight_bytes"] // 2] * 2, r
+    for total in r["layout_estimate_totals"]:  # the built model's memory_report, as planned
+        assert total <= r["budget"] and abs(total - r["predicted_total"]) <= 0.05 * total, r
+    assert r["history_diff"] <= TOL_LOSS and r["weight_diff"] <= TOL_WEIGHTS, r
