@@ -115,6 +115,30 @@ def test_budget_between_level_3_and_the_rest_picks_sharding_3():
     assert level3_names == ["DATA(d=4, sharding=3)"], level3_names  # ALL (replicas of stages or groups) refuses 3
 
 
+def test_level_3_counts_what_it_keeps_whole_on_every_replica():
+    """Embedding tables and regularized weights stay whole at level 3 (level 2's treatment):
+    stored and given a gradient on every replica; only their slots follow ownership."""
+    from tarantella.data_parallel import level3_layout
+
+    inp = keras.Input((3,), dtype="int32")
+    x = keras.layers.Embedding(50, 8, name="emb")(inp)  # 400 elements, whole
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(10, kernel_regularizer="l2", name="reg")(x)  # 24 x 10 + 10, whole
+    out = keras.layers.Dense(6, name="d")(x)  # 10 x 6 + 6 per layer
+    m = keras.Model(inp, out)
+    lay = level3_layout(m, 2)
+    # a layer is gathered per call only when none of its variables is regularized: all of
+    # "reg" stays whole; "d" alone is gathered
+    whole = 4 * (400 + 240 + 10)
+    assert lay.whole_trainable_bytes == whole and lay.layer_bytes == {"d": 4 * 66}
+    # owners, largest first onto the least loaded: emb (1600 B) r0, reg kernel (960) r1,
+    # d kernel (240) r1, reg bias (40) r1, d bias (24) r1
+    r0, r1 = lay.replicas
+    assert (r0.parameters, r0.gradients, r0.owned_trainable) == (whole, whole, 1600)
+    assert (r1.parameters, r1.gradients, r1.owned_trainable) == (whole + 4 * 66, whole + 4 * 66, 960 + 240 + 40 + 24)
+    assert r0.gathered == r1.gathered == 3 * 4 * 66
+
+
 def test_level_3_is_rejected_where_it_cannot_run():
     inp = keras.Input((8,))
     m = keras.Model(inp, keras.layers.Dense(8, use_bias=False, name="only")(inp))  # 1 variable, 2 replicas
