@@ -6,7 +6,7 @@ for memory, stage balance and step time against real launches of the layouts it 
 
 Rows (results/auto.json -> summary.json through summary.py):
 
-- memory_estimate_error: per layout (DATA with sharding 0, 1, 2; PIPELINING p = 2, m = 4,
+- memory_estimate_error: per layout (DATA with sharding 0, 1, 2, 3; PIPELINING p = 2, m = 4,
   with and without remat; TENSOR t = 2; with ``--ranks 4`` also ALL), the planner's
   predicted per-rank bytes (its candidate for that layout) against the measured peak of
   that layout built from the plan (``tnt.Model(model, plan=plan.with_layout(...))``) and
@@ -47,6 +47,7 @@ MEMORY_LAYOUTS: dict[str, tuple[int, dict]] = {
     "dp2": (2, {"replicas": 2}),
     "dp2_s1": (2, {"replicas": 2, "sharding": 1}),
     "dp2_s2": (2, {"replicas": 2, "sharding": 2}),
+    "dp2_s3": (2, {"replicas": 2, "sharding": 3}),
     "pp2": (2, {"replicas": 1, "stages": 2, "micro_batches": 4, "remat": False, "partition": "bytes"}),
     "pp2_remat": (2, {"replicas": 1, "stages": 2, "micro_batches": 4, "remat": True, "partition": "bytes"}),
     "tp2": (2, {"replicas": 1, "tensor": 2}),

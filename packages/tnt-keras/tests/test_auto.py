@@ -5,7 +5,8 @@ pipeline meets picks the pipeline; an impossible budget is a MemoryBudgetError n
 smallest feasible budget (and that budget then plans); the summary lists rejections with
 how far over budget; the DATA prediction's categories match the weights counted here.
 Launched (jobs/auto.py, 2 ranks): AUTO under a budget below plain DATA's picks a
-memory-saving layout, the same on both ranks, and trains as serial Keras does.
+memory-saving layout, the same on both ranks, and trains as serial Keras does; under a
+budget only level 3 meets it keeps a deferred model deferred and trains as serial Keras.
 """
 
 from __future__ import annotations
@@ -65,6 +66,87 @@ def test_budget_between_sharded_and_plain_data_picks_sharding():
     assert reasons["DATA(d=2)"].startswith("over budget by"), reasons
     assert "pipeline" in reasons["PIPELINING(d=1, p=2 m=2)"], reasons
     assert "nothing splits" in reasons["TENSOR(d=1, t=2)"], reasons
+
+
+def eight_convs() -> keras.Model:
+    """Eight equal convolutions on a 2 x 2 map: nothing a tensor group splits, and level 3
+    gathers one eighth of the weights at a time."""
+    inp = keras.Input((2, 2, 64))
+    x = inp
+    for i in range(8):
+        x = keras.layers.Conv2D(64, 3, padding="same", name=f"c{i}")(x)
+    return keras.Model(inp, x)
+
+
+def test_budget_between_level_3_and_the_rest_picks_sharding_3():
+    m = eight_convs()
+    w = weight_bytes(m)
+    layer = w // 8  # one conv: 3 x 3 x 64 x 64 kernel + 64 bias, float32
+    assert layer == 4 * (3 * 3 * 64 * 64 + 64)
+    acts = 8 * 2 * 2 * 64 * 4  # every conv's output per sample x 1 row (2 / 2 replicas)
+    # Counted by hand, Adam, d = 2: largest first onto the least loaded replica gives each
+    # replica 4 kernels and 4 biases (w / 2); it stores them (w / 2), receives their gradient
+    # sums (w / 2) and keeps their 2 slots (w); backprop holds 3 copies of one layer
+    # (gathered weights, local weight gradient, the reduce-scatter's copy): 2.375 w + acts.
+    # Level 1 / 2: w + w + w (slots / 2); the pipeline's stage: 2.5 w (its accumulator).
+    level3 = {"parameters": w // 2, "gradients": w // 2, "optimizer_slots": w, "activations": acts,
+              "communication_buffers": 3 * layer}
+    budget = int(2.45 * w)
+    assert sum(level3.values()) < budget < 2.5 * w
+    prof = given_profile(m, {f"c{i}": 1e-4 for i in range(8)})
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=2, memory_budget=budget, profile_=prof)
+    assert plan.layout.describe() == "DATA(d=2, sharding=3)", plan.summary(print_fn=None)
+    assert plan.model_options() == (tnt.ParallelStrategy.DATA, {"sharding": 3})
+    assert {k: v for k, v in plan.memory_per_rank.items() if v} == level3
+    reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
+    for name in ("DATA(d=2)", "DATA(d=2, sharding=1)", "DATA(d=2, sharding=2)", "PIPELINING(d=1, p=2 m=2 bytes)"):
+        assert reasons[name].startswith("over budget by"), reasons
+    text = plan.summary(print_fn=None)
+    assert "chosen: DATA(d=2, sharding=3)" in text
+    assert re.search(r"DATA\(d=2, sharding=2\)\s+[\d.,]+\s+[\d.,]+\s+rejected: over budget by", text), text
+    # its time: one more forward per layer (1/3 of forward + backward) and the collectives
+    free = tnt.plan_parallel(m, num_ranks=2, global_batch_size=2, memory_budget=None, profile_=prof)
+    by_name = {c.layout.describe(): c.estimate for c in free.feasible}
+    assert by_name["DATA(d=2, sharding=3)"].compute_s == pytest.approx(by_name["DATA(d=2)"].compute_s * 4 / 3)
+    assert by_name["DATA(d=2, sharding=3)"].comm_s > by_name["DATA(d=2, sharding=2)"].comm_s > 0
+    from tarantella.auto._search import layouts
+
+    level3_names = sorted(lay.describe() for lay in layouts(4, 8)[0] if lay.sharding == 3)
+    assert level3_names == ["DATA(d=4, sharding=3)"], level3_names  # ALL (replicas of stages or groups) refuses 3
+
+
+def test_level_3_counts_what_it_keeps_whole_on_every_replica():
+    """Embedding tables and regularized weights stay whole at level 3 (level 2's treatment):
+    stored and given a gradient on every replica; only their slots follow ownership."""
+    from tarantella.data_parallel import level3_layout
+
+    inp = keras.Input((3,), dtype="int32")
+    x = keras.layers.Embedding(50, 8, name="emb")(inp)  # 400 elements, whole
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(10, kernel_regularizer="l2", name="reg")(x)  # 24 x 10 + 10, whole
+    out = keras.layers.Dense(6, name="d")(x)  # 10 x 6 + 6 per layer
+    m = keras.Model(inp, out)
+    lay = level3_layout(m, 2)
+    # a layer is gathered per call only when none of its variables is regularized: all of
+    # "reg" stays whole; "d" alone is gathered
+    whole = 4 * (400 + 240 + 10)
+    assert lay.whole_trainable_bytes == whole and lay.layer_bytes == {"d": 4 * 66}
+    # owners, largest first onto the least loaded: emb (1600 B) r0, reg kernel (960) r1,
+    # d kernel (240) r1, reg bias (40) r1, d bias (24) r1
+    r0, r1 = lay.replicas
+    assert (r0.parameters, r0.gradients, r0.owned_trainable) == (whole, whole, 1600)
+    assert (r1.parameters, r1.gradients, r1.owned_trainable) == (whole + 4 * 66, whole + 4 * 66, 960 + 240 + 40 + 24)
+    assert r0.gathered == r1.gathered == 3 * 4 * 66
+
+
+def test_level_3_is_rejected_where_it_cannot_run():
+    inp = keras.Input((8,))
+    m = keras.Model(inp, keras.layers.Dense(8, use_bias=False, name="only")(inp))  # 1 variable, 2 replicas
+    plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=4, memory_budget=None,
+                             profile_=given_profile(m, {"only": 1e-4}))
+    reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
+    assert reasons["DATA(d=2, sharding=3)"].startswith("no sharding=3:"), reasons
+    assert "only 1 trainable variables" in reasons["DATA(d=2, sharding=3)"], reasons
 
 
 def test_budget_below_sharding_picks_the_pipeline():
@@ -297,3 +379,14 @@ def test_auto_under_a_budget_below_data_trains_as_serial_keras(launched):
     assert pipe is not None and pipe["plan_layout"] == pipe["layout"] and "PIPELINING" in pipe["layout"], r
     assert pipe["model_type"] == "PipelinedModel" and pipe["split_after"] == pipe["built_split_after"], pipe
     assert pipe["history_diff"] <= TOL_LOSS and pipe["weight_diff"] <= TOL_WEIGHTS, pipe
+
+
+def test_auto_at_sharding_3_keeps_a_deferred_model_deferred_and_trains_as_serial_keras(launched):
+    r = launched["level3"]
+    assert r["chosen"] == "DATA(d=2, sharding=3)", r
+    assert r["materialise_calls"] == 0, r  # never whole: each replica gave values to its part only
+    # each replica stores 4 of the 8 kernels and 4 of the biases (largest first, least loaded)
+    assert r["held_trainable_bytes"] == [r["weight_bytes"] // 2] * 2, r
+    for total in r["layout_estimate_totals"]:  # the built model's memory_report, as planned
+        assert total <= r["budget"] and abs(total - r["predicted_total"]) <= 0.05 * total, r
+    assert r["history_diff"] <= TOL_LOSS and r["weight_diff"] <= TOL_WEIGHTS, r

@@ -118,7 +118,9 @@ class Holdings:
     all; 1 under a pipeline's ``remat="stages"``); ``rows``: samples per micro-batch (None: not known before fit);
     ``comm_gradient_sets``: full gradient sets the fused engine stages (its buckets: 1 when
     gradients are reduced over replicas, else 0); ``receive_bytes``: bytes of one
-    micro-batch's received boundary tensors (pipelines); ``what``: the layout in words.
+    micro-batch's received boundary tensors (pipelines); ``what``: the layout in words;
+    ``counted``: categories the layout counts itself, replacing what the model's variables
+    say (sharding level 3 stores only the owned part of most weights).
     """
 
     model: object
@@ -131,6 +133,7 @@ class Holdings:
     comm_gradient_sets: int = 0
     receive_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    counted: dict[str, int] = field(default_factory=dict)
 
 
 def _np_dtype(v) -> np.dtype:
@@ -185,7 +188,7 @@ def estimate(h: Holdings) -> dict[str, int]:
     per_sample = activation_bytes_per_sample(model)
     sets = h.in_flight if h.activation_sets is None else min(h.activation_sets, h.in_flight)
     acts = (per_sample or 0) * (h.rows or 0) * sets
-    return {
+    return {**{
         "parameters": params,
         "gradients": grads,
         "optimizer_slots": slot_bytes(h.optimizer, trainable),
@@ -193,7 +196,7 @@ def estimate(h: Holdings) -> dict[str, int]:
         "activations": acts,
         "communication_buffers": h.comm_gradient_sets * grads,
         "receive_buffers": h.receive_bytes * h.in_flight,
-    }
+    }, **h.counted}
 
 
 def report(model) -> dict:

@@ -2,7 +2,9 @@
 and step time of one layout, from a measured :class:`~._profile.Profile`.
 
 Memory follows ``_core.memory.estimate`` (docs/memory.md) for what each layout holds:
-weights, gradients, optimizer slots (``/ d`` with sharding 1 or 2), the pipeline's
+weights, gradients, optimizer slots (``/ d`` with sharding 1 or 2; at level 3 each replica's
+own weights, gradient sums and slots as ``tnt.data_parallel.level3_layout`` counts them, plus
+a layer's gathered copies), the pipeline's
 gradient accumulator, activations of the micro-batches in flight (1F1B: ``min(p - s, m)``
 on stage s; one set with ``remat``, whose inputs are still held per micro-batch), the engine's gradient buffer when gradients are reduced over replicas and
 received boundary tensors. Time: the profile's forward + backward of the layers a rank
@@ -62,6 +64,40 @@ class Stages:
     split_after: tuple[str, ...] | None
 
 
+@dataclass(frozen=True)
+class Level3:
+    """Sharding level 3 of DATA's d replicas, as ``tnt.data_parallel.level3_layout`` counts
+    it: per replica (parameters, gradients, owned trainable bytes, gathered copies), the
+    bytes each per-layer gathered layer moves, and the trainable bytes kept whole."""
+
+    replicas: tuple[tuple[int, int, int, int], ...]
+    layer_bytes: dict[str, int]
+    whole_trainable_bytes: int
+
+
+def _level3_memory(prof: Profile, level3: Level3, slots: int, rows: int) -> dict[str, int]:
+    """The fullest replica's bytes at level 3: its stored weights and gradient sums, the slots
+    of what it owns, a layer's gathered copies and DATA's activations."""
+    acts = sum(c.activation_bytes_per_sample for c in prof.layers) * rows
+    worst: dict[str, int] = {}
+    for params, grads, owned, gathered in level3.replicas:
+        mem = {"parameters": params, "gradients": grads, "optimizer_slots": slots * owned,
+               "gradient_accumulators": 0, "activations": acts, "communication_buffers": gathered,
+               "receive_buffers": 0}
+        if not worst or sum(mem.values()) > sum(worst.values()):
+            worst = mem
+    return worst
+
+
+def _level3_sync_s(level3: Level3, d: int, net: _comm.Network) -> float:
+    """Per gathered layer two allgathers (forward, backward) and a reduce-scatter of its
+    bytes, one collective each (their latency counts per layer); what stays whole takes
+    level 2's reduce-scatter and allgather. All charged ``NON_RING_FACTOR`` as level 2's."""
+    per_layer = sum(3 * _comm.allgather_s(d, b, net) for b in level3.layer_bytes.values())
+    whole = 2 * _comm.allgather_s(d, level3.whole_trainable_bytes, net)
+    return NON_RING_FACTOR * (per_layer + whole)
+
+
 def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layout, rows: int,
             in_flight: int, accumulate: bool, receive_per_sample: int, staged: bool = True) -> dict[str, int]:
     """Bytes per category of one rank (as ``_core.memory.estimate`` counts its holdings);
@@ -97,12 +133,19 @@ def _replica_sync_s(layout: Layout, grad_bytes: int, param_bytes: int, net: _com
 
 
 def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: _comm.Network,
-             split: Split | None = None, stages: Stages | None = None) -> Estimate:
+             split: Split | None = None, stages: Stages | None = None, level3: Level3 | None = None) -> Estimate:
     """Memory and step time of ``layout`` (``split``: its tensor plan when t > 1;
-    ``stages``: its pipeline plan when p > 1)."""
+    ``stages``: its pipeline plan when p > 1; ``level3``: its holdings at sharding=3)."""
     d, p, t, m = layout.replicas, layout.stages, layout.tensor, layout.micro_batches
     scale = {n: f for n, f in (split.local_fraction.items() if split is not None else ())}
     tensor_comm = 0.0
+    if layout.sharding == 3:
+        assert level3 is not None and p == 1 and t == 1
+        rows = -(-global_batch // d)
+        # backprop recomputes each gathered layer's forward (its activations are not kept)
+        compute = prof.time_s(rows) + REMAT_FORWARD_SHARE * prof.time_s(rows, names=level3.layer_bytes)
+        sync = _level3_sync_s(level3, d, net)
+        return Estimate(_level3_memory(prof, level3, slots, rows), compute + sync, compute, sync)
     if p == 1:
         rows = -(-global_batch // d)
         # As the layouts' memory reports: DATA's fused engine frees each bucket with its last

@@ -1,9 +1,9 @@
 """``tnt.plan_parallel``: enumerate every layout of ``num_ranks`` ranks, predict each from
 one measured profile, drop those over the memory budget, take the fastest.
 
-The space is small and searched exhaustively: d x p x t over the divisors of N, DATA's
-sharding levels 0-2 of the data replicas (d > 1: DATA's, and ALL's replicas of stages or of
-tensor groups), micro-batches m in {p, 2p, 4p} dividing the replica's batch.
+The space is small and searched exhaustively: d x p x t over the divisors of N, sharding
+levels 0-2 of the data replicas (d > 1: DATA's, and ALL's replicas of stages or of tensor
+groups) and level 3 for DATA, micro-batches m in {p, 2p, 4p} dividing the replica's batch.
 Stages come from the pipeline's own automatic plan (contiguous, balanced by parameter
 bytes) and tensor splits from the tensor plan, so the prediction is of the layout
 ``tnt.Model`` will really build.
@@ -19,7 +19,7 @@ from .._core import memory as _memory
 from .._core.memory import MemoryBudgetError
 from . import _cache, _comm
 from ._budget import default_budget
-from ._cost import Split, Stages, estimate
+from ._cost import Level3, Split, Stages, estimate
 from ._layout import Layout
 from ._partition import time_split_after
 from ._plan import Candidate, Plan, _mib
@@ -45,7 +45,8 @@ def layouts(num_ranks: int, global_batch: int) -> tuple[list[Layout], list[Candi
                 continue
             levels = (0, 1, 2) if d > 1 else (0,)
             if p == 1:
-                out.extend(Layout(d, 1, t, sharding=s) for s in levels)
+                # level 3 (parameters sharded too) is DATA's only (ALL refuses it)
+                out.extend(Layout(d, 1, t, sharding=s) for s in (*levels, *((3,) if t == 1 and d > 1 else ())))
                 continue
             ms = [m for m in (p, 2 * p, 4 * p) if (global_batch // d) % m == 0]
             if not ms:
@@ -80,6 +81,19 @@ def _why_not_sharded(model) -> str | None:
     except ShardingError as e:
         return f"no sharding: {str(e)[:160]}"
     return None
+
+
+def _level3(model, d: int) -> Level3 | str:
+    """Level 3's holdings of ``model`` on d replicas (counted as its memory report counts
+    them), or why level 3 cannot run it."""
+    from ..data_parallel import ShardingError, level3_layout
+
+    try:
+        lay = level3_layout(model, d)
+    except ShardingError as e:
+        return f"no sharding=3: {str(e)[:160]}"
+    return Level3(tuple((h.parameters, h.gradients, h.owned_trainable, h.gathered) for h in lay.replicas),
+                  dict(lay.layer_bytes), lay.whole_trainable_bytes)
 
 
 def _split(model, t: int, prof: Profile) -> Split | str:
@@ -225,6 +239,7 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     stage_plans = _StagePlans(model, prof)
     apart: dict[tuple, str | None] = {}  # (t, p, cut) -> why the tensor pairs do not fit the stages
     unshardable = _why_not_sharded(model)
+    level3: dict[int, Level3 | str] = {}  # d -> level 3's holdings, or why not
     for base in layouts_:
         if base.sharding and unshardable is not None:
             rejected.append(Candidate(base, None, unshardable))
@@ -232,11 +247,14 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
         if base.tensor > 1 and base.tensor not in splits:
             splits[base.tensor] = _split(model, base.tensor, prof)
         split = splits.get(base.tensor) if base.tensor > 1 else None
+        if base.sharding == 3 and base.replicas not in level3:
+            level3[base.replicas] = _level3(model, base.replicas)
+        sharded3 = level3.get(base.replicas) if base.sharding == 3 else None
         rows = global_batch_size // (base.replicas * base.micro_batches)
         options = stage_plans.options(base.stages, rows) if base.stages > 1 else [("", None)]
         for partition, stage in options:
             lay = base
-            why = next((x for x in (split, stage) if isinstance(x, str)), None)
+            why = next((x for x in (split, stage, sharded3) if isinstance(x, str)), None)
             if why is not None:
                 rejected.append(Candidate(lay, None, why))
                 continue
@@ -249,7 +267,7 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
                     continue
             if stage is not None and stage.split_after is not None:
                 lay = replace(lay, split_after=stage.split_after, partition=partition)
-            est = estimate(prof, lay, global_batch_size, slots, net, split, stage)
+            est = estimate(prof, lay, global_batch_size, slots, net, split, stage, sharded3)
             if budget is not None and est.total_bytes > budget:
                 rejected.append(Candidate(lay, est, f"over budget by {_mib(est.total_bytes - budget)}"))
             else:

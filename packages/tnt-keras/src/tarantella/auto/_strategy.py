@@ -68,10 +68,12 @@ def build_auto(model: keras.Model, member: ParallelStrategy, options: dict) -> k
     if chosen is not ParallelStrategy.DATA:
         built = strategy_for(chosen).build(model, chosen, chosen_options)
     if built is None:
-        if has_deferred(model):  # built under deferred_variables(): every replica holds it whole
+        level = chosen_options.get("sharding", 0) if chosen is ParallelStrategy.DATA else 0
+        # Built under deferred_variables(): at level 3 (several replicas) each replica gives
+        # values only to what it stores (tnt.Model does); else every replica holds it whole.
+        if has_deferred(model) and not (level == 3 and _runtime.get_size() > 1):
             materialise(model)
-        built = Model(model, sharding=chosen_options.get("sharding", 0) if chosen is ParallelStrategy.DATA else 0,
-                      memory_budget=options.get("memory_budget"))
+        built = Model(model, sharding=level, memory_budget=options.get("memory_budget"))
         built._tnt_auto_built = True  # tnt.Model.__init__ runs again on it: keep it as it is
     built._tnt_plan = plan
     return built

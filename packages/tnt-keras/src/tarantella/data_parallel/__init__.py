@@ -10,10 +10,11 @@ whose forward pass is one traced function (tensor groups with replicas use it, w
 from __future__ import annotations
 
 from ._grad_sync import UnsyncedReplicasError, local_batch_size
+from ._level3_memory import Level3Holdings, Level3Layout, level3_layout
 from ._model import Model
 from ._sharded_files import serial_optimizer
 from ._sharding import Sharding, ShardingError, assign_owners, check_optimizer
 from ._steps import DistributedSteps
 
-__all__ = ["DistributedSteps", "Model", "Sharding", "ShardingError", "UnsyncedReplicasError", "assign_owners",
-           "check_optimizer", "local_batch_size", "serial_optimizer"]
+__all__ = ["DistributedSteps", "Level3Holdings", "Level3Layout", "Model", "Sharding", "ShardingError", "UnsyncedReplicasError", "assign_owners",
+           "check_optimizer", "level3_layout", "local_batch_size", "serial_optimizer"]

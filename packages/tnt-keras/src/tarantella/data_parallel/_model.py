@@ -44,6 +44,7 @@ from .._core.strategy import (
 )
 from . import _grad_sync, _sharded_files, _sharding
 from ._layer_shards import LayerShards
+from ._level3_memory import level3_layout
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -527,10 +528,18 @@ class Model(DistributedModel):
         n = _runtime.get_size()
         batch = getattr(self, "_tnt_memory_global_batch", None)
         one_at_a_time = _settings.transient_buckets() and _native.in_use()
+        optimizer = self._model.optimizer if self._model.compiled else None
+        counted: dict[str, int] = {}
+        what = f"DATA, {n} replica(s)"
+        if self._layer_shards() is not None:  # level 3: the owned part of most weights
+            mine = level3_layout(self._model, n).replicas[self._tnt_sharding.rank]
+            counted = {"parameters": mine.parameters, "gradients": mine.gradients,
+                       "optimizer_slots": _memory.slot_bytes(optimizer, self._tnt_sharding.owned_variables()),
+                       "communication_buffers": mine.gathered}
+            what += ", sharding=3"
         return _memory.Holdings(
-            model=self._model, optimizer=self._model.optimizer if self._model.compiled else None,
-            what=f"DATA, {n} replica(s)", rows=-(-batch // n) if batch else None,
-            comm_gradient_sets=1 if n > 1 and not one_at_a_time else 0)
+            model=self._model, optimizer=optimizer, what=what, rows=-(-batch // n) if batch else None,
+            comm_gradient_sets=1 if n > 1 and not one_at_a_time and not counted else 0, counted=counted)
 
     def _tnt_summary(self, *args, **kwargs) -> None:
         self._model.summary(*args, **kwargs)
