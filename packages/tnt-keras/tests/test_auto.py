@@ -147,6 +147,11 @@ def test_level_3_is_rejected_where_it_cannot_run():
     reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
     assert reasons["DATA(d=2, sharding=3)"].startswith("no sharding=3:"), reasons
     assert "only 1 trainable variables" in reasons["DATA(d=2, sharding=3)"], reasons
+    # levels 1-2 too: each of 2 replicas must own a whole variable; tnt.Model would refuse it
+    for level in (1, 2):
+        assert reasons[f"DATA(d=2, sharding={level})"] == (
+            "no sharding: the model has 1 trainable variable(s) for 2 replicas to own whole ones"), reasons
+    assert "DATA(d=2)" not in reasons and plan.layout.sharding == 0, plan.summary()
 
 
 def test_budget_below_sharding_picks_the_pipeline():

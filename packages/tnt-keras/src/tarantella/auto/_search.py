@@ -96,6 +96,20 @@ def _level3(model, d: int) -> Level3 | str:
                   dict(lay.layer_bytes), lay.whole_trainable_bytes)
 
 
+def _too_few_to_own(model, d: int, stage: Stages | None) -> str | None:
+    """Why d replicas cannot each own whole variables at sharding 1-2 (each replica group
+    needs at least d trainable variables: DATA's whole model, or each pipeline stage's), or
+    None. tnt.Model refuses such a layout at build; the planner rejects it first."""
+    groups = [list(model.trainable_variables)] if stage is None else [
+        [v for name in names for v in model.get_layer(name).trainable_variables] for names in stage.layer_names]
+    for i, variables in enumerate(groups):
+        if len(variables) < d:
+            where = "the model has" if stage is None else f"stage {i} has"
+            return (f"no sharding: {where} {len(variables)} trainable variable(s) for {d} replicas to own "
+                    "whole ones")
+    return None
+
+
 def _split(model, t: int, prof: Profile) -> Split | str:
     """The tensor plan as fractions, or why t ranks cannot split the model."""
     from .. import tensor_parallel
@@ -255,6 +269,8 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
         for partition, stage in options:
             lay = base
             why = next((x for x in (split, stage, sharded3) if isinstance(x, str)), None)
+            if why is None and base.sharding in (1, 2):
+                why = _too_few_to_own(model, base.replicas, stage)
             if why is not None:
                 rejected.append(Candidate(lay, None, why))
                 continue
