@@ -39,6 +39,7 @@ import numpy as np
 import tarantella as tnt
 import tnt_comm
 from tarantella._core.serial_files import optimizer_keys
+from _sharded_own_step import OWN_STEP_CASES, own_step_case
 
 EPOCHS, BATCH = 2, 10
 
@@ -646,7 +647,7 @@ CASES = {f"l{level}_{kind}": (level, kind)
 
 def main() -> None:
     out = _job.out_path()
-    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "l3_files", "l3_vs_l2",
+    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, *OWN_STEP_CASES, "files", "l3_files", "l3_vs_l2",
                          "l3_deferred", "l3_mixed", "l3_backup_resume", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: _job.timed(n, lambda n=n: case(*CASES[n])) for n in chosen if n in CASES}}
     for name in chosen:
@@ -654,6 +655,9 @@ def main() -> None:
             result.setdefault("all", {})[name] = all_case(*ALL_CASES[name], out.parent)
         if name in ALL_TENSOR_CASES:
             result.setdefault("all_tensor", {})[name] = all_tensor_case(ALL_TENSOR_CASES[name], out.parent)
+    for name in chosen:
+        if name in OWN_STEP_CASES:
+            result.setdefault("own_step", {})[name] = _job.timed(name, lambda n=name: own_step_case(*OWN_STEP_CASES[n]))
     if "files" in chosen:
         result["files"] = files_case(out.parent)
     if "l3_files" in chosen:
