@@ -442,10 +442,25 @@ class NotPerVariable(keras.optimizers.SGD):
 
 
 class OwnStep(keras.Sequential):
-    """A model with its own train_step (sharding refuses it: see error_cases)."""
+    """A model with its own train_step (level 3 refuses it: see error_cases)."""
 
     def train_step(self, data):
         return super().train_step(data)
+
+
+class SubsetStep(keras.Sequential):
+    """An own train_step applying the compiled optimizer (its slots built on the owned share of
+    all trainable variables) to the first layer's only: refused at levels 1-2 (error_cases)."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        first = self.layers[0].trainable_variables
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, first), first))
+        return {}
 
 
 def error_cases() -> dict:
@@ -459,6 +474,12 @@ def error_cases() -> dict:
             return {"ok": all(n in msg for n in needles), "detail": msg[:400]}
         return {"ok": False, "detail": "no error"}
 
+    def compiled_subset():
+        keras.utils.set_random_seed(7)
+        tm = tnt.Model(SubsetStep([keras.Input((16,)), keras.layers.Dense(13), keras.layers.Dense(3)]), sharding=1)
+        tm.compile(keras.optimizers.Adam(0.01))
+        tm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
     def compiled(opt):
         tm = tnt.Model(make_model(), sharding=1)
         tm.compile(opt, "mse")
@@ -471,7 +492,10 @@ def error_cases() -> dict:
                                           "ShardingError", "sync_batch_norm=False", "sharding=2"),
         "level_3_own_train_step": raised(lambda: tnt.Model(OwnStep([keras.Input((4,)), keras.layers.Dense(3),
                                                                      keras.layers.Dense(2)]), sharding=3),
-                                         "ShardingError", "own train_step", "sharding=0", "compute_loss()"),
+                                         "ShardingError", "own train_step", "sharding=2", "sharding=0",
+                                         "compute_loss()"),
+        "own_step_optimizer_on_other_variables": raised(lambda: compiled_subset(), "ShardingError", "Adam",
+                                                        "same variables", "sharding=0"),
         "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),
         "optimizer_not_per_variable": raised(lambda: compiled(NotPerVariable(0.1)), "NotPerVariable",
                                              "sharding=0", "tnt_per_variable"),

@@ -28,7 +28,6 @@ import tensorflow as tf
 import tnt_comm
 
 from .._core import graph_collectives as _gc
-from .._core import internals as _internals
 from .._core import sparse as _sparse
 from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
 
@@ -86,10 +85,10 @@ def check_optimizer(optimizer, level: int) -> None:
 def _other_variables(optimizer, level: int) -> ShardingError:
     return ShardingError(
         f"tnt.Model(sharding={level}): optimizer {type(optimizer).__name__} of the train_step is applied "
-        "to other variables than those its slots were built on (each replica builds them on its owned "
+        "to other variables than those its slots were built for (each replica builds them on its owned "
         "share of one list: the first its step applies it to, or the model's trainable variables for "
-        "the compiled optimizer). Apply each optimizer to the same variables, in the same order, every "
-        "step (one optimizer per group of variables), or use sharding=0.")
+        "the compiled optimizer, which fit builds first). Apply each optimizer to the same variables, in "
+        "the same order, every step (a separate optimizer for a subset), or use sharding=0.")
 
 
 class Sharding:
@@ -174,8 +173,7 @@ class Sharding:
                 raise _other_variables(optimizer, self.level)
             return held[1]
         shards = Sharding(self.model, self.level, self.comm, self.decisions, self.bucket_bytes, variables)
-        if optimizer.built and {id(v) for v in _internals.optimizer_variables_built_on(optimizer)} != {
-                id(v) for v in shards.owned_variables()}:
+        if optimizer.built:  # on every rank alike (which share it was built on is not)
             raise _other_variables(optimizer, self.level)
         shards.install(optimizer)
         self._per_optimizer[id(optimizer)] = (optimizer, shards)
