@@ -11,7 +11,9 @@ written by the 2-rank launch resumed at level 3 by the 3-rank launch. A deferred
 each per-layer variable materialised on its owner only, initial values bitwise, 1 epoch vs serial. ParallelStrategy.ALL's replica axis: 2 pipeline stages x 2 replicas at
 level 2 (Adam, global_clipnorm), its file resumed at level 1, and 2 replicas of 2-rank tensor groups
 (no stages) at level 2 (Adam, a vocab-split Embedding), its file resumed at level 1, in the shared
-4-rank launch; its error paths on one process."""
+4-rank launch; its error paths on one process. A model's own train_step at levels 1-2 (one
+optimizer with global_clipnorm; a GAN's two optimizers, each sharded over its own variables)
+against serial Keras, with each optimizer's slots per rank."""
 
 from __future__ import annotations
 

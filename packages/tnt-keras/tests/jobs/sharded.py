@@ -21,6 +21,8 @@ ALL of tensor groups without stages (4 ranks: t = 2 x 2 replicas, Adam, level 2,
 Embedding with sparse gradients): History and weights against serial Keras, replicas of a
 shard SHA-256 alike, slots partitioned per shard, the saved file read by serial Keras, and
 loaded at level 1 into the same layout (weights and each rank's slots as held).
+Own train_step at levels 1-2 (own_* cases, _sharded_own_step.py): one optimizer (Adam,
+global_clipnorm) and a GAN's two optimizers against serial Keras, each optimizer's slots per rank.
 Rank 0 writes the JSON that tests/test_sharded.py checks.
 """
 
@@ -35,11 +37,11 @@ from pathlib import Path
 import _job
 import keras
 import numpy as np
+from _sharded_own_step import OWN_STEP_CASES, own_step_case
 
 import tarantella as tnt
 import tnt_comm
 from tarantella._core.serial_files import optimizer_keys
-from _sharded_own_step import OWN_STEP_CASES, own_step_case
 
 EPOCHS, BATCH = 2, 10
 

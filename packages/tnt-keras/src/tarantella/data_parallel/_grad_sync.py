@@ -14,6 +14,10 @@ given to :func:`local_batch_size` in a custom loop, or 1 (the mean over ranks) o
 Weights therefore stay identical on all ranks whatever the loop looks like; replicas
 never drift apart silently.
 
+With ``sharding=1|2`` (a model's own ``train_step``), the same weighted gradients are
+allreduced (level 1) or reduce-scattered to their owners (level 2), and the optimizer
+updates only the owned variables before their values are allgathered (``_sharded_apply``).
+
 The default step reduces its gradients itself (fused with the metric states) and applies
 them inside :func:`already_reduced`. Nested ``apply`` calls (``LossScaleOptimizer``
 calling its inner optimizer) pass through: the outermost one reduced already, so the

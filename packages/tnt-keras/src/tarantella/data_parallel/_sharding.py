@@ -13,7 +13,9 @@ Level 1: gradients are allreduced as at level 0; level 2: reduce-scatters hand e
 only the sums of its own gradients (docs/sharding.md). Both collectives move buckets of at
 most ``bucket_bytes`` one after the other (``_core.shard_buckets``), never a whole copy.
 Level 3 (parameters too) gathers each leaf layer's weights around its call instead
-(``_layer_shards``); what it keeps whole takes level 2's path here.
+(``_layer_shards``); what it keeps whole takes level 2's path here. A model's own
+``train_step`` (levels 1-2) is sharded per optimizer over the variables it applies to
+(:meth:`Sharding.for_optimizer`, called from ``_grad_sync``'s intercepted ``apply``).
 """
 
 from __future__ import annotations
