@@ -29,11 +29,12 @@ TOL_LOSS, TOL_WEIGHTS = 1e-5, 2e-5  # float32 summation order, as tests/test_exa
 # The cases each launch runs (suite time: two launches of a few fits each).
 RUNS = {
     2: ["l2_adam_clip", "l1_lso_sgd", "l2_adam_seq", "l3_adam_clip", "files", "l3_files", "l3_vs_l2", "l3_mixed",
-        "errors", "own_l1_adam_clip", "own_l2_gan"],
-    3: ["l1_adam_clip", "l2_sgd_momentum", "l3_sgd_momentum", "l3_deferred", "l3_backup_resume", "own_l2_adam_clip"],
+        "errors", "own_l1_adam_clip", "own_l2_adam_clip", "own_l2_gan"],
+    3: ["l1_adam_clip", "l2_sgd_momentum", "l3_sgd_momentum", "l3_deferred", "l3_backup_resume"],
 }
-#: A model's own train_step (jobs/_sharded_own_step.py): one optimizer (Adam, global_clipnorm) at
-#: levels 1 (2 ranks) and 2 (3 ranks, uneven shares); a GAN's two optimizers at level 2 (2 ranks).
+#: A model's own train_step (jobs/_sharded_own_step.py), 2 ranks (uneven byte shares): one optimizer
+#: (Adam, global_clipnorm) at levels 1 and 2; a GAN's two optimizers at level 2. (On 3 ranks the
+#: same cases pass too, run by hand: docs/sharding.md; left out for suite time.)
 OWN_STEP_RUNS = {d: [n for n in cases if n.startswith("own_")] for d, cases in RUNS.items()}
 NOT_CASES = ("files", "l3_files", "l3_vs_l2", "l3_deferred", "l3_mixed", "l3_backup_resume", "errors",
              *OWN_STEP_RUNS[2], *OWN_STEP_RUNS[3])
