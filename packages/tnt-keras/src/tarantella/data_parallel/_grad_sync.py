@@ -39,6 +39,7 @@ from .._core import internals as _internals
 from .._core import settings as _settings
 from .._core import sparse as _sparse
 from .._core.reducer import GraphReducer, Slot
+from ._sharding import ShardingError
 
 _state = threading.local()
 _models: weakref.WeakValueDictionary[int, keras.Model] = weakref.WeakValueDictionary()
@@ -161,8 +162,6 @@ def _sharded_apply(optimizer, sharding, grads: list, trainable_variables, mode: 
     the global gradients (level 1: allreduced; level 2: reduce-scattered to their owners),
     then the owners' new values are allgathered (``Sharding.apply``, as tnt's default step)."""
     if trainable_variables is None:
-        from ._sharding import ShardingError
-
         raise ShardingError(
             f"tnt.Model(sharding={sharding.level}): optimizer.apply(grads) without the variables; each "
             "optimizer's slots are built on the variables a replica owns, so pass them: "
