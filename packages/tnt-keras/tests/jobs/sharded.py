@@ -23,6 +23,8 @@ ALL of tensor groups without stages (4 ranks: t = 2 x 2 replicas, Adam, level 2,
 Embedding with sparse gradients): History and weights against serial Keras, replicas of a
 shard SHA-256 alike, slots partitioned per shard, the saved file read by serial Keras, and
 loaded at level 1 into the same layout (weights and each rank's slots as held).
+Own train_step at levels 1-2 (own_* cases, _sharded_own_step.py): one optimizer (Adam,
+global_clipnorm) and a GAN's two optimizers against serial Keras, each optimizer's slots per rank.
 Rank 0 writes the JSON that tests/test_sharded.py checks.
 """
 
@@ -37,6 +39,7 @@ from pathlib import Path
 import _job
 import keras
 import numpy as np
+from _sharded_own_step import OWN_STEP_CASES, own_step_case
 
 import tarantella as tnt
 import tnt_comm
@@ -444,10 +447,25 @@ class NotPerVariable(keras.optimizers.SGD):
 
 
 class OwnStep(keras.Sequential):
-    """A model with its own train_step (sharding refuses it: see error_cases)."""
+    """A model with its own train_step (level 3 refuses it: see error_cases)."""
 
     def train_step(self, data):
         return super().train_step(data)
+
+
+class SubsetStep(keras.Sequential):
+    """An own train_step applying the compiled optimizer (its slots built on the owned share of
+    all trainable variables) to the first layer's only: refused at levels 1-2 (error_cases)."""
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        first = self.layers[0].trainable_variables
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, first), first))
+        return {}
 
 
 def error_cases() -> dict:
@@ -461,6 +479,12 @@ def error_cases() -> dict:
             return {"ok": all(n in msg for n in needles), "detail": msg[:400]}
         return {"ok": False, "detail": "no error"}
 
+    def compiled_subset():
+        keras.utils.set_random_seed(7)
+        tm = tnt.Model(SubsetStep([keras.Input((16,)), keras.layers.Dense(13), keras.layers.Dense(3)]), sharding=1)
+        tm.compile(keras.optimizers.Adam(0.01))
+        tm.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
     def compiled(opt):
         tm = tnt.Model(make_model(), sharding=1)
         tm.compile(opt, "mse")
@@ -473,7 +497,10 @@ def error_cases() -> dict:
                                           "ShardingError", "sync_batch_norm=False", "sharding=2"),
         "level_3_own_train_step": raised(lambda: tnt.Model(OwnStep([keras.Input((4,)), keras.layers.Dense(3),
                                                                      keras.layers.Dense(2)]), sharding=3),
-                                         "ShardingError", "own train_step", "sharding=0", "compute_loss()"),
+                                         "ShardingError", "own train_step", "sharding=2", "sharding=0",
+                                         "compute_loss()"),
+        "own_step_optimizer_on_other_variables": raised(lambda: compiled_subset(), "ShardingError", "Adam",
+                                                        "same variables", "sharding=0"),
         "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),
         "optimizer_not_per_variable": raised(lambda: compiled(NotPerVariable(0.1)), "NotPerVariable",
                                              "sharding=0", "tnt_per_variable"),
@@ -690,7 +717,7 @@ CASES = {f"l{level}_{kind}": (level, kind)
 
 def main() -> None:
     out = _job.out_path()
-    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, "files", "l3_files", "l3_vs_l2",
+    chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, *OWN_STEP_CASES, "files", "l3_files", "l3_vs_l2",
                          "l3_deferred", "l3_mixed", "l3_backup_resume", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: _job.timed(n, lambda n=n: case(*CASES[n])) for n in chosen if n in CASES}}
     for name in chosen:
@@ -698,6 +725,9 @@ def main() -> None:
             result.setdefault("all", {})[name] = all_case(*ALL_CASES[name], out.parent)
         if name in ALL_TENSOR_CASES:
             result.setdefault("all_tensor", {})[name] = all_tensor_case(ALL_TENSOR_CASES[name], out.parent)
+    for name in chosen:
+        if name in OWN_STEP_CASES:
+            result.setdefault("own_step", {})[name] = _job.timed(name, lambda n=name: own_step_case(*OWN_STEP_CASES[n]))
     if "files" in chosen:
         result["files"] = files_case(out.parent)
     if "l3_files" in chosen:

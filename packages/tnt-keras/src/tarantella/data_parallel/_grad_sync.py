@@ -14,6 +14,10 @@ given to :func:`local_batch_size` in a custom loop, or 1 (the mean over ranks) o
 Weights therefore stay identical on all ranks whatever the loop looks like; replicas
 never drift apart silently.
 
+With ``sharding=1|2`` (a model's own ``train_step``), the same weighted gradients are
+allreduced (level 1) or reduce-scattered to their owners (level 2), and the optimizer
+updates only the owned variables before their values are allgathered (``_sharded_apply``).
+
 The default step reduces its gradients itself (fused with the metric states) and applies
 them inside :func:`already_reduced`. Nested ``apply`` calls (``LossScaleOptimizer``
 calling its inner optimizer) pass through: the outermost one reduced already, so the
@@ -35,6 +39,7 @@ from .._core import internals as _internals
 from .._core import settings as _settings
 from .._core import sparse as _sparse
 from .._core.reducer import GraphReducer, Slot
+from ._sharding import ShardingError
 
 _state = threading.local()
 _models: weakref.WeakValueDictionary[int, keras.Model] = weakref.WeakValueDictionary()
@@ -137,15 +142,39 @@ def _distributed_apply(original):
         if owner is None or len(grads) == 0:
             return original(self, grads, trainable_variables)
         _check_synced(owner)
+        sharding = getattr(_wrappers.get(owner), "_tnt_sharding", None)
         _state.inside = True
         try:
-            global_grads = _global_gradients(list(grads), variables, mode)
+            if sharding is not None:
+                return _sharded_apply(self, sharding, list(grads), trainable_variables, mode)
+            global_grads, _ = _global_gradients(list(grads), variables, mode)
             return original(self, global_grads, trainable_variables)
         finally:
             _state.inside = False
 
     apply.__doc__ = original.__doc__
     return apply
+
+
+def _sharded_apply(optimizer, sharding, grads: list, trainable_variables, mode: _Weighting | None) -> None:
+    """``sharding=1|2`` in a user's own step: the optimizer updates only the variables this
+    replica owns of those it is given (its own ownership, ``Sharding.for_optimizer``), from
+    the global gradients (level 1: allreduced; level 2: reduce-scattered to their owners),
+    then the owners' new values are allgathered (``Sharding.apply``, as tnt's default step)."""
+    if trainable_variables is None:
+        raise ShardingError(
+            f"tnt.Model(sharding={sharding.level}): optimizer.apply(grads) without the variables; each "
+            "optimizer's slots are built on the variables a replica owns, so pass them: "
+            "optimizer.apply_gradients(zip(grads, variables)) or apply(grads, variables), or use sharding=0.")
+    variables = list(trainable_variables)
+    shards = sharding.for_optimizer(optimizer, variables)
+    scatter = shards.reduce_scatter if sharding.level >= 2 else None
+    global_grads, done = _global_gradients(grads, variables, mode, scatter)
+    token = shards.apply(optimizer, global_grads, variables, after=done)
+    if mode is not None:
+        mode.token = token
+    else:
+        _state.token = token
 
 
 # Note [Float16 overflow as serial]
@@ -196,7 +225,11 @@ def _chain_token(mode: _Weighting | None) -> tf.Tensor | None:
     return token if getattr(token, "graph", None) is tf.compat.v1.get_default_graph() else None
 
 
-def _global_gradients(grads: list, variables: list, mode: _Weighting | None) -> list:
+def _global_gradients(grads: list, variables: list, mode: _Weighting | None,
+                      scatter=None) -> tuple[list, list[tf.Tensor]]:
+    """The ``w_r``-weighted mean over ranks of each gradient, and the tokens of the last
+    collectives. ``scatter`` (level 2: ``Sharding.reduce_scatter``): the dense ones are summed
+    only on their owners (None elsewhere); the weights are allreduced."""
     from .._core import runtime as _runtime
 
     if _settings.sparse_as_dense():
@@ -207,14 +240,16 @@ def _global_gradients(grads: list, variables: list, mode: _Weighting | None) -> 
     sparse_at = [i for i, g in enumerate(grads) if _sparse.is_sparse(g)]
     weight = tf.constant(1.0) if mode is None else mode.weight
     has_data = weight > 0
-    values = [tf.reshape(weight, [1])]
+    weighted = []
     for i in present:
         g = tf.convert_to_tensor(grads[i])
-        values.append(tf.where(has_data, g * tf.cast(weight, g.dtype), tf.zeros_like(g)))
+        weighted.append(tf.where(has_data, g * tf.cast(weight, g.dtype), tf.zeros_like(g)))
+    reduced_here = [] if scatter is not None else present
+    values = [tf.reshape(weight, [1]), *(weighted if scatter is None else ())]
     slots = [Slot("weight", (1,), tf.float32)] + [
         Slot(f"grad:{variables[i].path}", tuple(int(d) for d in variables[i].shape),
              tf.as_dtype(values[1 + k].dtype))
-        for k, i in enumerate(present)
+        for k, i in enumerate(reduced_here)
     ]
     key = tuple((s.name, s.shape, s.dtype.name) for s in slots)
     reducer = _reducers.get(key)
@@ -227,10 +262,17 @@ def _global_gradients(grads: list, variables: list, mode: _Weighting | None) -> 
     else:
         _state.token = total
     out = list(grads)
-    for k, i in enumerate(present):
-        g = reduced[1 + k]
-        out[i] = g / tf.cast(tf.maximum(total, 1e-30), g.dtype)
+    summed = dict(zip(present, reduced[1:]))
     for i in sparse_at:
         mine = _sparse.keep_rows_if(_sparse.scale(grads[i], weight), has_data)
         out[i] = _sparse.divide(_sparse.allgather(mine, after=[total]), tf.maximum(total, 1e-30))
-    return out
+    done = [total]
+    if scatter is not None:  # after the sparse gathers, in the same order on every rank
+        # The static shape: the scatter's sizes are counted from it (a Dense on a 3-D input).
+        dense = {i: tf.ensure_shape(g, variables[i].shape) for i, g in zip(present, weighted)}
+        summed, scattered = scatter(dense, has_data, [total, *(out[i].values for i in sparse_at)])
+        done = scattered or done
+    for i in present:
+        g = summed.get(i)
+        out[i] = None if g is None else g / tf.cast(tf.maximum(total, 1e-30), g.dtype)
+    return out, done

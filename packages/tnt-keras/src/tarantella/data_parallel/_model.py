@@ -569,14 +569,14 @@ def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
     level = _settings.sharding_level(sharding)
     if level == 0 or _runtime.get_size() == 1:
         return None
-    if overrides(model, "train_step"):
+    if level == 3 and overrides(model, "train_step"):
         raise _sharding.ShardingError(
-            f"tnt.Model(sharding={level}): {type(model).__name__} has its own train_step; sharding "
-            "works with tnt's default training step only: a replica applies just the gradients it "
-            "owns (at level 3 those of per-layer weights arrive already summed from each layer's "
-            "backward, and the weights other replicas own are not stored, so a tape over "
-            "model.trainable_variables cannot read them). Use sharding=0 for this model, or keep "
-            "tnt's default step and put the custom part into compute_loss().")
+            f"tnt.Model(sharding=3): {type(model).__name__} has its own train_step; level 3 works with "
+            "tnt's default training step only (the per-layer weights' gradients arrive already summed "
+            "from each layer's backward, and the weights other replicas own are not stored, so a tape "
+            "over model.trainable_variables cannot read them). Use sharding=2 or 1 (an own train_step "
+            "is sharded through its optimizers' apply), sharding=0, or keep tnt's default step and put "
+            "the custom part into compute_loss().")
     # Its collectives move at most a fusion threshold's bytes at once (TNT_FUSION_THRESHOLD).
     shards = _sharding.Sharding(model, level, bucket_bytes=_settings.load().fusion_threshold_bytes)
     if level == 3:  # parameters too: each layer's weights gathered around its call

@@ -13,7 +13,9 @@ Level 1: gradients are allreduced as at level 0; level 2: reduce-scatters hand e
 only the sums of its own gradients (docs/sharding.md). Both collectives move buckets of at
 most ``bucket_bytes`` one after the other (``_core.shard_buckets``), never a whole copy.
 Level 3 (parameters too) gathers each leaf layer's weights around its call instead
-(``_layer_shards``); what it keeps whole takes level 2's path here.
+(``_layer_shards``); what it keeps whole takes level 2's path here. A model's own
+``train_step`` (levels 1-2) is sharded per optimizer over the variables it applies to
+(:meth:`Sharding.for_optimizer`, called from ``_grad_sync``'s intercepted ``apply``).
 """
 
 from __future__ import annotations
@@ -82,15 +84,29 @@ def check_optimizer(optimizer, level: int) -> None:
             "or clipnorm= (per variable) instead of global_clipnorm=.")
 
 
+def _other_variables(optimizer, level: int) -> ShardingError:
+    return ShardingError(
+        f"tnt.Model(sharding={level}): optimizer {type(optimizer).__name__} of the train_step is applied "
+        "to other variables than those its slots were built for (each replica builds them on its owned "
+        "share of one list: the first its step applies it to, or the model's trainable variables for "
+        "the compiled optimizer, which fit builds first). Apply each optimizer to the same variables, in "
+        "the same order, every step (a separate optimizer for a subset), or use sharding=0.")
+
+
 class Sharding:
     """One wrapped model's shards: who owns which trainable variable, the optimizer built on
     the owned ones, the level-2 reduce-scatter and the allgather of updated values."""
 
     def __init__(self, model: keras.Model, level: int, comm: tnt_comm.Communicator | None = None,
-                 decisions: tnt_comm.Communicator | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+                 decisions: tnt_comm.Communicator | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 variables: Sequence | None = None) -> None:
         """``bucket_bytes``: the most bytes one allgather (of values) or reduce-scatter (of
-        gradients) moves at once (``shard_buckets``)."""
+        gradients) moves at once (``shard_buckets``). ``variables``: what is shared out, when
+        not the model's trainable variables (one optimizer's, in a user's own step)."""
         self.model = model
+        self._fixed_variables = None if variables is None else list(variables)
+        # An own train_step: one Sharding per optimizer, over the variables it applies to.
+        self._per_optimizer: dict[int, tuple[object, Sharding]] = {}
         self.bucket_bytes = bucket_bytes
         self.level = level
         self.comm = comm or tnt_comm.world()
@@ -106,14 +122,20 @@ class Sharding:
 
     # -- ownership ------------------------------------------------------------------------------
     @property
+    def variables(self) -> list:
+        """The variables shared out over the replicas (in the order ownership is assigned)."""
+        return self.model.trainable_variables if self._fixed_variables is None else self._fixed_variables
+
+    @property
     def owners(self) -> list[int]:
         """Owner of each of the model's trainable variables (in their order)."""
         if self._owners is None:
-            variables = self.model.trainable_variables
+            variables = self.variables
+            what = "the model has" if self._fixed_variables is None else "an optimizer of its train_step updates"
             if len(variables) < self.size:
                 raise ShardingError(
                     f"tnt.Model(sharding={self.level}) gives each of the {self.size} replicas whole "
-                    f"variables to own, but the model has only {len(variables)} trainable variables; "
+                    f"variables to own, but {what} only {len(variables)} trainable variables; "
                     "use sharding=0 or fewer ranks.")
             self._owners = assign_owners([_nbytes(v) for v in variables], self.size)
             self._variable_ids = [id(v) for v in variables]
@@ -125,7 +147,7 @@ class Sharding:
 
     def owned_variables(self) -> list:
         """The trainable variables this replica updates (its optimizer is built on them only)."""
-        return [v for v, o in zip(self.model.trainable_variables, self.owners) if o == self.rank]
+        return [v for v, o in zip(self.variables, self.owners) if o == self.rank]
 
     def bucket_count(self) -> int:
         """How many allgathers of updated values one step runs (buckets of ``bucket_bytes``)."""
@@ -134,11 +156,31 @@ class Sharding:
     def bytes_per_rank(self) -> list[int]:
         """Bytes of trainable variables each replica owns: how even the assignment is."""
         loads = [0] * self.size
-        for v, o in zip(self.model.trainable_variables, self.owners):
+        for v, o in zip(self.variables, self.owners):
             loads[o] += _nbytes(v)
         return loads
 
     # -- the optimizer ---------------------------------------------------------------------------
+    def for_optimizer(self, optimizer, variables: Sequence) -> Sharding:
+        """The shards of one optimizer of a user's own ``train_step``: ownership over the
+        variables it applies to (a pure function of their sizes and d, so the same on every
+        rank), its slots built on the owned ones, installed as :meth:`install` does. The
+        compiled optimizer applied to the model's trainable variables keeps the model's."""
+        ids = tuple(id(v) for v in variables)
+        if optimizer is self._installed and ids == tuple(id(v) for v in self.variables):
+            return self
+        held = self._per_optimizer.get(id(optimizer))
+        if held is not None and held[0] is optimizer:
+            if tuple(id(v) for v in held[1].variables) != ids:
+                raise _other_variables(optimizer, self.level)
+            return held[1]
+        shards = Sharding(self.model, self.level, self.comm, self.decisions, self.bucket_bytes, variables)
+        if optimizer.built:  # on every rank alike (which share it was built on is not)
+            raise _other_variables(optimizer, self.level)
+        shards.install(optimizer)
+        self._per_optimizer[id(optimizer)] = (optimizer, shards)
+        return shards
+
     def install(self, optimizer) -> None:
         """Make ``optimizer`` build on the owned variables only (its slots are the memory
         saved), decide finiteness globally and clip by the global norm."""
@@ -154,6 +196,7 @@ class Sharding:
                     "after the replicas released the weights they do not own; set trainable flags "
                     "before wrapping the model, or use sharding<=2.")
         self._owners = None  # a new compile: trainable variables may have changed
+        self._per_optimizer.clear()
         sharding = self
         cls_build = type(optimizer).build
 
@@ -218,7 +261,7 @@ class Sharding:
         """Buckets of variable indices (``positions``, default all), one dtype each, cut into
         consecutive runs of at most ``bucket_bytes`` (``shard_buckets``); each bucket ordered by
         (owner, index): the wire layout."""
-        variables = self.model.trainable_variables
+        variables = self.variables
         if positions is None:  # level 3: the per-layer variables are gathered layer by layer
             positions = range(len(variables)) if self.layers is None else self.layers.whole_positions()
         positions = list(positions)
@@ -237,7 +280,7 @@ class Sharding:
         """Every owner's updated values to every replica: one allgather per bucket, each
         after the one before (so a replica holds one bucket's copy at a time, and every
         replica runs them in the same order), the first after ``settled`` too."""
-        variables = self.model.trainable_variables
+        variables = self.variables
         token = tf.zeros((), tf.int32)
         comm = self.comm
         for n, (dt, idx) in enumerate(self._groups()):
