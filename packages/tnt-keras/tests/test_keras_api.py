@@ -48,6 +48,8 @@ CHECKS = [
     "class_weight_equal_serial",
     "weight_decay_skips_weights_without_gradient",
     "on_batch_equal_serial",
+    "own_step_loss_scale_same_steps_applied",
+    "own_step_loss_scale_equal_serial",
     "multi_output_per_output_losses",
     "export_serves_serial_outputs",
     "batch_norm_statistics_identical",

@@ -487,6 +487,52 @@ def check_on_batch() -> None:
         close("on_batch_equal_serial", max(diffs), TOL_WEIGHTS, diffs)
 
 
+#: scaled gradients near float32's limit: serial Keras applies every step of this case; a
+#: rank's gradient times its micro-batch size overflowed (2 of 8 steps skipped on 2 ranks)
+SCALE = 2.0**127
+
+
+class ScaledStep(keras.Sequential):
+    """An own train_step with loss scaling, as Keras' guide writes it: scale_loss, then
+    apply (the LossScaleOptimizer unscales and skips non-finite steps)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            scaled = self.optimizer.scale_loss(loss)
+        self.optimizer.apply(tape.gradient(scaled, self.trainable_variables), self.trainable_variables)
+        return self.compute_metrics(x, y, self(x, training=False))
+
+
+def scaled_step_model(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    model = ScaledStep([keras.Input((10,)), keras.layers.Dense(12, activation="tanh"),
+                        keras.layers.Dense(3, activation="softmax")])
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=SCALE),
+                  "sparse_categorical_crossentropy")
+    return model
+
+
+def check_own_step_loss_scale() -> None:
+    """Each rank's scaled gradient fits float32 where serial Keras' does: weighting it by its
+    micro-batch size before the sum must not overflow it into a skipped step."""
+    x, y = rng_data(80, 10, 21)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+    with recorded("own_step_loss_scale_equal_serial"):
+        serial = scaled_step_model(31)
+        serial.fit(data, epochs=1, verbose=0)
+        model = tnt.Model(scaled_step_model(31))
+        model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=SCALE),
+                      "sparse_categorical_crossentropy")
+        model.fit(data, epochs=1, verbose=0)
+        applied = [int(serial.optimizer.inner_optimizer.iterations), int(model.model.optimizer.inner_optimizer.iterations)]
+        check("own_step_loss_scale_same_steps_applied", applied[0] == applied[1] and applied[0] > 0,
+              f"steps applied serial, tnt: {applied} of 8")
+        close("own_step_loss_scale_equal_serial", _job.max_abs_diff(serial.get_weights(), model.get_weights()),
+              TOL_WEIGHTS, f"scale serial {float(serial.optimizer.dynamic_scale)}, tnt {float(model.model.optimizer.dynamic_scale)}")
+
+
 def two_outputs(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     inp = keras.Input((10,))
@@ -640,6 +686,7 @@ def main() -> None:
             "unseeded_shuffle": check_unseeded_shuffle_uses_each_sample_once,
             "uncompiled": lambda: check_uncompiled_inference(tmp),
             "class_weight": check_class_weight, "on_batch": check_on_batch,
+            "own_step_loss_scale": check_own_step_loss_scale,
             "weight_decay": check_weight_decay_without_gradient,
             "multi_output": check_multi_output, "export": lambda: check_export(tmp),
             "batch_norm": lambda: check_batch_norm(tmp), "errors": check_errors,

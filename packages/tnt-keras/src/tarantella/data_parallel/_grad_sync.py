@@ -225,13 +225,22 @@ def _chain_token(mode: _Weighting | None) -> tf.Tensor | None:
     return token if getattr(token, "graph", None) is tf.compat.v1.get_default_graph() else None
 
 
+def _reducer(slots: list[Slot]) -> GraphReducer:
+    """The process's reducer of these slots (one per distinct list: its buffers are kept)."""
+    from .._core import runtime as _runtime
+
+    key = tuple((s.name, s.shape, s.dtype.name) for s in slots)
+    reducer = _reducers.get(key)
+    if reducer is None:
+        reducer = _reducers[key] = GraphReducer(slots, _runtime.fusion_threshold_bytes())
+    return reducer
+
+
 def _global_gradients(grads: list, variables: list, mode: _Weighting | None,
                       scatter=None) -> tuple[list, list[tf.Tensor]]:
     """The ``w_r``-weighted mean over ranks of each gradient, and the tokens of the last
     collectives. ``scatter`` (level 2: ``Sharding.reduce_scatter``): the dense ones are summed
     only on their owners (None elsewhere); the weights are allreduced."""
-    from .._core import runtime as _runtime
-
     if _settings.sparse_as_dense():
         grads = [None if g is None else _sparse.to_dense(g) for g in grads]
     # Sparse gradients (IndexedSlices) are gathered after the reduction, in rank order
@@ -240,39 +249,40 @@ def _global_gradients(grads: list, variables: list, mode: _Weighting | None,
     sparse_at = [i for i, g in enumerate(grads) if _sparse.is_sparse(g)]
     weight = tf.constant(1.0) if mode is None else mode.weight
     has_data = weight > 0
+    # Note [Weights first]: the weights' sum is reduced on its own, before the gradients, so
+    # each rank scales its gradient by its share w_r / sum w (at most 1). Scaled by w_r itself
+    # and divided after the sum, a loss-scaled gradient that fits float32 (as serial Keras'
+    # does) could overflow on the way and make the LossScaleOptimizer skip a step serial
+    # Keras applies (2 of 8 steps at scale 2^127 on 2 ranks, before).
+    total = _reducer([Slot("weight", (1,), tf.float32)]).reduce([tf.reshape(weight, [1])],
+                                                                start=_chain_token(mode))[0][0]
+    share = tf.where(has_data, weight / tf.maximum(total, 1e-30), 0.0)
     weighted = []
     for i in present:
         g = tf.convert_to_tensor(grads[i])
-        weighted.append(tf.where(has_data, g * tf.cast(weight, g.dtype), tf.zeros_like(g)))
-    reduced_here = [] if scatter is not None else present
-    values = [tf.reshape(weight, [1]), *(weighted if scatter is None else ())]
-    slots = [Slot("weight", (1,), tf.float32)] + [
-        Slot(f"grad:{variables[i].path}", tuple(int(d) for d in variables[i].shape),
-             tf.as_dtype(values[1 + k].dtype))
-        for k, i in enumerate(reduced_here)
-    ]
-    key = tuple((s.name, s.shape, s.dtype.name) for s in slots)
-    reducer = _reducers.get(key)
-    if reducer is None:
-        reducer = _reducers[key] = GraphReducer(slots, _runtime.fusion_threshold_bytes())
-    reduced = reducer.reduce(values, start=_chain_token(mode))
-    total = reduced[0][0]
-    if mode is not None:
-        mode.token = total
-    else:
-        _state.token = total
-    out = list(grads)
-    summed = dict(zip(present, reduced[1:]))
-    for i in sparse_at:
-        mine = _sparse.keep_rows_if(_sparse.scale(grads[i], weight), has_data)
-        out[i] = _sparse.divide(_sparse.allgather(mine, after=[total]), tf.maximum(total, 1e-30))
+        weighted.append(tf.where(has_data, g * tf.cast(share, g.dtype), tf.zeros_like(g)))
     done = [total]
+    out = list(grads)
+    summed: dict = {}
+    if scatter is None and present:
+        slots = [Slot(f"grad:{variables[i].path}", tuple(int(d) for d in variables[i].shape),
+                      tf.as_dtype(weighted[k].dtype)) for k, i in enumerate(present)]
+        reduced = _reducer(slots).reduce(weighted, start=total)
+        summed = dict(zip(present, reduced))
+        done = [reduced[-1]]
+    for i in sparse_at:
+        mine = _sparse.keep_rows_if(_sparse.scale(grads[i], share), has_data)
+        out[i] = _sparse.allgather(mine, after=done)
+        done = [out[i].values]
     if scatter is not None:  # after the sparse gathers, in the same order on every rank
         # The static shape: the scatter's sizes are counted from it (a Dense on a 3-D input).
         dense = {i: tf.ensure_shape(g, variables[i].shape) for i, g in zip(present, weighted)}
-        summed, scattered = scatter(dense, has_data, [total, *(out[i].values for i in sparse_at)])
+        summed, scattered = scatter(dense, has_data, done)
         done = scattered or done
+    if mode is not None:
+        mode.token = done[-1]
+    else:
+        _state.token = done[-1]
     for i in present:
-        g = summed.get(i)
-        out[i] = None if g is None else g / tf.cast(tf.maximum(total, 1e-30), g.dtype)
+        out[i] = summed.get(i)
     return out, done
