@@ -34,20 +34,22 @@ from .._core.batch_norm import has_sync_batch_norm
 from ._sharding import ShardingError
 
 
-class _Released:
-    """The initializer a released variable reads through (``KerasVariable.value`` calls it
-    when the variable holds no value): zeros under Keras' shape inference, else an error
-    naming the fix — never the initializer's values in place of the trained ones."""
+class ReleasedWeight:
+    """The initializer a released (level-3) variable reads through (``KerasVariable.value``
+    calls it when the variable holds no value): zeros under Keras' shape inference, else an
+    error naming the fix — never the initializer's values in place of the trained ones.
+    ``layout`` and ``group`` name where it was released (DATA's replicas, or those of an ALL
+    pipeline stage)."""
 
-    def __init__(self, path: str, owner: int) -> None:
-        self.path, self.owner = path, owner
+    def __init__(self, path: str, owner: int, layout: str = "sharding=3", group: str = "") -> None:
+        self.path, self.owner, self.layout, self.group = path, owner, layout, group
 
     def __call__(self, shape, dtype=None):
         if _internals.in_symbolic_scope():
             return tf.zeros(shape, dtype)
         raise ShardingError(
-            f"tnt.Model(sharding=3): variable {self.path} is stored on replica {self.owner} only "
-            "(it is gathered inside tnt's steps). Read the weights with the tnt.Model's "
+            f"tnt.Model({self.layout}): variable {self.path} is stored on replica {self.owner}{self.group} "
+            "only (it is gathered inside tnt's steps). Read the weights with the tnt.Model's "
             "get_weights(), write them with its save()/save_weights(), or use sharding<=2 to keep "
             "whole weights on every replica.")
 
@@ -116,7 +118,7 @@ class LayerShards:
         for i in sorted(self.per_layer_positions()):
             v = variables[i]
             if owners[i] != self.sharding.rank and id(v) not in self._released:
-                _internals.drop_value(v, _Released(v.path, owners[i]))
+                _internals.drop_value(v, ReleasedWeight(v.path, owners[i]))
                 self._released[id(v)] = v
         self._sharded = True
         self.hook()
@@ -131,7 +133,7 @@ class LayerShards:
         for i in sorted(self.per_layer_positions()):
             v = variables[i]
             if owners[i] != self.sharding.rank and _deferred.is_deferred(v):
-                _internals.drop_value(v, _Released(v.path, owners[i]))
+                _internals.drop_value(v, ReleasedWeight(v.path, owners[i]))
                 self._released[id(v)] = v
         optimizer = getattr(self.model, "optimizer", None)
         for v in [*self.model.variables, *(optimizer.variables if optimizer is not None else [])]:

@@ -41,28 +41,11 @@ import tnt_comm
 
 from .._core import internals as _internals
 from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
-from ..data_parallel import ShardingError, assign_owners
+from ..data_parallel import ReleasedWeight, ShardingError, assign_owners
 
 
 def _nbytes(v) -> int:
     return int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-
-
-class _Freed:
-    """What a freed (level-3) variable reads through outside tnt's steps: zeros under Keras'
-    shape inference, else an error naming the fix, never stale or initial values."""
-
-    def __init__(self, path: str, owner: int) -> None:
-        self.path, self.owner = path, owner
-
-    def __call__(self, shape, dtype=None):
-        if _internals.in_symbolic_scope():
-            return tf.zeros(shape, dtype)
-        raise ShardingError(
-            f"tnt.Model(parallel_strategy=ALL, sharding=3): variable {self.path} is stored on replica "
-            f"{self.owner} of its pipeline stage only (gathered inside tnt's steps). Read the weights with "
-            "the tnt.Model's get_weights(), write them with its save()/save_weights(), or use sharding<=2 "
-            "to keep the stage's whole weights on every replica.")
 
 
 class StageShards:
@@ -141,6 +124,12 @@ class StageShards:
     def gather_values(self, variables: Sequence) -> None:
         """Every owner's (updated) values to every replica of the group, one allgather per
         bucket (a bucket's copy at a time, never the whole stage's)."""
+        for i, value in self._owners_values(variables):
+            variables[i].assign(value)
+
+    def _owners_values(self, variables: Sequence) -> Iterator[tuple[int, np.ndarray]]:
+        """(index, the owner's value) of each variable of ``variables`` this replica does not
+        own, one allgather per bucket of the group's layout (collective over the group)."""
         for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
                                     lambda i: _nbytes(variables[i])):
             mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
@@ -152,8 +141,9 @@ class StageShards:
             for i in idx:
                 n = int(np.prod(variables[i].shape))
                 if self.owners[i] != self.rank:
-                    variables[i].assign(np.asarray(whole[offset: offset + n]).reshape(variables[i].shape))
+                    yield i, np.asarray(whole[offset: offset + n]).reshape(variables[i].shape)
                 offset += n
+            del whole
 
     # -- level 3: the stage's weights stored by their owners only ------------------------------
     @property
@@ -182,7 +172,9 @@ class StageShards:
             return
         for i, v in enumerate(variables):
             if self.owners[i] != self.rank and id(v) not in self._parked:
-                self._parked[id(v)] = (v, _internals.park_value(v, _Freed(v.path, self.owners[i])))
+                freed = ReleasedWeight(v.path, self.owners[i], "parallel_strategy=ALL, sharding=3",
+                                       " of its pipeline stage")
+                self._parked[id(v)] = (v, _internals.park_value(v, freed))
         self._released = True
         self._freed_from = (list(variables), list(self.owners))
 
@@ -200,22 +192,10 @@ class StageShards:
                 for v, backing in self._parked.values():
                     _internals.unpark_value(v, backing, np.zeros(v.shape, np.dtype(backing.dtype.as_numpy_dtype)))
             else:
-                for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
-                                            lambda i: _nbytes(variables[i])):
-                    mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
-                    flat = np.concatenate(mine) if mine else np.zeros(0, dt)
-                    del mine
-                    whole = self.comm.allgather(np.ascontiguousarray(flat))
-                    del flat
-                    offset = 0
-                    for i in idx:
-                        v = variables[i]
-                        n = int(np.prod(v.shape))
-                        if id(v) in self._parked:
-                            _internals.unpark_value(v, self._parked[id(v)][1],
-                                                    np.asarray(whole[offset: offset + n]).reshape(v.shape))
-                        offset += n
-                    del whole
+                for i, value in self._owners_values(variables):
+                    v = variables[i]
+                    if id(v) in self._parked:
+                        _internals.unpark_value(v, self._parked[id(v)][1], value)
         finally:
             self.owners = assigned
         self._parked.clear()
