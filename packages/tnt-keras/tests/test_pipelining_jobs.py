@@ -59,6 +59,7 @@ EXPECTED_SCHEDULE_PAIRS = {
 #: loads the p = 2 file ("load_p2_file") only if the 2-rank job ran before it.
 EXPECTED_CHECKS = {
     P2: {"gpipe_equals_1f1b", "save_load", "validation_split_history_diff", "unseeded_shuffle", "remat_equals_kept",
+         "predict_uncompiled",
          "interleaved_equals_1f1b", "interleaved_save_load"},
     P3: {"gpipe_equals_1f1b", "load_p2_file", "backup_resume"},
     ALL4: {"gpipe_equals_1f1b", "save_load", "remat_equals_kept", "batch_norm_replicas"},
@@ -334,6 +335,14 @@ def test_callbacks_see_serial_batch_ends_with_steps_per_execution(report):
     assert len(spe) == 1, list(spe)
     for name, batches in spe.items():
         assert batches[0] == batches[1] == [2, 5, 8], (name, batches)
+
+
+@on(P2)
+def test_predict_of_a_model_never_compiled_is_serial_predict(report):
+    # Before: NotImplementedError "Cannot convert a symbolic tf.Tensor" (a traced step)
+    found = report["predict_uncompiled"]
+    assert "error" not in found and found["rows"] == 10, found
+    assert found["diff"] <= TOL["mlp"][1], found
 
 
 @on(P2)

@@ -585,6 +585,24 @@ def batch_ends_compared(serial: list, pipelined: list) -> dict:
                                   [[b[1][k] for k in sorted(b[1])] for b in pipelined]) if keys_equal else None}
 
 
+def predict_uncompiled_check() -> dict:
+    """``predict`` of a pipelined model never compiled (Keras' loops then default to a traced
+    step; the schedule's boundaries are numpy: it must run eagerly) against serial predict."""
+    keras.utils.set_random_seed(11)
+    inp = keras.Input((6,), name="x")
+    h = keras.layers.Dense(8, activation="tanh", name="a")(inp)
+    out = keras.layers.Dense(3, name="b")(SplitLayer(name="cut")(h))
+    serial = keras.Model(inp, out)
+    x = np.random.default_rng(5).normal(size=(10, 6)).astype("float32")
+    expected = serial.predict(x, batch_size=4, verbose=0)
+    model = tnt.Model(serial, parallel_strategy=tnt.ParallelStrategy.PIPELINING, num_pipeline_stages=2)
+    try:
+        got = model.predict(x, batch_size=4, verbose=0)
+    except Exception as err:  # recorded: the test names it
+        return {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+    return {"diff": max_diff(expected, got), "rows": len(got)}
+
+
 def unseeded_shuffle_check() -> dict:
     """NumPy inputs, fit's default shuffle=True, no global seed: stage 0 (reading x) and the
     last stage (reading y) must read the same samples in every micro-batch.
@@ -708,6 +726,7 @@ def main() -> None:
             parallel_strategy=strategy, num_pipeline_stages=2, num_micro_batches=2)
     if layout == "pipelining" and size == 2:
         extra["validation_split_history_diff"] = validation_split_check()
+        extra["predict_uncompiled"] = predict_uncompiled_check()
         extra["unseeded_shuffle"] = unseeded_shuffle_check()  # last: it unsets the global seed
     for r in results.values():
         r.pop("model")

@@ -117,6 +117,9 @@ class PipelinedModel(DistributedModel):
         self._tnt_seed: int | None = None
         self._tnt_serial_keys: list | None = None
         self.built = True
+        # The schedule is driven from Python (numpy boundaries between stages): Keras' loops
+        # must call the steps eagerly, also before compile (predict of an uncompiled model).
+        self.run_eagerly = True
         if model.compiled:  # e.g. loaded from a .keras file with its training configuration
             self._compile_from(model)
 
