@@ -50,6 +50,8 @@ CHECKS = [
     "on_batch_equal_serial",
     "own_step_loss_scale_same_steps_applied",
     "own_step_loss_scale_equal_serial",
+    "user_distributed_loss_scale_same_steps_applied",
+    "user_distributed_loss_scale_equal_serial",
     "multi_output_per_output_losses",
     "export_serves_serial_outputs",
     "batch_norm_statistics_identical",

@@ -533,6 +533,35 @@ def check_own_step_loss_scale() -> None:
               TOL_WEIGHTS, f"scale serial {float(serial.optimizer.dynamic_scale)}, tnt {float(model.model.optimizer.dynamic_scale)}")
 
 
+def check_user_distributed_loss_scale() -> None:
+    """tnt's default step on data each rank brings itself (``tnt_distribute_dataset=False``):
+    the global batch is known only by summing the ranks' sizes, which must happen before
+    backprop, or a rank's loss-scaled gradient weighted by its size overflows where serial
+    Keras' fits (Note [Global batch first]; 1 of 8 steps skipped before)."""
+    x, y = rng_data(80, 10, 21)
+    rank, size = tnt.get_rank(), tnt.get_size()
+    # rank r's rows of each global batch of 10, as tnt's own split would give them
+    rows = np.concatenate([np.arange(b * 10, b * 10 + 10)[rank::size] for b in range(8)])
+    mine = tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(len(range(rank, 10, size)))
+    with recorded("user_distributed_loss_scale_equal_serial"):
+        keras.utils.set_random_seed(31)
+        serial = keras.Sequential([keras.Input((10,)), keras.layers.Dense(12, activation="tanh"),
+                                   keras.layers.Dense(3, activation="softmax")])
+        model = tnt.Model(keras.models.clone_model(serial))
+        model.model.set_weights(serial.get_weights())
+        for m in (serial, model):
+            m.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=SCALE),
+                      "sparse_categorical_crossentropy")
+        serial.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(10), epochs=1, verbose=0)
+        model.fit(mine, epochs=1, verbose=0, tnt_distribute_dataset=False)
+        applied = [int(serial.optimizer.inner_optimizer.iterations), int(model.model.optimizer.inner_optimizer.iterations)]
+        check("user_distributed_loss_scale_same_steps_applied", applied[0] == applied[1] and applied[0] > 0,
+              f"steps applied serial, tnt: {applied} of 8")
+        close("user_distributed_loss_scale_equal_serial",
+              _job.max_abs_diff(serial.get_weights(), model.get_weights()), TOL_WEIGHTS,
+              f"scale serial {float(serial.optimizer.dynamic_scale)}, tnt {float(model.model.optimizer.dynamic_scale)}")
+
+
 def two_outputs(seed: int) -> keras.Model:
     keras.utils.set_random_seed(seed)
     inp = keras.Input((10,))
@@ -687,6 +716,7 @@ def main() -> None:
             "uncompiled": lambda: check_uncompiled_inference(tmp),
             "class_weight": check_class_weight, "on_batch": check_on_batch,
             "own_step_loss_scale": check_own_step_loss_scale,
+            "user_distributed_loss_scale": check_user_distributed_loss_scale,
             "weight_decay": check_weight_decay_without_gradient,
             "multi_output": check_multi_output, "export": lambda: check_export(tmp),
             "batch_norm": lambda: check_batch_norm(tmp), "errors": check_errors,

@@ -32,6 +32,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
+import tnt_data
+
 from .._core import internals as _internals
 from .._core import settings as _settings
 from .._core import sparse as _sparse
@@ -83,6 +85,7 @@ class DistributedSteps:
         self._train_reducer: GraphReducer | None = None
         self._train_reducer_sparse: tuple[int, ...] | None = None  # the positions it was made for
         self._test_reducer: GraphReducer | None = None
+        self._sizes_reducer_: GraphReducer | None = None  # made for user-distributed data only
         self._train_metrics = MetricExchange(model)
         self._test_metrics = MetricExchange(model)
         self._compiled_fns: dict[tuple[str, bool], object] = {}  # (part, jit) -> tf.function
@@ -116,6 +119,25 @@ class DistributedSteps:
             self._train_reducer = GraphReducer(slots, self._threshold, self._comm)
         return self._train_reducer
 
+    def _sizes_reducer(self) -> GraphReducer:
+        """The reducer of the step's global batch size alone (Note [Global batch first])."""
+        if self._sizes_reducer_ is None:
+            self._sizes_reducer_ = GraphReducer([Slot("local_batch_size", (1,), tf.float32)], self._threshold,
+                                                self._comm)
+        return self._sizes_reducer_
+
+    def _global_sizes(self, x) -> tnt_data.StepSizes:
+        """This step's local and global sample counts, the global one summed over the group
+        before backprop. Note [Global batch first]: without known sizes (a user-distributed
+        dataset, ``tnt_distribute_dataset=False``) each rank weighted its gradient by ``b_r``
+        and divided the sum by ``B``; a loss-scaled gradient that fits float32, as serial
+        Keras' does, could overflow on the way, so a LossScaleOptimizer skipped a step serial
+        Keras applied (1 of 8 at scale 2^127 on 2 ranks, weights 0.069 off). Knowing ``B``
+        first, each rank weights its loss by ``b_r / B`` as with tnt's own input split."""
+        local_n = local_batch_size(x)
+        total = self._sizes_reducer().reduce([tf.reshape(tf.cast(local_n, tf.float32), [1])])[0][0]
+        return tnt_data.StepSizes(local_n, total)
+
     def _scatters(self) -> bool:
         return self._sharding is not None and self._sharding.level >= 2
 
@@ -128,10 +150,10 @@ class DistributedSteps:
 
     def close(self) -> None:
         """Release the reducers' engines (a new compile makes new steps)."""
-        for reducer in (self._train_reducer, self._test_reducer):
+        for reducer in (self._train_reducer, self._test_reducer, self._sizes_reducer_):
             if reducer is not None:
                 reducer.close()
-        self._train_reducer = self._test_reducer = None
+        self._train_reducer = self._test_reducer = self._sizes_reducer_ = None
         self._custom.close()
 
     def _forward_loss(self, x, y, sample_weight, training: bool):
@@ -301,6 +323,10 @@ class DistributedSteps:
             model.optimizer.apply_gradients(zip(self._without_gradient(grads), model.trainable_variables))
             return model.get_metrics_result()
         start = start_token()  # made before backprop: see _reducer, "start token"
+        if sizes is None:  # Note [Global batch first]; the exchange starts after this reduction
+            sizes = self._global_sizes(x)
+            with tf.control_dependencies([sizes.total]):
+                start = tf.identity(start)
         before, to_reduce, sparse, has_data, presummed, tail = self._compiled("local", self._local_part)(
             x, y, sample_weight, sizes)
         if self._in_graph_collectives or has_sync_batch_norm(model) or self._layer_shards() is not None:
