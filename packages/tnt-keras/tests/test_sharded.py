@@ -189,6 +189,19 @@ def test_own_train_step_equals_serial_with_identical_replicas(report2):
             assert c["initial_gradient_norm"] > 0.05 * 2, c  # global_clipnorm=0.05 clips
 
 
+def test_own_train_step_save_writes_every_optimizer_whole_and_load_weights_reads_it_back(report2):
+    # The GAN's file against serial Keras' file of the same training: the same arrays (the
+    # compiled, d_ and g_ optimizers' whole state; before: only the master's owned slots of
+    # d_/g_optimizer, 19 of 26 arrays), then load_weights into the zeroed sharded slots.
+    gans = {n: c for n, c in report2["own_step"].items() if n.endswith("gan")}
+    assert gans, report2["own_step"].keys()
+    for name, c in gans.items():
+        assert c["file_same_entries"], (name, c)
+        assert c["file_optimizer_entries"] == 2 + 10 + 6, (name, c)  # Keras: optimizer 2, Adam 2+8, SGD 2+4
+        assert c["file_diff"] <= TOL_WEIGHTS, (name, c)
+        assert c["reloaded_slots_diff"] == 0.0, (name, c)
+
+
 def test_own_train_step_each_optimizer_holds_only_its_owned_slots(report2):
     # Adam: 2 slots per element, SGD momentum 1; plus iterations and the learning rate.
     per_var = {"opt": 2, "d": 2, "g": 1}

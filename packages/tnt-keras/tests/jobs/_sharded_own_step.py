@@ -10,8 +10,12 @@ History, weights, replicas bitwise alike, and each optimizer's slot elements per
 from __future__ import annotations
 
 import hashlib
+import io
+import tempfile
+import zipfile
 
 import _job
+import h5py
 import keras
 import numpy as np
 import tensorflow as tf
@@ -153,7 +157,43 @@ def own_step_case(level: int, kind: str) -> dict:
         } for name, (opt, variables) in mine.items()},
         "steps": EPOCHS * -(-len(data[0]) // BATCH),
         "initial_gradient_norm": initial_gradient_norm() if kind == "adam_clip" else None,
+        **(_file_round_trip(tm, model, serial) if kind == "gan" else {}),
     }
+
+
+def _file_entries(path: str) -> dict:
+    """Every array of a ``.keras`` file's weights store, by its path (layers and optimizers)."""
+    out: dict = {}
+    with zipfile.ZipFile(path) as z, h5py.File(io.BytesIO(z.read("model.weights.h5")), "r") as f:
+        f.visititems(lambda name, o: out.__setitem__(name, np.array(o)) if isinstance(o, h5py.Dataset) else None)
+    return out
+
+
+def _file_round_trip(tm, model, serial) -> dict:
+    """``save`` of the sharded GAN against serial Keras' own file (both optimizers' whole
+    state under ``d_optimizer`` / ``g_optimizer``), then ``load_weights`` of it back into the
+    sharded optimizers (their owned slots zeroed first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tnt_comm.broadcast_object(tmp if tnt.is_master_rank() else None, 0)
+        tm.save(f"{folder}/tnt.keras")
+        out: dict = {}
+        if tnt.is_master_rank():
+            serial.save(f"{folder}/serial.keras")
+            mine, theirs = _file_entries(f"{folder}/tnt.keras"), _file_entries(f"{folder}/serial.keras")
+            optimizer_keys = sorted(k for k in theirs if "optimizer" in k.split("/")[0])
+            out["file_same_entries"] = sorted(mine) == sorted(theirs)
+            out["file_optimizer_entries"] = len(optimizer_keys)
+            out["file_diff"] = max(_job.max_abs_diff(mine[k], theirs[k]) for k in theirs if k in mine)
+        slots = [v for opt in (model.d_optimizer, model.g_optimizer) for v in opt.variables]
+        held = [v.numpy().copy() for v in slots]
+        for v in slots:
+            v.assign(np.zeros(v.shape, v.dtype))
+        model.built = True  # no call(): Keras refuses load_weights into an unbuilt model, serially too
+        tm.load_weights(f"{folder}/tnt.keras")
+        out["reloaded_slots_diff"] = max(tnt_comm.allgather_object(
+            _job.max_abs_diff([v.numpy() for v in slots], held)))
+        tnt_comm.barrier()
+    return tnt_comm.broadcast_object(out if tnt.is_master_rank() else None, 0)
 
 
 def initial_gradient_norm() -> float:

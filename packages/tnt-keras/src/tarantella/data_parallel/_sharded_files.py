@@ -47,23 +47,16 @@ def reshard(model: keras.Model, sharding) -> None:
     model.optimizer = sharded
 
 
-@contextlib.contextmanager
-def serial_optimizer(model: keras.Model, sharding, gather: bool) -> Iterator[object | None]:
-    """While inside, ``model.optimizer`` on rank 0 of the replica group (``sharding.comm``:
-    the master for DATA, replica 0 of each tensor shard for tensor groups) is one built on
-    every trainable variable; with ``gather`` it holds every replica's state (collective
-    over the group: every rank enters). Yields it (None on the other ranks)."""
-    sharded = model.optimizer
-    if sharded is None or not sharded.built:
-        yield None
-        return
-    comm = sharding.comm
+def _whole_state(sharded, variables, comm, gather: bool):
+    """On rank 0 of ``comm``: a serial copy of ``sharded`` built on all of ``variables``
+    (with ``gather``: every replica's state, one broadcast per optimizer variable from the
+    replica holding it; a collective, every rank enters). None on the other ranks."""
     master = comm.rank == 0
     full = None
     order = None
     if master:
         full = _serial_copy(sharded)
-        full.build(model.trainable_variables)
+        full.build(variables)
         order = [(v.name, tuple(v.shape), np.dtype(v.dtype).str) for v in full.variables]
     order = comm.broadcast_object(order, 0)
     mine = _by_name(sharded)
@@ -78,29 +71,72 @@ def serial_optimizer(model: keras.Model, sharding, gather: bool) -> Iterator[obj
             value = comm.broadcast(np.ascontiguousarray(buf.reshape(-1)), root)
             if master:
                 targets[name].assign(value.reshape(shape))
-    if master:
-        model.optimizer = full
+    return full
+
+
+def _holding(model: keras.Model, optimizer) -> list[str]:
+    """The names of ``model``'s attributes that hold ``optimizer`` (a GAN's ``d_optimizer``):
+    what Keras' saving writes it under."""
+    return [name for name, value in vars(model).items() if value is optimizer and name != "optimizer"]
+
+
+def _sharded_optimizers(model: keras.Model, sharding) -> list[tuple[object, list, list[str]]]:
+    """(optimizer, the variables it is built for, the model attributes naming it) of every
+    built sharded optimizer: the compiled one and those of a user's own ``train_step``."""
+    out = []
+    if model.optimizer is not None and model.optimizer.built:
+        out.append((model.optimizer, model.trainable_variables, ["optimizer"]))
+    for optimizer, shards in sharding.own_step_optimizers():
+        names = _holding(model, optimizer)
+        if optimizer.built and names:
+            out.append((optimizer, shards.variables, names))
+    return out
+
+
+@contextlib.contextmanager
+def _swapped(model: keras.Model, swaps: list[tuple[list[str], object, object]]) -> Iterator[None]:
+    """While inside, each listed attribute of ``model`` holds its replacement."""
+    for names, _, replacement in swaps:
+        for name in names:
+            setattr(model, name, replacement)
     try:
-        yield full
+        yield
     finally:
-        if master:
-            model.optimizer = sharded
+        for names, original, _ in swaps:
+            for name in names:
+                setattr(model, name, original)
+
+
+@contextlib.contextmanager
+def serial_optimizer(model: keras.Model, sharding, gather: bool) -> Iterator[object | None]:
+    """While inside, every sharded optimizer of ``model`` on rank 0 of the replica group
+    (``sharding.comm``: the master for DATA, replica 0 of each tensor shard for tensor
+    groups) is one built on all the variables it updates — ``model.optimizer`` and those a
+    user's own ``train_step`` applies (a GAN's ``d_optimizer``, under the attribute Keras
+    saves it by); with ``gather`` each holds every replica's state (collective over the
+    group: every rank enters). Yields the compiled one's serial copy (None on other ranks)."""
+    comm = sharding.comm
+    swaps = []
+    for optimizer, variables, names in _sharded_optimizers(model, sharding):
+        full = _whole_state(optimizer, variables, comm, gather)
+        if full is not None:
+            swaps.append((names, optimizer, full))
+    with _swapped(model, swaps):
+        yield next((full for names, _, full in swaps if "optimizer" in names), None)
 
 
 def load_into(model: keras.Model, sharding, load) -> None:
-    """Run ``load()`` (Keras reading a serial file into ``model``) with a serial optimizer in
-    place, then keep the owned slots. Every rank briefly holds the whole state it reads."""
-    sharded = model.optimizer
-    if sharded is None or not sharded.built:
+    """Run ``load()`` (Keras reading a serial file into ``model``) with serial optimizers in
+    place (the compiled one and those of an own ``train_step``), then keep the owned slots.
+    Every rank briefly holds the whole state it reads."""
+    swaps = []
+    for optimizer, variables, names in _sharded_optimizers(model, sharding):
+        full = _serial_copy(optimizer)
+        full.build(variables)
+        swaps.append((names, optimizer, full))
+    with _swapped(model, swaps):
         load()
-        return
-    full = _serial_copy(sharded)
-    full.build(model.trainable_variables)
-    model.optimizer = full
-    try:
-        load()
-    finally:
-        model.optimizer = sharded
-    values = _by_name(full)
-    for name, v in _by_name(sharded).items():
-        v.assign(values[name])
+    for _, sharded, full in swaps:
+        values = _by_name(full)
+        for name, v in _by_name(sharded).items():
+            v.assign(values[name])

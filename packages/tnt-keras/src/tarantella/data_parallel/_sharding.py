@@ -181,6 +181,11 @@ class Sharding:
         self._per_optimizer[id(optimizer)] = (optimizer, shards)
         return shards
 
+    def own_step_optimizers(self) -> list[tuple[object, Sharding]]:
+        """The optimizers a user's own ``train_step`` applied with their own shares (not the
+        compiled one on the model's variables), each with its :class:`Sharding`."""
+        return list(self._per_optimizer.values())
+
     def install(self, optimizer) -> None:
         """Make ``optimizer`` build on the owned variables only (its slots are the memory
         saved), decide finiteness globally and clip by the global norm."""
