@@ -23,8 +23,9 @@ ALL of tensor groups without stages (4 ranks: t = 2 x 2 replicas, Adam, level 2,
 Embedding with sparse gradients): History and weights against serial Keras, replicas of a
 shard SHA-256 alike, slots partitioned per shard, the saved file read by serial Keras, and
 loaded at level 1 into the same layout (weights and each rank's slots as held).
-Own train_step at levels 1-2 (own_* cases, _sharded_own_step.py): one optimizer (Adam,
-global_clipnorm) and a GAN's two optimizers against serial Keras, each optimizer's slots per rank.
+Own train_step at levels 1-3 (own_* cases, _sharded_own_step.py): one optimizer (Adam,
+global_clipnorm) and a GAN's two optimizers against serial Keras, each optimizer's slots per rank;
+at level 3 (weights gathered per step) the elements each rank stores between steps.
 Rank 0 writes the JSON that tests/test_sharded.py checks.
 """
 
@@ -446,13 +447,6 @@ class NotPerVariable(keras.optimizers.SGD):
     """A subclass: tnt cannot know its update stays per variable."""
 
 
-class OwnStep(keras.Sequential):
-    """A model with its own train_step (level 3 refuses it: see error_cases)."""
-
-    def train_step(self, data):
-        return super().train_step(data)
-
-
 class SubsetStep(keras.Sequential):
     """An own train_step applying the compiled optimizer (its slots built on the owned share of
     all trainable variables) to the first layer's only: refused at levels 1-2 (error_cases)."""
@@ -495,10 +489,6 @@ def error_cases() -> dict:
                                               "get_weights()", "sharding<=2"),
         "level_3_sync_batch_norm": raised(lambda: tnt.Model(bn_model(), sync_batch_norm=True, sharding=3),
                                           "ShardingError", "sync_batch_norm=False", "sharding=2"),
-        "level_3_own_train_step": raised(lambda: tnt.Model(OwnStep([keras.Input((4,)), keras.layers.Dense(3),
-                                                                     keras.layers.Dense(2)]), sharding=3),
-                                         "ShardingError", "own train_step", "sharding=2", "sharding=0",
-                                         "compute_loss()"),
         "own_step_optimizer_on_other_variables": raised(lambda: compiled_subset(), "ShardingError", "Adam",
                                                         "same variables", "sharding=0"),
         "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),

@@ -45,6 +45,7 @@ from .._core.strategy import (
 from . import _grad_sync, _sharded_files, _sharding
 from ._layer_shards import LayerShards
 from ._level3_memory import level3_layout
+from ._per_step import PerStepShards
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -286,13 +287,22 @@ class Model(DistributedModel):
         """Before any step of fit/evaluate/predict/*_on_batch: variables exist everywhere,
         replicas are identical."""
         shards = self._layer_shards()
-        # Level 3: a forward pass that builds the metrics gathers each layer's weights.
-        with shards.step(backward=False) if shards is not None and shards.released() else contextlib.nullcontext():
+        # Level 3: a forward pass that builds the metrics gathers each layer's weights (or,
+        # gathered per step, the whole weights).
+        with shards.step(backward=False) if shards is not None and shards.released() else self._per_call():
             _sync.build_variables(self._model, self, dataset, with_metrics)
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
-        if not self._tnt_synced and _runtime.get_size() > 1:
+        per_step = self._per_step()
+        if not self._tnt_synced and _runtime.get_size() > 1 and per_step is not None:
+            # Whole first (a collective, after a load or a recompile), then from here on each
+            # replica stores what it owns; the optimizer state is each replica's own.
+            per_step.gather()
+            _sync.sync_replicas(self._model, with_optimizer=False)
+            per_step.owners = list(self._tnt_sharding.owners)
+            per_step.release(self._model.trainable_variables)
+        elif not self._tnt_synced and _runtime.get_size() > 1:
             shards = self._layer_shards()
             if shards is not None and shards.released():  # each owner holds the only copy
                 _sync.sync_replicas(self._model, with_optimizer=False, skip=shards.is_per_layer)
@@ -306,10 +316,52 @@ class Model(DistributedModel):
         """Level 3's per-layer shards (``_layer_shards.LayerShards``), else None."""
         return None if self._tnt_sharding is None else self._tnt_sharding.layers
 
+    def _per_step(self):
+        """Level 3 of a model's own train_step (``_per_step.PerStepShards``), else None."""
+        return None if self._tnt_sharding is None else self._tnt_sharding.per_step
+
     def _whole(self, gather: bool = True):
         """While inside, every replica holds every weight (level 3 gathers them: a collective)."""
         shards = self._layer_shards()
-        return shards.whole(gather) if shards is not None else contextlib.nullcontext()
+        if shards is not None:
+            return shards.whole(gather)
+        return self._per_call(gather)
+
+    def _per_call(self, gather: bool = True):
+        """Level 3 gathered per step: while inside, the whole weights (gathered on entry, a
+        collective; ``gather`` False: zeros, for a load to overwrite), freed again on exit.
+        Nests: Keras' step functions inside one call of evaluate/predict gather nothing more."""
+        per_step = self._per_step()
+        if per_step is None:
+            return contextlib.nullcontext()
+        return per_step.gathered(self._model.trainable_variables, gather)
+
+    # Keras' loops call these functions once per step (steps_per_execution steps): at level 3
+    # of an own train_step each call runs on the whole weights, gathered just before it and
+    # freed after it, outside the traced step (the traced functions keep the variables' handles).
+    def make_train_function(self, force=False):
+        super().make_train_function(force)
+        return self._gathered_per_call("train_function", self.train_function)
+
+    def make_test_function(self, force=False):
+        super().make_test_function(force)
+        return self._gathered_per_call("test_function", self.test_function)
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force)
+        return self._gathered_per_call("predict_function", self.predict_function)
+
+    def _gathered_per_call(self, name: str, function):
+        if self._per_step() is None or function is None or getattr(function, "_tnt_per_step", False):
+            return function
+
+        def gathered(*args, **kwargs):
+            with self._per_call():
+                return function(*args, **kwargs)
+
+        gathered._tnt_per_step = True
+        setattr(self, name, gathered)
+        return gathered
 
     def _average_moving_statistics(self) -> None:
         if _runtime.get_size() > 1:
@@ -394,9 +446,10 @@ class Model(DistributedModel):
         """Keras' ``evaluate`` over the union of all ranks' micro-batches (global metrics)."""
         if _internals.is_cached_eval_call(kwargs):  # validation inside fit: already split
             self._average_moving_statistics()
-            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
-                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
-                                    return_dict=return_dict, **kwargs)
+            with self._per_call():  # level 3 per step: gathered once for the whole call
+                return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                        sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                        return_dict=return_dict, **kwargs)
         self._assert_evaluable()
         data = rank_dataset(
             x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate",
@@ -406,7 +459,7 @@ class Model(DistributedModel):
             _inputs.check_same_length(data, "evaluation", "evaluate")
         self._prepare(data, with_metrics=True)
         self._average_moving_statistics()
-        with self._rank_callbacks(callbacks) as rank_callbacks:
+        with self._rank_callbacks(callbacks) as rank_callbacks, self._per_call():
             return super().evaluate(
                 data, verbose=self._verbose(verbose), steps=steps,
                 callbacks=rank_callbacks, return_dict=return_dict, **kwargs,
@@ -437,7 +490,7 @@ class Model(DistributedModel):
             )
         self._ensure_compiled_for_inference()
         self._prepare(data, with_metrics=False)
-        with self._rank_callbacks(callbacks) as rank_callbacks:
+        with self._rank_callbacks(callbacks) as rank_callbacks, self._per_call():
             return super().predict(data, verbose=self._verbose(verbose), steps=steps,
                                    callbacks=rank_callbacks)
 
@@ -550,7 +603,8 @@ class Model(DistributedModel):
             raise _sharding.ShardingError(
                 "tnt.Model.export() at sharding=3 is not supported: save() the model (one ordinary "
                 "Keras file), load it serially with keras.models.load_model and export that.")
-        super().export(filepath, format=format, verbose=verbose, **kwargs)
+        with self._per_call():  # level 3 per step: the whole weights while Keras exports them
+            super().export(filepath, format=format, verbose=verbose, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load weights read by the master rank; all replicas end up identical."""
@@ -569,17 +623,11 @@ def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
     level = _settings.sharding_level(sharding)
     if level == 0 or _runtime.get_size() == 1:
         return None
-    if level == 3 and overrides(model, "train_step"):
-        raise _sharding.ShardingError(
-            f"tnt.Model(sharding=3): {type(model).__name__} has its own train_step; level 3 works with "
-            "tnt's default training step only (the per-layer weights' gradients arrive already summed "
-            "from each layer's backward, and the weights other replicas own are not stored, so a tape "
-            "over model.trainable_variables cannot read them). Use sharding=2 or 1 (an own train_step "
-            "is sharded through its optimizers' apply), sharding=0, or keep tnt's default step and put "
-            "the custom part into compute_loss().")
     # Its collectives move at most a fusion threshold's bytes at once (TNT_FUSION_THRESHOLD).
     shards = _sharding.Sharding(model, level, bucket_bytes=_settings.load().fusion_threshold_bytes)
-    if level == 3:  # parameters too: each layer's weights gathered around its call
+    if level == 3 and overrides(model, "train_step"):  # its own tape and apply: whole weights per step
+        shards.per_step = PerStepShards(shards.comm, shards.bucket_bytes)
+    elif level == 3:  # parameters too: each layer's weights gathered around its call
         shards.layers = LayerShards(shards)
     return shards
 
