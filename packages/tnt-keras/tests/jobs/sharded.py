@@ -120,7 +120,7 @@ def initial_gradient_norm() -> float:
 #: Cases run with a fusion threshold of 512 bytes: their sharded collectives move the
 #: model's variables in several buckets (the default 8 MiB holds this model in one).
 SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_l3_adam_clip",
-                 "all_tensor_l2_adam"}
+                 "all_tensor_l2_adam", "all_tensor_l3_adam"}
 
 
 def bucket_threshold(name: str) -> None:
@@ -633,6 +633,22 @@ def tensor_serial(epochs: int):
     return serial, serial.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0).history
 
 
+def all_tensor_level_3(tm) -> dict:
+    """ALL of tensor groups at level 3 (weights gathered per step in each shard's replica
+    group), right after fit: (shard, trainable elements this rank's buffers hold, elements it
+    owns) of every rank, read from the buffers; and a read outside tnt's steps."""
+    variables = tm.trainable_variables
+    stored = tm._tnt_sharding.per_step.stored_bytes(variables) // 4  # float32
+    try:
+        tm.local_model.get_weights()
+        read = "no error"
+    except Exception as e:  # the type and message are what is checked
+        read = f"{type(e).__name__}: {e}"
+    return {"stored_per_rank": tnt_comm.allgather_object(
+                (tm.tensor_parallel_rank, stored, elements(tm._tnt_sharding.owned_variables()))),
+            "read_outside_a_step": read[:400]}
+
+
 def all_tensor_case(level: int, tmp) -> dict:
     """ALL, 2 replicas of 2-rank tensor groups (no stages) at ``level``, Adam, against serial
     Keras (one epoch: 5 steps, the last of 6 samples); then its file, read by serial Keras and
@@ -648,7 +664,8 @@ def all_tensor_case(level: int, tmp) -> dict:
     history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
     opt_vars = tm.optimizer.variables
     sharding = tm._tnt_sharding
-    out = {
+    out = {} if level < 3 else all_tensor_level_3(tm)
+    out |= {
         "strategy": type(tm).__name__,
         "buckets": sharding.bucket_count(),
         "plan": {s.name: s.kind for s in plan.layers},
@@ -699,7 +716,7 @@ def all_tensor_case(level: int, tmp) -> dict:
 
 
 ALL_CASES = {"all_l1_adam": (1, "adam"), "all_l2_adam_clip": (2, "adam_clip"), "all_l3_adam_clip": (3, "adam_clip")}
-ALL_TENSOR_CASES = {"all_tensor_l2_adam": 2}
+ALL_TENSOR_CASES = {"all_tensor_l2_adam": 2, "all_tensor_l3_adam": 3}
 
 CASES = {f"l{level}_{kind}": (level, kind)
          for level in (1, 2, 3) for kind in ("sgd_momentum", "adam", "adam_clip", "lso_sgd", "adam_seq")}

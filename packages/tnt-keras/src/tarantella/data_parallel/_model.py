@@ -45,7 +45,7 @@ from .._core.strategy import (
 from . import _grad_sync, _sharded_files, _sharding
 from ._layer_shards import LayerShards
 from ._level3_memory import level3_layout
-from ._per_step import PerStepShards
+from ._per_step import GatheredStepFunctions, PerStepShards
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -53,7 +53,7 @@ _BATCH_NORM_MIN_LOCAL_BATCH = 16
 _KERAS_MODEL_KWARGS = frozenset({"name", "trainable", "dtype"})
 
 
-class Model(DistributedModel):
+class Model(GatheredStepFunctions, DistributedModel):
     """Wrap ``model`` so that compile/fit/evaluate/predict run on all ranks of the job.
 
     Args:
@@ -68,10 +68,11 @@ class Model(DistributedModel):
             does), so a model with batch normalisation trains as serial Keras does.
         sharding: 0 (default, or ``TNT_SHARDING``): every replica holds the whole optimizer
             state; 1: each replica keeps the optimizer state of the variables it owns;
-            2: and receives only their summed gradients; 3 (DATA only): and stores only the
-            weights it owns, gathered layer by layer around each call (docs/sharding.md).
-            ``ALL`` with pipeline stages takes levels 1 and 2 too: shards within each stage's
-            replica group.
+            2: and receives only their summed gradients; 3: and stores only the weights it
+            owns, gathered layer by layer around each call (a model with its own
+            ``train_step``: gathered per step; docs/sharding.md). ``ALL`` takes every level
+            too: shards within each stage's (or tensor shard's) replica group; level 3 there
+            gathers per step (not with pipeline stages of tensor groups).
         memory_budget: bytes per rank (``"6GiB"``, ``"512MiB"``, an int; default none, or
             ``TNT_MEMORY_BUDGET``), taken by every strategy: ``fit`` first checks the plan's
             per-rank estimate against it and raises ``tnt.MemoryBudgetError`` on every rank
@@ -335,33 +336,6 @@ class Model(DistributedModel):
         if per_step is None:
             return contextlib.nullcontext()
         return per_step.gathered(self._model.trainable_variables, gather)
-
-    # Keras' loops call these functions once per step (steps_per_execution steps): at level 3
-    # of an own train_step each call runs on the whole weights, gathered just before it and
-    # freed after it, outside the traced step (the traced functions keep the variables' handles).
-    def make_train_function(self, force=False):
-        super().make_train_function(force)
-        return self._gathered_per_call("train_function", self.train_function)
-
-    def make_test_function(self, force=False):
-        super().make_test_function(force)
-        return self._gathered_per_call("test_function", self.test_function)
-
-    def make_predict_function(self, force=False):
-        super().make_predict_function(force)
-        return self._gathered_per_call("predict_function", self.predict_function)
-
-    def _gathered_per_call(self, name: str, function):
-        if self._per_step() is None or function is None or getattr(function, "_tnt_per_step", False):
-            return function
-
-        def gathered(*args, **kwargs):
-            with self._per_call():
-                return function(*args, **kwargs)
-
-        gathered._tnt_per_step = True
-        setattr(self, name, gathered)
-        return gathered
 
     def _average_moving_statistics(self) -> None:
         if _runtime.get_size() > 1:

@@ -160,3 +160,42 @@ class PerStepShards:
             self._holds -= 1
             if self._holds == 0 and self._refree:
                 self.release(variables)
+
+
+class GatheredStepFunctions:
+    """Mixin of a ``keras.Model`` whose level 3 gathers per step: each call of Keras' train,
+    test and predict functions (one step, or ``steps_per_execution`` steps) runs inside
+    ``self._per_call()`` — the whole weights gathered just before it and the non-owned ones
+    freed after it, outside the traced step, whose functions keep the variables' handles.
+    ``_per_step`` and ``_per_call`` are the model's; below level 3 (``_per_step()`` None)
+    Keras' functions stay unwrapped."""
+
+    def _per_step(self) -> PerStepShards | None:
+        raise NotImplementedError
+
+    def _per_call(self, gather: bool = True) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def make_train_function(self, force=False):
+        super().make_train_function(force)
+        return self._gathered_per_call("train_function", self.train_function)
+
+    def make_test_function(self, force=False):
+        super().make_test_function(force)
+        return self._gathered_per_call("test_function", self.test_function)
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force)
+        return self._gathered_per_call("predict_function", self.predict_function)
+
+    def _gathered_per_call(self, name: str, function):
+        if function is None or getattr(function, "_tnt_per_step", False) or self._per_step() is None:
+            return function
+
+        def gathered(*args, **kwargs):
+            with self._per_call():
+                return function(*args, **kwargs)
+
+        gathered._tnt_per_step = True
+        setattr(self, name, gathered)
+        return gathered
