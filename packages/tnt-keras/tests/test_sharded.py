@@ -604,7 +604,7 @@ def test_other_strategies_name_data_and_all(strategy, options):
         tnt.Model(_mlp(), parallel_strategy=strategy, sharding=1, **options)
 
 
-def test_all_replicas_of_tensor_groups_take_levels_1_and_2():
+def test_all_replicas_of_tensor_groups_take_every_level():
     """ALL's replica axis without stages: the level passes to the tensor groups' replicas."""
     from tarantella.hybrid._strategy import _sharding_level
 
