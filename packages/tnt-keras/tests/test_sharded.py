@@ -115,7 +115,7 @@ def test_each_replica_holds_only_its_owned_slots(report):
 
 #: Cases the job runs with TNT_FUSION_THRESHOLD=0.5 (KB): several buckets (jobs/sharded.py).
 SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_l3_adam_clip",
-                 "all_tensor_l2_adam"}
+                 "all_tensor_l2_adam", "all_tensor_l3_adam"}
 
 
 def test_small_fusion_thresholds_cut_the_sharded_collectives_into_buckets(report):
