@@ -1,10 +1,12 @@
-"""Sharding levels 1-2 with a model's own ``train_step`` (jobs/sharded.py, the own_* cases).
+"""Sharding levels 1-3 with a model's own ``train_step`` (jobs/sharded.py, the own_* cases).
 
 One optimizer (Adam with an active global_clipnorm) on a regression model whose step is the
 Keras guide's tape + ``apply_gradients``; and a GAN-like step with two optimizers (Adam for
 the discriminator, SGD momentum for the generator; the noise comes with the data). Each runs
 in serial Keras (the same class, one process) and on the launch's ranks with sharding=k:
-History, weights, replicas bitwise alike, and each optimizer's slot elements per rank.
+History, weights, replicas bitwise alike, and each optimizer's slot elements per rank; at
+level 3 (weights gathered per step) also the elements each rank stores between steps, a read
+outside tnt's steps, and predict (the regression).
 """
 
 from __future__ import annotations
@@ -116,9 +118,22 @@ def _build(kind: str):
     return model, (rng.normal(size=(46, 16)).astype("float32"), rng.normal(size=(46, 3)).astype("float32"))
 
 
-def _fit(model, data):
+def _fit(model, data, callbacks=None):
     ds = tf.data.Dataset.from_tensor_slices(data).batch(BATCH)
-    return model.fit(ds, epochs=EPOCHS, verbose=0).history
+    return model.fit(ds, epochs=EPOCHS, verbose=0, callbacks=callbacks).history
+
+
+class _StoredBetweenSteps(keras.callbacks.Callback):
+    """Level 3: the trainable elements this rank's buffers hold after each step (read from the
+    buffers, not the shapes: a freed variable's holds 0 elements), the largest seen."""
+
+    def __init__(self, tm) -> None:
+        super().__init__()
+        self.tm, self.most = tm, 0
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        shards = self.tm._tnt_sharding.per_step
+        self.most = max(self.most, shards.stored_bytes(self.tm.model.trainable_variables) // 4)  # float32
 
 
 _SERIAL: dict[str, tuple] = {}  # kind -> (serial model, its History): levels 1 and 2 share one (suite time)
@@ -137,12 +152,15 @@ def own_step_case(level: int, kind: str) -> dict:
     model, data = _build(kind)
     tm = tnt.Model(model, sharding=level)
     tm.compile(*([model.d_optimizer, model.g_optimizer] if kind == "gan" else [model.optimizer]))
-    history = _fit(tm, data)
+    stored = _StoredBetweenSteps(tm) if level == 3 else None
+    history = _fit(tm, data, [stored] if stored else None)
     h = hashlib.sha256()
     for w in tm.get_weights():
         h.update(np.ascontiguousarray(w).tobytes())
     mine, theirs = _optimizers(model), _optimizers(serial)
-    return {
+    out = level_3(tm, serial, data, stored) if level == 3 else {}
+    return out | {
+        "digest": h.hexdigest(),
         "history_diff": max(_job.max_abs_diff(history[k], serial_history[k]) for k in serial_history),
         "history_keys": sorted(history),
         "weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
@@ -196,6 +214,30 @@ def _file_round_trip(tm, model, serial) -> dict:
     return tnt_comm.broadcast_object(out if tnt.is_master_rank() else None, 0)
 
 
+def level_3(tm, serial, data, stored: _StoredBetweenSteps) -> dict:
+    """Level 3 of an own train_step (weights gathered per step): what each rank's buffers
+    hold between steps (during fit and after it) against what it owns, a read outside tnt's
+    steps, and predict against serial Keras."""
+    variables = tm.model.trainable_variables
+    try:
+        tm.model.get_weights()
+        read = "no error"
+    except Exception as e:  # the type and message are what is checked
+        read = f"{type(e).__name__}: {e}"
+    out = {
+        "stored_elements_per_rank": tnt_comm.allgather_object(
+            [stored.most, tm._tnt_sharding.per_step.stored_bytes(variables) // 4]),  # float32
+        "owned_elements_per_rank": tnt_comm.allgather_object(_elements(tm._tnt_sharding.owned_variables())),
+        "variable_elements": _elements(variables),
+        "read_outside_a_step": read[:400],
+    }
+    if not isinstance(serial, SmallGAN):  # the GAN has no call of its own
+        x = data[0]
+        out["predict_diff"] = _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
+                                                serial.predict(x, batch_size=BATCH, verbose=0))
+    return out
+
+
 def initial_gradient_norm() -> float:
     """The global norm of the regression's first-step gradient (clipnorm 0.05 must be below it)."""
     model, (x, y) = _build("adam_clip")
@@ -204,4 +246,5 @@ def initial_gradient_norm() -> float:
     return float(tf.linalg.global_norm(tape.gradient(loss, model.trainable_variables)))
 
 
-OWN_STEP_CASES = {"own_l1_adam_clip": (1, "adam_clip"), "own_l2_adam_clip": (2, "adam_clip"), "own_l2_gan": (2, "gan")}
+OWN_STEP_CASES = {"own_l1_adam_clip": (1, "adam_clip"), "own_l2_adam_clip": (2, "adam_clip"), "own_l2_gan": (2, "gan"),
+                  "own_l3_adam_clip": (3, "adam_clip"), "own_l3_gan": (3, "gan")}

@@ -23,8 +23,9 @@ ALL of tensor groups without stages (4 ranks: t = 2 x 2 replicas, Adam, level 2,
 Embedding with sparse gradients): History and weights against serial Keras, replicas of a
 shard SHA-256 alike, slots partitioned per shard, the saved file read by serial Keras, and
 loaded at level 1 into the same layout (weights and each rank's slots as held).
-Own train_step at levels 1-2 (own_* cases, _sharded_own_step.py): one optimizer (Adam,
-global_clipnorm) and a GAN's two optimizers against serial Keras, each optimizer's slots per rank.
+Own train_step at levels 1-3 (own_* cases, _sharded_own_step.py): one optimizer (Adam,
+global_clipnorm) and a GAN's two optimizers against serial Keras, each optimizer's slots per rank;
+at level 3 (weights gathered per step) the elements each rank stores between steps.
 Rank 0 writes the JSON that tests/test_sharded.py checks.
 """
 
@@ -119,7 +120,7 @@ def initial_gradient_norm() -> float:
 #: Cases run with a fusion threshold of 512 bytes: their sharded collectives move the
 #: model's variables in several buckets (the default 8 MiB holds this model in one).
 SMALL_BUCKETS = {"l2_adam_clip", "l1_lso_sgd", "l2_sgd_momentum", "all_l2_adam_clip", "all_l3_adam_clip",
-                 "all_tensor_l2_adam"}
+                 "all_tensor_l2_adam", "all_tensor_l3_adam"}
 
 
 def bucket_threshold(name: str) -> None:
@@ -446,13 +447,6 @@ class NotPerVariable(keras.optimizers.SGD):
     """A subclass: tnt cannot know its update stays per variable."""
 
 
-class OwnStep(keras.Sequential):
-    """A model with its own train_step (level 3 refuses it: see error_cases)."""
-
-    def train_step(self, data):
-        return super().train_step(data)
-
-
 class SubsetStep(keras.Sequential):
     """An own train_step applying the compiled optimizer (its slots built on the owned share of
     all trainable variables) to the first layer's only: refused at levels 1-2 (error_cases)."""
@@ -495,10 +489,6 @@ def error_cases() -> dict:
                                               "get_weights()", "sharding<=2"),
         "level_3_sync_batch_norm": raised(lambda: tnt.Model(bn_model(), sync_batch_norm=True, sharding=3),
                                           "ShardingError", "sync_batch_norm=False", "sharding=2"),
-        "level_3_own_train_step": raised(lambda: tnt.Model(OwnStep([keras.Input((4,)), keras.layers.Dense(3),
-                                                                     keras.layers.Dense(2)]), sharding=3),
-                                         "ShardingError", "own train_step", "sharding=2", "sharding=0",
-                                         "compute_loss()"),
         "own_step_optimizer_on_other_variables": raised(lambda: compiled_subset(), "ShardingError", "Adam",
                                                         "same variables", "sharding=0"),
         "bad_level": raised(lambda: tnt.Model(make_model(), sharding=7), "sharding=7", "0 (none)"),
@@ -643,6 +633,22 @@ def tensor_serial(epochs: int):
     return serial, serial.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0).history
 
 
+def all_tensor_level_3(tm) -> dict:
+    """ALL of tensor groups at level 3 (weights gathered per step in each shard's replica
+    group), right after fit: (shard, trainable elements this rank's buffers hold, elements it
+    owns) of every rank, read from the buffers; and a read outside tnt's steps."""
+    variables = tm.trainable_variables
+    stored = tm._tnt_sharding.per_step.stored_bytes(variables) // 4  # float32
+    try:
+        tm.local_model.get_weights()
+        read = "no error"
+    except Exception as e:  # the type and message are what is checked
+        read = f"{type(e).__name__}: {e}"
+    return {"stored_per_rank": tnt_comm.allgather_object(
+                (tm.tensor_parallel_rank, stored, elements(tm._tnt_sharding.owned_variables()))),
+            "read_outside_a_step": read[:400]}
+
+
 def all_tensor_case(level: int, tmp) -> dict:
     """ALL, 2 replicas of 2-rank tensor groups (no stages) at ``level``, Adam, against serial
     Keras (one epoch: 5 steps, the last of 6 samples); then its file, read by serial Keras and
@@ -658,7 +664,8 @@ def all_tensor_case(level: int, tmp) -> dict:
     history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
     opt_vars = tm.optimizer.variables
     sharding = tm._tnt_sharding
-    out = {
+    out = {} if level < 3 else all_tensor_level_3(tm)
+    out |= {
         "strategy": type(tm).__name__,
         "buckets": sharding.bucket_count(),
         "plan": {s.name: s.kind for s in plan.layers},
@@ -709,7 +716,7 @@ def all_tensor_case(level: int, tmp) -> dict:
 
 
 ALL_CASES = {"all_l1_adam": (1, "adam"), "all_l2_adam_clip": (2, "adam_clip"), "all_l3_adam_clip": (3, "adam_clip")}
-ALL_TENSOR_CASES = {"all_tensor_l2_adam": 2}
+ALL_TENSOR_CASES = {"all_tensor_l2_adam": 2, "all_tensor_l3_adam": 3}
 
 CASES = {f"l{level}_{kind}": (level, kind)
          for level in (1, 2, 3) for kind in ("sgd_momentum", "adam", "adam_clip", "lso_sgd", "adam_seq")}

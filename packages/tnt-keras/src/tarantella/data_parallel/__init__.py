@@ -13,9 +13,10 @@ from ._grad_sync import UnsyncedReplicasError, local_batch_size
 from ._layer_shards import ReleasedWeight
 from ._level3_memory import Level3Holdings, Level3Layout, level3_layout
 from ._model import Model
+from ._per_step import GatheredStepFunctions, PerStepShards
 from ._sharded_files import serial_optimizer
 from ._sharding import Sharding, ShardingError, assign_owners, check_optimizer
 from ._steps import DistributedSteps
 
-__all__ = ["DistributedSteps", "Level3Holdings", "Level3Layout", "Model", "ReleasedWeight", "Sharding", "ShardingError", "UnsyncedReplicasError", "assign_owners",
+__all__ = ["DistributedSteps", "GatheredStepFunctions", "Level3Holdings", "Level3Layout", "Model", "PerStepShards", "ReleasedWeight", "Sharding", "ShardingError", "UnsyncedReplicasError", "assign_owners",
            "check_optimizer", "level3_layout", "local_batch_size", "serial_optimizer"]

@@ -45,6 +45,7 @@ from .._core.strategy import (
 from . import _grad_sync, _sharded_files, _sharding
 from ._layer_shards import LayerShards
 from ._level3_memory import level3_layout
+from ._per_step import GatheredStepFunctions, PerStepShards
 from ._steps import DistributedSteps
 
 _BATCH_NORM_MIN_LOCAL_BATCH = 16
@@ -52,7 +53,7 @@ _BATCH_NORM_MIN_LOCAL_BATCH = 16
 _KERAS_MODEL_KWARGS = frozenset({"name", "trainable", "dtype"})
 
 
-class Model(DistributedModel):
+class Model(GatheredStepFunctions, DistributedModel):
     """Wrap ``model`` so that compile/fit/evaluate/predict run on all ranks of the job.
 
     Args:
@@ -67,10 +68,11 @@ class Model(DistributedModel):
             does), so a model with batch normalisation trains as serial Keras does.
         sharding: 0 (default, or ``TNT_SHARDING``): every replica holds the whole optimizer
             state; 1: each replica keeps the optimizer state of the variables it owns;
-            2: and receives only their summed gradients; 3 (DATA only): and stores only the
-            weights it owns, gathered layer by layer around each call (docs/sharding.md).
-            ``ALL`` with pipeline stages takes levels 1 and 2 too: shards within each stage's
-            replica group.
+            2: and receives only their summed gradients; 3: and stores only the weights it
+            owns, gathered layer by layer around each call (a model with its own
+            ``train_step``: gathered per step; docs/sharding.md). ``ALL`` takes every level
+            too: shards within each stage's (or tensor shard's) replica group; level 3 there
+            gathers per step (not with pipeline stages of tensor groups).
         memory_budget: bytes per rank (``"6GiB"``, ``"512MiB"``, an int; default none, or
             ``TNT_MEMORY_BUDGET``), taken by every strategy: ``fit`` first checks the plan's
             per-rank estimate against it and raises ``tnt.MemoryBudgetError`` on every rank
@@ -286,13 +288,22 @@ class Model(DistributedModel):
         """Before any step of fit/evaluate/predict/*_on_batch: variables exist everywhere,
         replicas are identical."""
         shards = self._layer_shards()
-        # Level 3: a forward pass that builds the metrics gathers each layer's weights.
-        with shards.step(backward=False) if shards is not None and shards.released() else contextlib.nullcontext():
+        # Level 3: a forward pass that builds the metrics gathers each layer's weights (or,
+        # gathered per step, the whole weights).
+        with shards.step(backward=False) if shards is not None and shards.released() else self._per_call():
             _sync.build_variables(self._model, self, dataset, with_metrics)
         self._sync_replicas()
 
     def _sync_replicas(self) -> None:
-        if not self._tnt_synced and _runtime.get_size() > 1:
+        per_step = self._per_step()
+        if not self._tnt_synced and _runtime.get_size() > 1 and per_step is not None:
+            # Whole first (a collective, after a load or a recompile), then from here on each
+            # replica stores what it owns; the optimizer state is each replica's own.
+            per_step.gather()
+            _sync.sync_replicas(self._model, with_optimizer=False)
+            per_step.owners = list(self._tnt_sharding.owners)
+            per_step.release(self._model.trainable_variables)
+        elif not self._tnt_synced and _runtime.get_size() > 1:
             shards = self._layer_shards()
             if shards is not None and shards.released():  # each owner holds the only copy
                 _sync.sync_replicas(self._model, with_optimizer=False, skip=shards.is_per_layer)
@@ -306,10 +317,25 @@ class Model(DistributedModel):
         """Level 3's per-layer shards (``_layer_shards.LayerShards``), else None."""
         return None if self._tnt_sharding is None else self._tnt_sharding.layers
 
+    def _per_step(self):
+        """Level 3 of a model's own train_step (``_per_step.PerStepShards``), else None."""
+        return None if self._tnt_sharding is None else self._tnt_sharding.per_step
+
     def _whole(self, gather: bool = True):
         """While inside, every replica holds every weight (level 3 gathers them: a collective)."""
         shards = self._layer_shards()
-        return shards.whole(gather) if shards is not None else contextlib.nullcontext()
+        if shards is not None:
+            return shards.whole(gather)
+        return self._per_call(gather)
+
+    def _per_call(self, gather: bool = True):
+        """Level 3 gathered per step: while inside, the whole weights (gathered on entry, a
+        collective; ``gather`` False: zeros, for a load to overwrite), freed again on exit.
+        Nests: Keras' step functions inside one call of evaluate/predict gather nothing more."""
+        per_step = self._per_step()
+        if per_step is None:
+            return contextlib.nullcontext()
+        return per_step.gathered(self._model.trainable_variables, gather)
 
     def _average_moving_statistics(self) -> None:
         if _runtime.get_size() > 1:
@@ -394,9 +420,10 @@ class Model(DistributedModel):
         """Keras' ``evaluate`` over the union of all ranks' micro-batches (global metrics)."""
         if _internals.is_cached_eval_call(kwargs):  # validation inside fit: already split
             self._average_moving_statistics()
-            return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
-                                    sample_weight=sample_weight, steps=steps, callbacks=callbacks,
-                                    return_dict=return_dict, **kwargs)
+            with self._per_call():  # level 3 per step: gathered once for the whole call
+                return super().evaluate(x, y, batch_size=batch_size, verbose=verbose,
+                                        sample_weight=sample_weight, steps=steps, callbacks=callbacks,
+                                        return_dict=return_dict, **kwargs)
         self._assert_evaluable()
         data = rank_dataset(
             x, y, sample_weight, batch_size=batch_size, shuffle=False, method="evaluate",
@@ -406,7 +433,7 @@ class Model(DistributedModel):
             _inputs.check_same_length(data, "evaluation", "evaluate")
         self._prepare(data, with_metrics=True)
         self._average_moving_statistics()
-        with self._rank_callbacks(callbacks) as rank_callbacks:
+        with self._rank_callbacks(callbacks) as rank_callbacks, self._per_call():
             return super().evaluate(
                 data, verbose=self._verbose(verbose), steps=steps,
                 callbacks=rank_callbacks, return_dict=return_dict, **kwargs,
@@ -437,7 +464,7 @@ class Model(DistributedModel):
             )
         self._ensure_compiled_for_inference()
         self._prepare(data, with_metrics=False)
-        with self._rank_callbacks(callbacks) as rank_callbacks:
+        with self._rank_callbacks(callbacks) as rank_callbacks, self._per_call():
             return super().predict(data, verbose=self._verbose(verbose), steps=steps,
                                    callbacks=rank_callbacks)
 
@@ -550,7 +577,8 @@ class Model(DistributedModel):
             raise _sharding.ShardingError(
                 "tnt.Model.export() at sharding=3 is not supported: save() the model (one ordinary "
                 "Keras file), load it serially with keras.models.load_model and export that.")
-        super().export(filepath, format=format, verbose=verbose, **kwargs)
+        with self._per_call():  # level 3 per step: the whole weights while Keras exports them
+            super().export(filepath, format=format, verbose=verbose, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load weights read by the master rank; all replicas end up identical."""
@@ -569,17 +597,11 @@ def _make_sharding(model: keras.Model, sharding) -> _sharding.Sharding | None:
     level = _settings.sharding_level(sharding)
     if level == 0 or _runtime.get_size() == 1:
         return None
-    if level == 3 and overrides(model, "train_step"):
-        raise _sharding.ShardingError(
-            f"tnt.Model(sharding=3): {type(model).__name__} has its own train_step; level 3 works with "
-            "tnt's default training step only (the per-layer weights' gradients arrive already summed "
-            "from each layer's backward, and the weights other replicas own are not stored, so a tape "
-            "over model.trainable_variables cannot read them). Use sharding=2 or 1 (an own train_step "
-            "is sharded through its optimizers' apply), sharding=0, or keep tnt's default step and put "
-            "the custom part into compute_loss().")
     # Its collectives move at most a fusion threshold's bytes at once (TNT_FUSION_THRESHOLD).
     shards = _sharding.Sharding(model, level, bucket_bytes=_settings.load().fusion_threshold_bytes)
-    if level == 3:  # parameters too: each layer's weights gathered around its call
+    if level == 3 and overrides(model, "train_step"):  # its own tape and apply: whole weights per step
+        shards.per_step = PerStepShards(shards.comm, shards.bucket_bytes)
+    elif level == 3:  # parameters too: each layer's weights gathered around its call
         shards.layers = LayerShards(shards)
     return shards
 

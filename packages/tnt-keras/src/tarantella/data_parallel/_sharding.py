@@ -117,8 +117,10 @@ class Sharding:
         self._owners: list[int] | None = None
         self._variable_ids: list[int] = []  # id() of the variables the owners were assigned for
         self._installed: object | None = None  # the optimizer patched for shards
-        # Level 3: the per-layer plan and the released variables (_layer_shards.LayerShards).
+        # Level 3: the per-layer plan and the released variables (_layer_shards.LayerShards);
+        # or, for a model's own train_step, the weights gathered per step (_per_step.PerStepShards).
         self.layers = None
+        self.per_step = None
 
     # -- ownership ------------------------------------------------------------------------------
     @property

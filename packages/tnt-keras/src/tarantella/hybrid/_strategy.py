@@ -51,18 +51,20 @@ def _pipeline_plan(model: keras.Model, options: dict):
     return None
 
 
-def _sharding_level(options: dict, tensor_parallel_size: int = 1) -> int:
+def _sharding_level(options: dict, tensor_parallel_size: int = 1, stages: bool = False) -> int:
     """The sharding level of ALL's replica axis (``sharding=``, else ``TNT_SHARDING``). Level 3
-    runs on replicas of pipelines (per stage per step, ``pipelining._shards``) and of whole
-    models (DATA's); with tensor groups (t > 1) it is refused (a ShardingError naming the
-    fix, alike on every rank)."""
+    runs on replicas of pipelines (per stage per step, ``pipelining._shards``), of tensor
+    groups (per step, ``data_parallel.PerStepShards``) and of whole models (DATA's); with
+    pipeline stages of tensor groups (t > 1 and stages) it is refused (a ShardingError naming
+    the fix, alike on every rank)."""
     level = _settings.sharding_level(options.get("sharding"))
     named = f"sharding={level}" if options.get("sharding") is not None else f"TNT_SHARDING={level}"
-    if level == 3 and tensor_parallel_size > 1:
+    if level == 3 and tensor_parallel_size > 1 and stages:
         raise ShardingError(f"tnt.Model(parallel_strategy=ALL, tensor_parallel_size={tensor_parallel_size}, "
-                            f"{named}) (parameters sharded too) is not implemented for tensor groups yet; use "
-                            "sharding=2 (optimizer state and gradients) or sharding=1 (optimizer state), or "
-                            "tensor_parallel_size=1 (sharding=3 runs on replicas of pipeline stages).")
+                            f"pipeline stages, {named}) (parameters sharded too) is not implemented for pipeline "
+                            "stages of tensor groups yet; use sharding=2 (optimizer state and gradients) or "
+                            "sharding=1 (optimizer state), or either tensor_parallel_size=1 or one stage "
+                            "(sharding=3 runs on replicas of pipeline stages and of tensor groups).")
     return level
 
 
@@ -70,7 +72,7 @@ def build_all(model: keras.Model, member: ParallelStrategy, options: dict) -> ke
     """ALL: replicas of pipelines, of tensor groups, or of pipelines of tensor groups."""
     t = size_from_options(options, member)
     stage_options = {k: options[k] for k in STAGE_OPTIONS if k in options}
-    level = _sharding_level(options, t)
+    level = _sharding_level(options, t, stages=t > 1 and _has_stages(model, options))
     if level:  # the replica groups of each stage (and shard) shard: pipelining's model takes it
         stage_options["sharding"] = level
     if t == 1:

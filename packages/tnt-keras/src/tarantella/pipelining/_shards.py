@@ -31,38 +31,29 @@ which captured it, need no retrace; an eager read outside tnt's steps raises
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
 
 import tnt_comm
 
-from .._core import internals as _internals
-from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
-from ..data_parallel import ReleasedWeight, ShardingError, assign_owners
+from .._core.shard_buckets import BUCKET_BYTES
+from ..data_parallel import PerStepShards, ShardingError, assign_owners
 
 
 def _nbytes(v) -> int:
     return int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
 
 
-class StageShards:
+class StageShards(PerStepShards):
     """Who owns which trainable variable of a stage in its replica group, and the group's
-    reduce-scatter of gradients and allgather of updated values."""
+    reduce-scatter of gradients and allgather of updated values; level 3's per-step storage
+    is ``PerStepShards``' (shared with DATA's own ``train_step``)."""
 
     def __init__(self, level: int, comm: tnt_comm.Communicator, bucket_bytes: int = BUCKET_BYTES) -> None:
+        super().__init__(comm, bucket_bytes, "parallel_strategy=ALL, sharding=3", " of its pipeline stage")
         self.level = level
-        self.bucket_bytes = bucket_bytes  # the most bytes one collective moves
-        self.comm = comm
-        self.rank, self.size = comm.rank, comm.size
-        self.owners: list[int] = []
-        self._parked: dict[int, tuple] = {}  # id(variable) -> (variable, its backing tf.Variable)
-        self._released = False  # level 3: the non-owned values are freed (alike on every replica)
-        self._freed_from: tuple[list, list[int]] = ([], [])  # (variables, owners) at the release
-        self._holds = 0  # nesting depth of ``gathered()``
-        self._refree = False  # whether the outermost ``gathered()`` found them released
 
     def assign(self, variables: Sequence) -> None:
         """Fix the owners of ``variables`` (the stage's trainable ones, at compile)."""
@@ -84,31 +75,15 @@ class StageShards:
 
     def bucket_count(self, variables: Sequence) -> int:
         """How many allgathers of updated values one step runs for ``variables``."""
-        return len(self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
-                                lambda i: _nbytes(variables[i])))
-
-    def _layout(self, positions: Sequence[int], dtype_of, nbytes_of) -> list[tuple[np.dtype, list[int]]]:
-        """``positions`` by dtype, cut into buckets of at most ``bucket_bytes`` (``shard_buckets``),
-        each ordered by (owner, position): the wire layout, one collective per bucket."""
-        by_dtype: list[tuple[np.dtype, list[int]]] = []
-        for i in positions:
-            dt = dtype_of(i)
-            for known, members in by_dtype:
-                if known == dt:
-                    members.append(i)
-                    break
-            else:
-                by_dtype.append((dt, [i]))
-        return [(dt, sorted(bucket, key=lambda i: (self.owners[i], i)))
-                for dt, members in by_dtype
-                for bucket in cut_into_buckets(members, [nbytes_of(i) for i in members], self.bucket_bytes)]
+        return len(self.layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
+                               lambda i: _nbytes(variables[i])))
 
     def reduce_scatter(self, grads: list, positions: Sequence[int]) -> dict[int, tf.Tensor]:
         """Level 2: the SUM over the group of the owned ones of ``grads[positions]`` (dense),
         one bucket at a time."""
         arrays = {i: np.asarray(grads[i]) for i in positions}
         out: dict[int, tf.Tensor] = {}
-        for _, idx in self._layout(positions, lambda i: arrays[i].dtype, lambda i: arrays[i].nbytes):
+        for _, idx in self.layout(positions, lambda i: arrays[i].dtype, lambda i: arrays[i].nbytes):
             counts = [sum(arrays[i].size for i in idx if self.owners[i] == r) for r in range(self.size)]
             flat = np.concatenate([arrays[i].reshape(-1) for i in idx])
             mine = self.comm.reduce_scatter(flat, counts)
@@ -124,99 +99,14 @@ class StageShards:
     def gather_values(self, variables: Sequence) -> None:
         """Every owner's (updated) values to every replica of the group, one allgather per
         bucket (a bucket's copy at a time, never the whole stage's)."""
-        for i, value in self._owners_values(variables):
+        for i, value in self.owners_values(variables):
             variables[i].assign(value)
 
-    def _owners_values(self, variables: Sequence) -> Iterator[tuple[int, np.ndarray]]:
-        """(index, the owner's value) of each variable of ``variables`` this replica does not
-        own, one allgather per bucket of the group's layout (collective over the group)."""
-        for dt, idx in self._layout(range(len(variables)), lambda i: np.dtype(variables[i].dtype),
-                                    lambda i: _nbytes(variables[i])):
-            mine = [np.asarray(variables[i].numpy()).reshape(-1) for i in idx if self.owners[i] == self.rank]
-            flat = np.concatenate(mine) if mine else np.zeros(0, dt)
-            del mine
-            whole = self.comm.allgather(np.ascontiguousarray(flat))
-            del flat
-            offset = 0
-            for i in idx:
-                n = int(np.prod(variables[i].shape))
-                if self.owners[i] != self.rank:
-                    yield i, np.asarray(whole[offset: offset + n]).reshape(variables[i].shape)
-                offset += n
-            del whole
-
-    # -- level 3: the stage's weights stored by their owners only ------------------------------
-    @property
-    def released(self) -> bool:
-        """Whether the replicas store only what they own now (the same answer on every replica)."""
-        return self._released
-
-    def is_released(self, variable) -> bool:
-        return id(variable) in self._parked
-
-    def stored_bytes(self, variables: Sequence) -> int:
-        """Bytes the buffers of ``variables`` hold now, read from the buffers themselves (a
-        freed variable's holds 0 elements), not from their shapes."""
-        total = 0
-        for v in variables:
-            backing = self._parked[id(v)][1] if id(v) in self._parked else v.value
-            buffer = tf.raw_ops.ReadVariableOp(resource=backing.handle, dtype=backing.dtype)
-            total += int(tf.size(buffer)) * backing.dtype.size
-        return total
-
     def release(self, variables: Sequence) -> None:
-        """Level 3: free the values of the variables of ``variables`` (the stage's trainable
-        ones) other replicas own; no collective. Nothing before owners are assigned, nor
-        while ``gathered()`` holds them."""
-        if self.level < 3 or len(self.owners) != len(variables) or self._holds:
-            return
-        for i, v in enumerate(variables):
-            if self.owners[i] != self.rank and id(v) not in self._parked:
-                freed = ReleasedWeight(v.path, self.owners[i], "parallel_strategy=ALL, sharding=3",
-                                       " of its pipeline stage")
-                self._parked[id(v)] = (v, _internals.park_value(v, freed))
-        self._released = True
-        self._freed_from = (list(variables), list(self.owners))
-
-    def gather(self, values: bool = True) -> None:
-        """Level 3: every freed variable gets its owner's value again, one allgather per bucket
-        (``gather_values``' layout over the variables and owners of the release, which a
-        recompile may have changed since; collective over the group). Not ``values``: zeros
-        instead, no collective (about to be overwritten, e.g. by a file)."""
-        if not self._released:
-            return
-        variables, owners = self._freed_from
-        assigned, self.owners = self.owners, owners  # the layout of the release
-        try:
-            if not values:
-                for v, backing in self._parked.values():
-                    _internals.unpark_value(v, backing, np.zeros(v.shape, np.dtype(backing.dtype.as_numpy_dtype)))
-            else:
-                for i, value in self._owners_values(variables):
-                    v = variables[i]
-                    if id(v) in self._parked:
-                        _internals.unpark_value(v, self._parked[id(v)][1], value)
-        finally:
-            self.owners = assigned
-        self._parked.clear()
-        self._released = False
-        self._freed_from = ([], [])
-
-    @contextlib.contextmanager
-    def gathered(self, variables: Sequence, values: bool = True) -> Iterator[None]:
-        """While inside, every replica holds the stage's whole weights (level 3, once released:
-        gathered on entry, a collective, and the non-owned ones freed again on exit); nests;
-        nothing below level 3 or before the first release (replica 0's sync comes first)."""
-        if self._holds == 0:
-            self._refree = self._released
-            self.gather(values)
-        self._holds += 1
-        try:
-            yield
-        finally:
-            self._holds -= 1
-            if self._holds == 0 and self._refree:
-                self.release(variables)
+        """Level 3: free the values of the stage's trainable variables other replicas own
+        (``PerStepShards.release``); nothing below level 3."""
+        if self.level >= 3:
+            super().release(variables)
 
     def whole_state(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
         """The stage's whole optimizer state (keys as ``optimizer_state``) on replica 0 of the
@@ -233,6 +123,7 @@ class StageShards:
                 if self.rank == 0:
                     whole[key] = np.asarray(value).reshape(shape)
         return whole if self.rank == 0 else None
+
 
 
 def check_enough_variables(count: int, size: int, stage: int, level: int, transport) -> None:

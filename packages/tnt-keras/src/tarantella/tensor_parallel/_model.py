@@ -13,12 +13,15 @@ between them, ``_xla``).
 ``TENSOR`` runs one group of N == t ranks; ``ALL`` with ``tensor_parallel_size=t`` runs
 N / t data replicas of such groups (``_replicas``: each replica reads its slice of the
 global batch, gradients are summed over the replica group only; ``sharding=1|2`` shards
-the optimizer state, and gradients, over each replica group as DATA does), or, with
+the optimizer state, and gradients, over each replica group as DATA does; ``sharding=3``
+also stores only the owned variables between steps, gathered per step in the replica group
+as DATA's own train_step is: ``data_parallel.PerStepShards``), or, with
 pipeline stages, pipelining's model whose stages are tensor groups (``tarantella.hybrid``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 
@@ -39,7 +42,7 @@ from .._core.deferred import current_or_initial, has_deferred, is_deferred, mate
 from .._core.distributed import DistributedModel
 from .._core.errors import TensorParallelError
 from .._core.mesh import check_layout, groups
-from ..data_parallel import Sharding, serial_optimizer
+from ..data_parallel import GatheredStepFunctions, PerStepShards, Sharding, serial_optimizer
 from . import _saving
 from ._agreement import check_same_plan
 from ._collectives import TensorGroup
@@ -88,7 +91,7 @@ class GroupMember:
         return digest([v for shard in self._tnt_shards.values() for v in shard.weights])
 
 
-class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
+class TensorParallelModel(GroupMember, ReplicaLoops, GatheredStepFunctions, DistributedModel):
     """This rank's shards of a model whose large layers are split over ``t`` ranks (and,
     with ``parallel_strategy="all"``, its replica's slice of every global batch)."""
 
@@ -187,20 +190,43 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         """The local model's forward pass (outputs identical on every rank of the group)."""
         return self.local_model(inputs, training=training)
 
+    # -- level 3: the owned variables stored between steps, the others gathered per step ----
+    def _per_step(self) -> PerStepShards | None:
+        """Level 3's per-step storage on the replica group, else None."""
+        return None if self._tnt_sharding is None else self._tnt_sharding.per_step
+
+    @contextlib.contextmanager
+    def _per_call(self, gather: bool = True):
+        """Level 3: while inside, this rank holds its local model's whole weights (gathered
+        from their owners in the replica group on entry, a collective; ``gather`` False:
+        zeros, for a load to overwrite); on the outermost exit the ones other replicas own are
+        freed (from the first such exit on: the replicas start alike, from construction)."""
+        per_step = self._per_step()
+        if per_step is None:
+            yield
+            return
+        variables = self.trainable_variables
+        with per_step.gathered(variables, gather):
+            yield
+        per_step.owners = list(self._tnt_sharding.owners)
+        per_step.release(variables)  # nothing while an outer call holds them
+
     # get_weights / set_weights: the base's (serial-shaped; the master's values win).
     def _tnt_serial_weights(self) -> list[np.ndarray]:
         """The serial model's weights, shards joined over the group (collective on the group)."""
-        gathered = {id(s): self._gather(local, axis) for s, local, axis in self._split_variables()}
-        return [gathered[id(w)] if id(w) in gathered else np.asarray(w.numpy()) for w in self._serial.weights]
+        with self._per_call():  # level 3: the replicated layers' variables are the local model's too
+            gathered = {id(s): self._gather(local, axis) for s, local, axis in self._split_variables()}
+            return [gathered[id(w)] if id(w) in gathered else np.asarray(w.numpy()) for w in self._serial.weights]
 
     def _tnt_serial_shapes(self) -> list[tuple[int, ...]]:
         return [tuple(w.shape) for w in self._serial.weights]
 
     def _tnt_assign_serial(self, weights) -> None:
         """The serial layers take the list; each shard its slices of the split ones."""
-        materialise(self._serial)  # a loaded model's serial split layers hold no values
-        self._serial.set_weights(weights)
-        self._assign_shards()
+        with self._per_call(gather=False):  # level 3: the replicated variables are the local model's
+            materialise(self._serial)  # a loaded model's serial split layers hold no values
+            self._serial.set_weights(weights)
+            self._assign_shards()
 
     def replicated_checksum(self) -> str:
         """A digest of every replicated variable's bytes (equal on all ranks of a healthy group):
@@ -208,14 +234,21 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         which a rank-local decision (e.g. skipping a step) would also make drift apart."""
         shard_vars = {id(v) for shard in self._tnt_shards.values() for v in shard.weights}
         whole_in_shards = [local for _, local, axis in self._split_variables() if axis is None]
-        return digest([v for v in self.local_model.weights if id(v) not in shard_vars] + whole_in_shards)
+        with self._per_call():  # level 3: a collective over the replica group
+            return digest([v for v in self.local_model.weights if id(v) not in shard_vars] + whole_in_shards)
+
+    def shard_checksum(self) -> str:
+        """A digest of this rank's shards' bytes (level 3: gathered first, a collective)."""
+        with self._per_call():
+            return super().shard_checksum()
 
     def verify_group(self) -> None:
         """Raise if replicated weights differ within the group (the ranks did not read the
         same batches: unseeded shuffles) or any weight differs between data replicas."""
         if _runtime.get_size() == 1:
             return
-        everyone = tnt_comm.allgather_object((self.replicated_checksum(), self.shard_checksum()))
+        with self._per_call():
+            everyone = tnt_comm.allgather_object((self.replicated_checksum(), self.shard_checksum()))
         t = self.group.size
         if any(len({e[0] for e in everyone[g:g + t]}) != 1 for g in range(0, len(everyone), t)):
             raise TensorParallelError(
@@ -252,6 +285,9 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         self._tnt_xla_segments = jit_compile is True
         super().compile(optimizer=optimizer, jit_compile=False, **kwargs)
         if self._tnt_sharding is not None:  # its LossScaleOptimizer decides over the job
+            per_step = self._per_step()
+            if per_step is not None:  # level 3: whole until the next step frees them (new owners)
+                per_step.gather()
             self._tnt_sharding.install(self.optimizer)
             self._tnt_sharding.owned_variables()  # too few variables to own: a ShardingError now, not in fit
         else:  # a LossScaleOptimizer skips or applies on whole gradients, as serial (_loss_scale)
@@ -338,29 +374,40 @@ class TensorParallelModel(GroupMember, ReplicaLoops, DistributedModel):
         """Keras' evaluate; with data replicas over the union of their slices (global metrics)."""
         with compiled_segments(self._tnt_xla_segments):
             self._average_replica_statistics()
-            if self._tnt_replicas is None or _internals.is_cached_eval_call(kwargs):
-                return super().evaluate(*args, **kwargs)
-            return self._evaluate_replicas(*args, **kwargs)
+            with self._per_call():  # level 3: gathered once for the whole call
+                if self._tnt_replicas is None or _internals.is_cached_eval_call(kwargs):
+                    return super().evaluate(*args, **kwargs)
+                return self._evaluate_replicas(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
         """Keras' predict; with data replicas every rank returns the whole predictions."""
         with compiled_segments(self._tnt_xla_segments):
-            if self._tnt_replicas is None:
-                return super().predict(*args, **kwargs)
-            return self._predict_replicas(*args, **kwargs)
+            with self._per_call():  # level 3: gathered once for the whole call
+                if self._tnt_replicas is None:
+                    return super().predict(*args, **kwargs)
+                return self._predict_replicas(*args, **kwargs)
 
     # -- files (the base writes them, see _core.distributed; reading: _saving) ---------------
     def load_weights(self, filepath, *args, **kwargs) -> None:
         """Load a serial weights file (saved at any t): this rank reads its slices only."""
-        _saving.load_weights(self, filepath)
+        with self._per_call(gather=False):
+            _saving.load_weights(self, filepath)
+
+    def _write(self, *args, **kwargs) -> None:
+        """A file (save, save_weights, export's gather, a backup): level 3 holds the whole
+        weights while it is written (a collective over the replica group)."""
+        with self._per_call():
+            super()._write(*args, **kwargs)
 
     def _tnt_gather_serial(self, with_optimizer: bool = True) -> keras.Model | None:
         """The serial model with optimizer state on the master (None elsewhere); all ranks
         call it (BackupAndRestore writes it). Sharded replicas first stream their slots to
-        replica 0 of their group, whose shards are then joined as unsharded ones."""
+        replica 0 of their group, whose shards are then joined as unsharded ones (level 3:
+        from the whole weights, gathered for it)."""
         if self._tnt_sharding is None or not with_optimizer or not self.compiled:
-            return _saving.gather_serial_model(self, with_optimizer)
-        with serial_optimizer(self, self._tnt_sharding, gather=True):
+            with self._per_call():
+                return _saving.gather_serial_model(self, with_optimizer)
+        with self._per_call(), serial_optimizer(self, self._tnt_sharding, gather=True):
             return _saving.gather_serial_model(self, with_optimizer)
 
     def _tnt_streamed(self, kind: str, with_optimizer: bool):
@@ -379,8 +426,13 @@ def replica_sharding(tpm: TensorParallelModel, level: int) -> Sharding | None:
     level 0 or with one replica. The loss-scale decision spans the job."""
     if not level or tpm._tnt_replicas is None:
         return None
-    return Sharding(tpm, level, comm=tpm._tnt_replicas, decisions=tnt_comm.world(),
-                    bucket_bytes=_settings.load().fusion_threshold_bytes)
+    shards = Sharding(tpm, level, comm=tpm._tnt_replicas, decisions=tnt_comm.world(),
+                      bucket_bytes=_settings.load().fusion_threshold_bytes)
+    if level == 3:  # the step is level 2's; the weights are gathered per step around it
+        shards.per_step = PerStepShards(shards.comm, shards.bucket_bytes,
+                                        "parallel_strategy=ALL, tensor_parallel_size>1, sharding=3",
+                                        " of its tensor shard's replica group")
+    return shards
 
 
 def assign_slices(pairs, group: TensorGroup) -> None:

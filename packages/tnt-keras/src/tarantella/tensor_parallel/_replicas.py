@@ -56,7 +56,8 @@ class ReplicaLoops:
             x, y, sample_weight, sharding=self._sharding(), batch_size=batch_size, shuffle=shuffle,
             class_weight=class_weight, validation_split=validation_split, validation_data=validation_data,
             validation_batch_size=validation_batch_size)
-        _sync.build_variables(self, self, train, with_metrics=True)
+        with self._per_call():  # level 3: building the metrics may run a forward pass
+            _sync.build_variables(self, self, train, with_metrics=True)
         callbacks, backup = _backup.adapt(callbacks)
         if backup is not None:  # every rank reads its slices of the backup
             restored = backup.restore(self)
