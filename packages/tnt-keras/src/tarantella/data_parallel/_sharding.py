@@ -328,8 +328,9 @@ class Sharding:
         """Level 2: the SUM over replicas of the owned ones of ``dense`` (variable index ->
         gradient); zeros are sent by a replica without data. One collective per bucket
         (:meth:`scatter_buckets`), each after ``after``, the one before and its own gradients
-        only: not in tf.function's chain of side effects, so it starts during backprop and
-        the bucket's local gradients are freed then. Also returns a token of the last
+        only, so it starts during backprop and the bucket's local gradients are freed then
+        (kept out of tf.function's chain of side effects too, as the reducer's waits: its
+        order comes from these inputs alone). Also returns a token of the last
         reduce-scatter (a scalar: an empty output could be folded away): a replica owning none
         of these gradients (only sparse ones, an Embedding) reads no output of the collective,
         and without this edge its allgather of values could start on another thread while the
