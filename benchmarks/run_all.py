@@ -73,6 +73,8 @@ BENCHMARKS: list[Benchmark] = [
     # Sharded data parallelism (issue 30): memory and step time per level; launches its own
     # 2-rank jobs (one per level), rows come with the JSON.
     Benchmark("sharded", "sharded.py"),
+    # The same memory and step-time rows on issue 30's ~92 M MLP (rows *_92m; named only).
+    Benchmark("sharded_92m", "sharded.py", args=["--large"], default=False, timeout=3600.0),
     # Level 3 of a deferred build vs level 0: the largest MLP that trains under prlimit --data
     # per rank, 4 ranks (about 15 min on 2 cores: named only; its own capped launches).
     Benchmark("sharded_cap", "sharded_cap.py", default=False, timeout=3600.0),

@@ -2,6 +2,7 @@
 and step time against plain data parallelism, on 2 ranks.
 
     python benchmarks/sharded.py [--quick]        # launches one 2-rank job per level
+    python benchmarks/sharded.py --large [--quick] # the same rows on issue 30's 92 M MLP
 
 One ``mpirun -n 2`` job per level k = 0, 1, 2, 3 trains the same MLP (Psi ~ 12.6 M float32
 parameters, Adam) on synthetic data. Each rank reports:
@@ -19,6 +20,11 @@ Rows: shardK_state_memory_vs_dp_2ranks (measured peak / level 0's; target: the Z
 ownership on ResNet-50 and GPT-2 small (max / min bytes per replica; target 1.15), and
 reduce_scatter_allgather_vs_allreduce_2ranks: tnt_comm.reduce_scatter + allgather of Psi
 float32 against one allreduce of the same bytes.
+
+``--large``: the memory and step-time rows only, on the MLP of benchmarks/memory.py (Dense(2048
+-> 4096) + 5 x Dense(4096) + Dense(10), Psi ~ 92 M: the size issue 30 asks for), named
+shardK_state_memory_vs_dp_2ranks_92m and shardK_step_time_vs_dp_2ranks_92m (results/sharded_92m.json);
+the default rows keep the 12.6 M MLP.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ import benchlib as bl  # noqa: E402  (pins threads before TensorFlow)
 RANKS = 2
 LEVELS = (0, 1, 2, 3)
 WIDTHS = [1024, 2048, 2048, 2048, 1024, 10]  # Dense stack: ~12.6 M parameters
+#: --large: benchmarks/memory.py's MLP, ~92 M parameters (issue 30's model size).
+WIDTHS_LARGE = [2048, *[4096] * 6, 10]
 MICRO_BATCH = 32
 WIDTHS_PSI = sum(a * b + b for a, b in itertools.pairwise(WIDTHS))  # the MLP's parameters
 
@@ -50,8 +58,8 @@ def _status(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def worker(level: int, steps: int) -> None:
-    """One rank of the job of ``level``."""
+def worker(level: int, steps: int, widths: list[int]) -> None:
+    """One rank of the job of ``level`` on the MLP of ``widths``."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -61,15 +69,15 @@ def worker(level: int, steps: int) -> None:
     bl.pin_threads(tf)
     rss_before = _status("VmRSS")
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((WIDTHS[0],))]
-                             + [keras.layers.Dense(w, activation="relu") for w in WIDTHS[1:-1]]
-                             + [keras.layers.Dense(WIDTHS[-1])])
+    model = keras.Sequential([keras.Input((widths[0],))]
+                             + [keras.layers.Dense(w, activation="relu") for w in widths[1:-1]]
+                             + [keras.layers.Dense(widths[-1])])
     tm = tnt.Model(model, sharding=level)
     tm.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     batch = MICRO_BATCH * tnt.get_size()
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(batch * steps, WIDTHS[0])).astype("float32")
-    y = rng.integers(0, WIDTHS[-1], size=batch * steps)
+    x = rng.normal(size=(batch * steps, widths[0])).astype("float32")
+    y = rng.integers(0, widths[-1], size=batch * steps)
     times: list[float] = []
 
     tm.fit(x[: 2 * batch], y[: 2 * batch], batch_size=batch, epochs=1, verbose=0, shuffle=False)  # warm-up
@@ -154,6 +162,8 @@ def formula(level: int, d: int) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--large", action="store_true",
+                        help="the memory and step-time rows on the ~92 M MLP (rows *_92m)")
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)),
                         help="comma-separated levels to run (0 is always run: the rows' reference)")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -161,8 +171,10 @@ def main() -> int:
     parser.add_argument("--comm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     steps = args.steps or (4 if args.quick else 10)
+    widths = WIDTHS_LARGE if args.large else WIDTHS
+    suffix = "_92m" if args.large else ""
     if args.worker is not None:
-        worker(args.worker, steps)
+        worker(args.worker, steps, widths)
         return 0
     if args.comm:
         comm_worker(5 if args.quick else 15)
@@ -175,20 +187,23 @@ def main() -> int:
     levels = sorted({0, *(int(k) for k in args.levels.split(",") if k)})
     for level in levels:
         cmd = [bl.mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(RANKS), sys.executable,
-               str(Path(__file__).resolve()), "--worker", str(level), "--steps", str(steps)]
+               str(Path(__file__).resolve()), "--worker", str(level), "--steps", str(steps),
+               *(["--large"] if args.large else [])]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
             return 1
         runs[level] = sorted(bl.parse_results(proc.stdout), key=lambda r: r["rank"])
-    cmd = [bl.mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(RANKS), sys.executable,
-           str(Path(__file__).resolve()), "--comm", *(["--quick"] if args.quick else [])]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
-        return 1
-    comm = bl.parse_results(proc.stdout)[0]
-    balances = balance(RANKS)
+    comm, balances = None, {}
+    if not args.large:  # model-independent rows: once, with the default model
+        cmd = [bl.mpirun(), "--oversubscribe", "--bind-to", "none", "-n", str(RANKS), sys.executable,
+               str(Path(__file__).resolve()), "--comm", *(["--quick"] if args.quick else [])]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
+            return 1
+        comm = bl.parse_results(proc.stdout)[0]
+        balances = balance(RANKS)
     base = runs[0]
     rows = []
     print(f"sharded data parallelism, {RANKS} ranks, MLP Psi = {base[0]['psi'] / 1e6:.1f} M, Adam")
@@ -204,21 +219,22 @@ def main() -> int:
         acc0 = max(x["param_bytes"] + x["grad_bytes"] + x["optimizer_bytes"] for x in base)
         peak0 = max(x["peak_bytes"] for x in base)
         f = formula(level, RANKS)
-        rows.append(bl_row(f"shard{level}_state_memory_vs_dp_{RANKS}ranks", peak / peak0, f * 1.15, False,
+        rows.append(bl_row(f"shard{level}_state_memory_vs_dp_{RANKS}ranks{suffix}", peak / peak0, f * 1.15, False,
                            "x level 0's measured peak per rank",
                            f"measured peak (VmHWM - RSS before the build) {peak / 1e6:.0f} vs {peak0 / 1e6:.0f} MB; "
                            f"accounted state {accounted / 1e6:.0f} vs {acc0 / 1e6:.0f} MB = {accounted / acc0:.3f}; "
                            f"ZeRO formula {f:.3f} (target formula + 15 %)"))
-        rows.append(bl_row(f"shard{level}_step_time_vs_dp_{RANKS}ranks", step / max(x["step_s"] for x in base),
+        rows.append(bl_row(f"shard{level}_step_time_vs_dp_{RANKS}ranks{suffix}", step / max(x["step_s"] for x in base),
                            {2: 1.05, 3: 1.30}.get(level), False, "x level 0's step time",
                            f"median step {step * 1e3:.1f} vs {max(x['step_s'] for x in base) * 1e3:.1f} ms "
                            f"(slowest rank, {r[0]['steps']} steps)"))
-    rows.append(bl_row(f"reduce_scatter_allgather_vs_allreduce_{RANKS}ranks",
-                       comm["reduce_scatter_allgather_s"] / comm["allreduce_s"], 1.05, False,
-                       "x tnt_comm.allreduce of the same bytes (time)",
-                       f"{comm['bytes'] / 1e6:.0f} MB float32: reduce_scatter + allgather "
-                       f"{comm['reduce_scatter_allgather_s'] * 1e3:.1f} ms (reduce_scatter alone "
-                       f"{comm['reduce_scatter_s'] * 1e3:.1f} ms) vs allreduce {comm['allreduce_s'] * 1e3:.1f} ms"))
+    if comm is not None:
+        rows.append(bl_row(f"reduce_scatter_allgather_vs_allreduce_{RANKS}ranks",
+                           comm["reduce_scatter_allgather_s"] / comm["allreduce_s"], 1.05, False,
+                           "x tnt_comm.allreduce of the same bytes (time)",
+                           f"{comm['bytes'] / 1e6:.0f} MB float32: reduce_scatter + allgather "
+                           f"{comm['reduce_scatter_allgather_s'] * 1e3:.1f} ms (reduce_scatter alone "
+                           f"{comm['reduce_scatter_s'] * 1e3:.1f} ms) vs allreduce {comm['allreduce_s'] * 1e3:.1f} ms"))
     for name, v in balances.items():
         model, d = name.rsplit("_", 1)
         rows.append(bl_row(f"shard_balance_{model}_{d}ranks", v, 1.15, False, "max / min bytes per replica",
@@ -226,7 +242,7 @@ def main() -> int:
     for row in rows:
         print(f"{row['name']:40} {row['value']:.3f}  (target {row['target']})  {row['detail']}")
     bl.RESULTS.mkdir(exist_ok=True)
-    (bl.RESULTS / "sharded.json").write_text(json.dumps(
+    (bl.RESULTS / f"sharded{suffix}.json").write_text(json.dumps(
         {"ranks": RANKS, "runs": runs, "comm": comm, "balance": balances, "machine_before": machine,
          "rows": rows},
         indent=1) + "\n")

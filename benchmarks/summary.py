@@ -431,7 +431,7 @@ def main() -> int:
     # Benchmarks that state their own rows (pipeline, scaling_model, step_bridge,
     # tensor_parallel, memory, sharded, remat, malloc_threshold, auto) bring them in their JSON.
     for extra in ("pipeline", "pipeline_schedules", "scaling_model", "step_bridge", "tensor_parallel", "memory",
-                  "sharded", "remat", "malloc_threshold", "auto", "auto_4"):
+                  "sharded", "sharded_92m", "remat", "malloc_threshold", "auto", "auto_4"):
         res[extra] = load(extra)
         rows.extend(res[extra]["rows"] if res[extra] else [])
     loads = loads_of(res)

@@ -138,6 +138,37 @@ def test_buckets_hold_consecutive_variables_up_to_the_limit():
         cut_into_buckets([0, 1, 2], [1, 2])
 
 
+def test_level_2_reduce_scatters_start_during_backprop(report):
+    # Note [Reduce-scatter during backprop]: in the traced step, the first reduce-scatter waits
+    # for no wait of the fused allreduce (batch size and metric states, computed last) and has
+    # no control input; the others follow it in one chain (the same order on every replica).
+    # Before, each waited for the fused allreduce: first_after_fused_wait was True.
+    seen = 0
+    for name, c in report["cases"].items():
+        if not name.startswith("l2_"):
+            continue
+        g, expected = c["scatter_graph"], 3 if name in SMALL_BUCKETS else 1
+        assert g["count"] == expected and g["first_count"] == 1, (name, g)
+        assert not g["first_after_fused_wait"] and g["first_control_inputs"] == 0, (name, g)
+        assert g["scatters_before_each"] == list(range(expected)), (name, g)
+        seen += 1
+    assert seen >= 1, sorted(report["cases"])
+
+
+def test_level_2_scatter_buckets_go_in_backprop_order_large_first():
+    import types
+
+    from tarantella.data_parallel._sharding import Sharding
+
+    # Variables of 832, 52, 364, 28, 84, 12 bytes; owners 0, 1, 1, 1, 1, 1 (largest first).
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(13), keras.layers.Dense(7), keras.layers.Dense(3)])
+    shards = Sharding(model, 2, comm=types.SimpleNamespace(rank=0, size=2), bucket_bytes=512)
+    assert shards.owners == [0, 1, 1, 1, 1, 1]
+    # Cut from the last variable back: [5, 4, 3, 2] (488 B), [1] (52 B), [0] (832 B); each laid
+    # out by (owner, index); those of >= 256 B first, then [1].
+    assert [idx for _, idx in shards.scatter_buckets(range(6))] == [[2, 3, 4, 5], [0], [1]]
+
+
 def test_global_clipnorm_was_active(report):
     for name, c in report["cases"].items():
         if "clip" in name:

@@ -131,6 +131,40 @@ def bucket_threshold(name: str) -> None:
         os.environ.pop("TNT_FUSION_THRESHOLD", None)
 
 
+def scatter_graph(tm, x, y) -> dict:
+    """Level 2's reduce-scatters in a traced training step (Note [Reduce-scatter during backprop]):
+    how many, and what each waits for in the step graph. Overlap with backprop needs the first
+    free of the fused allreduce's waits and of control inputs (tf.function's side-effect
+    chain would order it after the whole local part), and the others in one chain."""
+    import tensorflow as tf
+
+    spec = (tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None, *y.shape[1:]), tf.float32))
+    graph = tf.function(tm._tnt_steps.train_step, autograph=False).get_concrete_function(spec).graph
+
+    def upstream(op) -> set:
+        """Every op ``op`` waits for, through data and control inputs."""
+        seen, todo = set(), [op]
+        while todo:
+            cur = todo.pop()
+            for parent in [t.op for t in cur.inputs] + list(cur.control_inputs):
+                if parent not in seen:
+                    seen.add(parent)
+                    todo.append(parent)
+        return seen
+
+    scatters = [op for op in graph.get_operations() if "tnt_shard_reduce_scatter" in op.name]
+    before = {op.name: upstream(op) for op in scatters}
+    first = [op for op in scatters if not any("tnt_shard_reduce_scatter" in a.name for a in before[op.name])]
+    return {
+        "count": len(scatters),
+        "first_count": len(first),
+        "first_after_fused_wait": any("tnt_wait" in a.name for op in first for a in before[op.name]),
+        "first_control_inputs": sum(len(op.control_inputs) for op in first),
+        "scatters_before_each": sorted(sum("tnt_shard_reduce_scatter" in a.name for a in before[op.name])
+                                       for op in scatters),
+    }
+
+
 def stored_elements(model, shards) -> int:
     """Trainable elements this rank stores (level 3 releases the ones other replicas own)."""
     return elements([v for v in model.trainable_variables if shards is None or not shards.is_released(v)])
@@ -155,6 +189,8 @@ def case(level: int, kind: str) -> dict:
     for w in weights:
         h.update(np.ascontiguousarray(w).tobytes())
     out = {}
+    if level == 2:
+        out["scatter_graph"] = scatter_graph(tm, x, y)
     if level == 3:  # held only by owners; evaluate and predict gather per layer too
         out["stored_elements_per_rank"] = tnt_comm.allgather_object(stored_elements(model, sharding.layers))
         out["owned_elements_per_rank"] = tnt_comm.allgather_object(elements(sharding.owned_variables()))

@@ -314,10 +314,30 @@ class Sharding:
                     variables[i].assign(tf.reshape(piece, variables[i].shape))
         return token
 
+    def scatter_buckets(self, positions: Sequence[int]) -> list[tuple[tf.DType, list[int]]]:
+        """Level 2's reduce-scatter buckets of ``positions``, in the order they go on the wire:
+        cut in backprop order (the last variable first, as backprop produces them), then the
+        large buckets (at least half of ``bucket_bytes``) before the small ones. Why: the chain
+        of reduce-scatters runs in this order on every replica, each as soon as its gradients
+        exist; a bias' gradient (a small reduction the executor tends to compute last) would
+        otherwise hold up every kernel behind it, and the kernels' local gradients would live
+        until backprop ended (Note [Reduce-scatter during backprop] in ``_steps``)."""
+        groups = self._groups(sorted(positions, reverse=True))
+        variables = self.variables
+
+        def large(idx: list[int]) -> bool:
+            return sum(_nbytes(variables[i]) for i in idx) * 2 >= self.bucket_bytes
+
+        return [g for g in groups if large(g[1])] + [g for g in groups if not large(g[1])]
+
     def reduce_scatter(self, dense: dict[int, tf.Tensor], has_data,
                        after: Sequence[tf.Tensor]) -> tuple[dict[int, tf.Tensor], list[tf.Tensor]]:
         """Level 2: the SUM over replicas of the owned ones of ``dense`` (variable index ->
-        gradient); zeros are sent by a replica without data. Also returns a token of the last
+        gradient); zeros are sent by a replica without data. One collective per bucket
+        (:meth:`scatter_buckets`), each after ``after``, the one before and its own gradients
+        only, so it starts during backprop and the bucket's local gradients are freed then
+        (kept out of tf.function's chain of side effects too, as the reducer's waits: its
+        order comes from these inputs alone). Also returns a token of the last
         reduce-scatter (a scalar: an empty output could be folded away): a replica owning none
         of these gradients (only sparse ones, an Embedding) reads no output of the collective,
         and without this edge its allgather of values could start on another thread while the
@@ -327,7 +347,10 @@ class Sharding:
         out: dict[int, tf.Tensor] = {}
         token = list(after)
         done: list[tf.Tensor] = []
-        for dt, idx in self._groups(sorted(dense)):
+        acd = None
+        if not tf.executing_eagerly():
+            acd = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
+        for dt, idx in self.scatter_buckets(list(dense)):
             sizes = [int(np.prod(dense[i].shape)) for i in idx]
             counts = [sum(s for i, s in zip(idx, sizes) if self.owners[i] == r) for r in range(self.size)]
             with tf.control_dependencies(done):  # one bucket's copy at a time, in the same order everywhere
@@ -340,6 +363,8 @@ class Sharding:
 
             mine, finished = tf.numpy_function(scatter, [flat, has_data, *token], [dt, tf.int32], stateful=True,
                                                name="tnt_shard_reduce_scatter")
+            if acd is not None:  # ordered by its inputs only (the token chain), as the reducer's waits
+                acd.run_independently(mine.op)
             finished.set_shape([])
             own = [i for i in idx if self.owners[i] == self.rank]
             own_sizes = [int(np.prod(dense[i].shape)) for i in own]

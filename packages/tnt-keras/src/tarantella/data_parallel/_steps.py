@@ -310,6 +310,20 @@ class DistributedSteps:
         owned, done = self._sharding.reduce_scatter(dense, has_data, after)
         return [owned.get(i) for i in reversed(positions)], done
 
+    # Note [Reduce-scatter during backprop]
+    # Level 2 reduce-scatters the dense gradients bucket by bucket (Sharding.scatter_buckets:
+    # backprop order, large buckets first) on the replicas' communicator. Each bucket's
+    # collective waits only for the start token (and level 3's or an in-graph collective's
+    # end, which the start then waits for), the collective before it and its own gradients:
+    # not for the fused allreduce of batch size and metric states, nor for the rest of
+    # backprop. So it runs while earlier layers' gradients are still computed, and the
+    # bucket's local gradients are freed then, not after backprop (where they stood beside
+    # the owned sums: the 4 Psi level 2 did not save, docs/sharding.md "Memory and speed").
+    # Safe to interleave with the fused allreduce: its engine reduces over a communicator of
+    # its own (tnt_comm's Note [One communicator per engine]); everything else on the
+    # replicas' communicator (sparse gathers, the update's norm and finiteness allreduces,
+    # the allgathers of values) waits for the last reduce-scatter, on every rank alike.
+
     def train_step(self, data) -> dict:
         """One training step on this rank's micro-batch; gradients and metric states summed
         over the group, then the serial update applied (or the model's own train_step)."""
@@ -341,14 +355,16 @@ class DistributedSteps:
         reduced = self.train_reducer().reduce(
             to_reduce, start=start, keep=has_data, keep_from=offset
         )
-        # After the fused allreduce on every rank (Note [Sparse gradients as serial]).
-        sparse = [_sparse.allgather(g, self._comm, after=[reduced[0]]) for g in sparse]
         scatter_done = []
         if scattered is not None:  # level 2: each replica receives the sums of its own only
-            owned, scatter_done = self._scatter(scattered, has_data,
-                                                after=[reduced[0], tail, *(g.values for g in sparse)])
+            # During backprop, after nothing but the start (Note [Reduce-scatter during backprop]).
+            owned, scatter_done = self._scatter(scattered, has_data, after=[start, tail])
             reduced = reduced + owned
-            scatter_done = scatter_done or [tail]
+        # After the fused allreduce (Note [Sparse gradients as serial]) and level 2's
+        # reduce-scatters (the same communicator) on every rank.
+        sparse = [_sparse.allgather(g, self._comm, after=[reduced[0], *scatter_done]) for g in sparse]
+        if scattered is not None:  # the update's collectives after the gathers on every rank
+            scatter_done = [*scatter_done, *(g.values for g in sparse)] or [tail]
         done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None, scatter_done,
                                                            presummed)
         with tf.control_dependencies([done]):  # read the metrics after they became global
