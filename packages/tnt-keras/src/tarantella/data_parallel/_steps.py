@@ -247,31 +247,30 @@ class DistributedSteps:
         the values to SUM over ranks (``b_r``, metric contributions, weighted gradients);
         at level 3 also the owned per-layer gradients (already summed over the replicas by
         each layer's reduce-scatter) and the token of the step's last per-layer collective."""
-        local_n = local_batch_size(x) if sizes is None else tf.cast(sizes.local, tf.int32)
+        local_n = tf.cast(sizes.local, tf.int32)
         x, y, sample_weight = nonempty((x, y, sample_weight), local_n)
         begun = self._train_metrics.begin(first_tensor(x))
-        weight = None if sizes is None else tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
+        weight = tf.cast(sizes.local, tf.float32) / tf.cast(sizes.total, tf.float32)
         has_data = local_n > 0
         b = tf.cast(local_n, tf.float32)
         shards = self._layer_shards()
         per_layer, owned_per_layer = self._per_layer_positions()
-        level3 = (shards.step(scale=b if sizes is None else None, has_data=has_data) if shards is not None
+        level3 = (shards.step(has_data=has_data) if shards is not None
                   else contextlib.nullcontext())
         with self._train_metrics.watch(), valid_rows(local_n), level3 as state:
             grads = self._gradients(x, y, sample_weight, local_n, weight)
         tail = tf.identity(state.token) if state is not None else tf.zeros((), tf.int32)
         before, contribution = self._train_metrics.contributions(begun, local_n, has_data)
-        weighted = [g if sizes is not None or i in per_layer else _sparse.scale(g, b) for i, g in enumerate(grads)]
-        self._sparse_positions = tuple(i for i, g in enumerate(weighted) if _sparse.is_sparse(g))
-        sparse = [_sparse.keep_rows_if(g, has_data) for g in weighted if _sparse.is_sparse(g)]
-        dense = [g for i, g in enumerate(weighted) if not _sparse.is_sparse(g) and i not in per_layer]
+        self._sparse_positions = tuple(i for i, g in enumerate(grads) if _sparse.is_sparse(g))
+        sparse = [_sparse.keep_rows_if(g, has_data) for g in grads if _sparse.is_sparse(g)]
+        dense = [g for i, g in enumerate(grads) if not _sparse.is_sparse(g) and i not in per_layer]
         # No tf.where pass here: the reducer submits zeros for the gradients of a rank
         # without data (GraphReducer.reduce, keep=has_data).
         to_reduce = [tf.reshape(b, [1]), *contribution, *reversed(dense)]
-        presummed = [weighted[i] for i in owned_per_layer]
+        presummed = [grads[i] for i in owned_per_layer]
         return before, to_reduce, sparse, has_data, presummed, tail
 
-    def _global_part(self, before, reduced, sparse, divide_by_total: bool, after=(), presummed=()):
+    def _global_part(self, before, reduced, sparse, after=(), presummed=()):
         """Everything after the exchange: global metric states, then the optimizer step
         (a sharded one's allgather after ``after``, the step's reduce-scatter; level 3's
         owned per-layer sums in ``presummed``)."""
@@ -285,8 +284,6 @@ class DistributedSteps:
         summed = dict(zip(owned_per_layer, presummed))
         grads = [summed.get(i) if i in per_layer else next(gathered) if i in positions else next(dense)
                  for i in range(len(self._model.trainable_variables))]
-        if divide_by_total:  # B was not known before backprop: it is the reduced count
-            grads = [g if g is None else _sparse.divide(g, global_n) for g in grads]
         grads = _grad_sync.overflow_as_serial(self._model, grads)  # Note [Float16 overflow as serial]
         if self._sharding is not None:  # the owned variables only, then their values gathered
             with _grad_sync.already_reduced():
@@ -365,7 +362,7 @@ class DistributedSteps:
         sparse = [_sparse.allgather(g, self._comm, after=[reduced[0], *scatter_done]) for g in sparse]
         if scattered is not None:  # the update's collectives after the gathers on every rank
             scatter_done = [*scatter_done, *(g.values for g in sparse)] or [tail]
-        done = self._compiled("global", self._global_part)(before, reduced, sparse, sizes is None, scatter_done,
+        done = self._compiled("global", self._global_part)(before, reduced, sparse, scatter_done,
                                                            presummed)
         with tf.control_dependencies([done]):  # read the metrics after they became global
             return model.get_metrics_result()
