@@ -140,6 +140,7 @@ class GraphReducer:
         start: tf.Tensor | None = None,
         keep: tf.Tensor | None = None,
         keep_from: int = 0,
+        wait_after: tf.Tensor | None = None,
     ) -> list[tf.Tensor]:
         """The SUM over ranks of each value (one per slot, in slot order), shaped like it.
 
@@ -148,6 +149,9 @@ class GraphReducer:
         an earlier reduction orders this one after it on every rank. ``keep``: a scalar
         bool; where false, the slots from ``keep_from`` on contribute zeros (this rank's
         values there are garbage, e.g. gradients of an empty micro-batch's stand-in rows).
+        ``wait_after``: a scalar int32 token; no wait for a result begins before it exists
+        (the submits are not held back), so a thread blocked in this wait never holds up a
+        blocking collective of the same step that another rank is already waiting in.
         """
         if len(values) != len(self.slots):
             raise ValueError(f"GraphReducer.reduce: {len(values)} values for {len(self.slots)} slots")
@@ -171,7 +175,7 @@ class GraphReducer:
                                         members=members, keep_from=keep_from, name="tnt_submit_bucket")
                 for members in self._plan
             ]
-            buckets = self._wait_each(native, handle, tokens)
+            buckets = self._wait_each(native, handle, tokens, wait_after)
         else:
             # stateful=False on purpose: a stateful op would be chained after every earlier
             # side-effecting op of the step (tf.function's automatic control dependencies), so
@@ -189,7 +193,7 @@ class GraphReducer:
             ]
             buckets = tf.numpy_function(
                 self._wait_np,
-                tokens,
+                tokens if wait_after is None else [*tokens, wait_after],
                 [self.slots[members[0]].dtype for members in self._plan],
                 stateful=True,
                 name="tnt_wait",
@@ -203,7 +207,8 @@ class GraphReducer:
                 out[i] = tf.reshape(parts[p], self.slots[i].shape)
         return out
 
-    def _wait_each(self, native, handle: int, tokens: list[tf.Tensor]) -> list[tf.Tensor]:
+    def _wait_each(self, native, handle: int, tokens: list[tf.Tensor],
+                   after: tf.Tensor | None = None) -> list[tf.Tensor]:
         """One wait op per bucket (Note [One wait per bucket] in native/tnt_tf_ops.cc), in the
         engine's launch order, each after its bucket's submit and the previous bucket's wait:
         the step consumes a bucket while later ones are still reduced, so the buckets are
@@ -217,7 +222,6 @@ class GraphReducer:
         graph = tf.compat.v1.get_default_graph()
         acd = None if tf.executing_eagerly() else getattr(graph, "experimental_acd_manager", None)
         buckets: list[tf.Tensor | None] = [None] * len(self._plan)
-        after = None
         for b in self._launch_order:
             members = self._plan[b]
             flat, after = native.tnt_fused_wait_bucket(

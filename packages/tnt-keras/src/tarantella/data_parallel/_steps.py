@@ -317,7 +317,11 @@ class DistributedSteps:
     # bucket's local gradients are freed then, not after backprop (where they stood beside
     # the owned sums: the 4 Psi level 2 did not save, docs/sharding.md "Memory and speed").
     # Safe to interleave with the fused allreduce: its engine reduces over a communicator of
-    # its own (tnt_comm's Note [One communicator per engine]); everything else on the
+    # its own (tnt_comm's Note [One communicator per engine]), and its waits begin only after
+    # the last reduce-scatter: both kinds block an executor thread, and with one inter-op
+    # thread a rank blocked in a fused wait (for a bucket another rank has not submitted yet,
+    # its only thread blocked in a reduce-scatter this rank has not reached) would hang both.
+    # Its submits are not held back, so its bytes still move during backprop. Everything else on the
     # replicas' communicator (sparse gathers, the update's norm and finiteness allreduces,
     # the allgathers of values) waits for the last reduce-scatter, on every rank alike.
 
@@ -349,13 +353,15 @@ class DistributedSteps:
         scattered = to_reduce[offset:] if self._scatters() else None
         if scattered is not None:
             to_reduce = to_reduce[:offset]
-        reduced = self.train_reducer().reduce(
-            to_reduce, start=start, keep=has_data, keep_from=offset
-        )
         scatter_done = []
         if scattered is not None:  # level 2: each replica receives the sums of its own only
             # During backprop, after nothing but the start (Note [Reduce-scatter during backprop]).
             owned, scatter_done = self._scatter(scattered, has_data, after=[start, tail])
+        reduced = self.train_reducer().reduce(
+            to_reduce, start=start, keep=has_data, keep_from=offset,
+            wait_after=scatter_done[0] if scatter_done else None,
+        )
+        if scattered is not None:
             reduced = reduced + owned
         # After the fused allreduce (Note [Sparse gradients as serial]) and level 2's
         # reduce-scatters (the same communicator) on every rank.
