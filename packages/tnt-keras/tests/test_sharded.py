@@ -215,6 +215,22 @@ def test_level_3_stores_only_owned_weights_and_evaluates_and_predicts_as_serial(
         assert c["predict_diff"] <= TOL_WEIGHTS, (name, c)
 
 
+def test_level_3_prefetches_one_layer_ahead_while_the_current_one_computes(report):
+    # jobs/sharded.py prefetch_structure, from the traced step's graph (3 Dense layers): the
+    # first gather of each direction starts when needed, every later one is started right
+    # after the previous layer's wait, before that layer's MatMuls (overlapped), and waited
+    # for only after them (bounded: at most 2 gathered layers at once). Fails if the compute
+    # does not wait for the start (no overlap) or the wait not for the compute (unbounded).
+    layers = 3
+    for name, c in report["cases"].items():
+        if not name.startswith("l3_"):
+            continue
+        assert c["prefetch"], (name, c)
+        for traced in c["prefetch"]:
+            assert traced == {"waits": 2 * layers, "starts": 2, "prefetches": 2 * (layers - 1),
+                              "overlapped": 2 * (layers - 1), "bounded": 2 * (layers - 1)}, (name, traced)
+
+
 def test_level_3_on_batch_equals_serial(report):
     # After the level-3 fit: train_on_batch twice (10 and 6 rows), test_on_batch, predict_on_batch.
     for name, c in report["cases"].items():
@@ -315,6 +331,37 @@ def test_a_deferred_build_on_one_rank_trains_as_the_eager_build():
         m.fit(x, x[:, :2], batch_size=4, epochs=1, shuffle=False, verbose=0)
     for a, b in zip(tm.get_weights(), eager.get_weights()):
         assert np.array_equal(a, b)
+
+
+def test_level_3_comm_worker_runs_in_submission_order_and_hands_back_errors():
+    # Level 3's collectives run on one worker thread per replica (data_parallel/_prefetch.py):
+    # the replicas agree on the order only if it is the submission order. The earlier jobs
+    # sleep longer, so a worker running two at once (or out of order) fails the order check.
+    import time
+
+    from tarantella.data_parallel._prefetch import CommWorker, predict_next
+
+    worker, ran = CommWorker(), []
+
+    def job(k: int) -> int:
+        time.sleep(0.002 * (8 - k))
+        ran.append(k)
+        return k * k
+
+    keys = [worker.submit(job, k) for k in range(8)]
+    assert worker.call(lambda: list(ran)) == list(range(8))  # after every earlier submission
+    assert [worker.result(key) for key in reversed(keys)] == [k * k for k in reversed(range(8))]
+
+    def fails() -> None:
+        raise RuntimeError("collective failed")
+
+    key = worker.submit(fails)
+    with pytest.raises(RuntimeError, match="collective failed"):
+        worker.result(key)
+    assert worker.call(job, 7) == 49  # the worker lives on after an error
+    # Forward calls are predicted in order, backprop's in reverse; none past either end.
+    assert [predict_next("abc", c, backward=False) for c in range(3)] == [1, 2, None]
+    assert [predict_next("abc", c, backward=True) for c in range(3)] == [None, 0, 1]
 
 
 def test_assignment_is_a_balanced_pure_function():

@@ -31,6 +31,7 @@ Rank 0 writes the JSON that tests/test_sharded.py checks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import time
@@ -162,6 +163,7 @@ def case(level: int, kind: str) -> dict:
         out["predict_diff"] = _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
                                                 serial.predict(x, batch_size=BATCH, verbose=0))
         out.update(_job.timed(f"l{level}_{kind} *_on_batch", lambda: on_batch(tm, serial, x, y)))
+        out["prefetch"] = prefetch_structure(tm)
     return {
         **out,
         "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
@@ -177,6 +179,47 @@ def case(level: int, kind: str) -> dict:
         "applied_steps": applied,
         "steps": EPOCHS * -(-len(x) // BATCH),
     }
+
+
+def _ancestors(op, cache: dict) -> set[str]:
+    """Names of every op ``op`` depends on (data and control inputs, transitively)."""
+    if op.name not in cache:
+        seen, stack = set(), [op]
+        while stack:
+            o = stack.pop()
+            for p in [i.op for i in o.inputs] + list(o.control_inputs):
+                if p.name not in seen:
+                    seen.add(p.name)
+                    stack.append(p)
+        cache[op.name] = seen
+    return cache[op.name]
+
+
+def prefetch_structure(tm) -> list[dict]:
+    """Level 3's prefetch in each traced step (docs/sharding.md, "Level 3", Prefetch): every
+    prefetched gather, started right after another one's wait, must (overlapped) be a
+    dependency of a MatMul computing with the waited weights, so it is in flight while they
+    compute, and (bounded) its own wait must come after such a MatMul, so no gather runs
+    more than one layer ahead. Counted from the graph's dependencies, per concrete function."""
+    out = []
+    for fn in tm._tnt_steps._compiled_fns[("local", False)]._list_all_concrete_functions():
+        ops, cache = fn.graph.get_operations(), {}
+        chain = [o for o in ops if "tnt_shard3_allgather_" in o.name]
+        waits = [o for o in chain if "allgather_wait" in o.name]
+        matmuls = [o for o in ops if o.type == "MatMul"]
+        pairs = overlapped = bounded = 0
+        for w, s in itertools.pairwise(chain):
+            if "allgather_prefetch" not in s.name:
+                continue
+            assert "allgather_wait" in w.name, (w.name, s.name)  # a prefetch follows a wait
+            pairs += 1
+            w2 = next(o for o in waits if o.inputs[0].op is s)  # the wait of the prefetched gather
+            uses = [m for m in matmuls if w.name in _ancestors(m, cache) and w2.name not in _ancestors(m, cache)]
+            overlapped += any(s.name in _ancestors(m, cache) for m in uses)
+            bounded += any(m.name in _ancestors(w2, cache) for m in uses)
+        out.append({"waits": len(waits), "starts": sum("allgather_start" in o.name for o in chain),
+                    "prefetches": pairs, "overlapped": overlapped, "bounded": bounded})
+    return out
 
 
 def on_batch(tm, serial, x, y) -> dict:
