@@ -282,6 +282,33 @@ def l3_vs_l2_case() -> dict:
     }
 
 
+def shared_call_model() -> keras.Model:
+    """One Dense called twice in a row: the first trace predicts the plan's order (each layer
+    once), so two prefetched gathers are of the wrong layer and dropped."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16,))
+    twice = keras.layers.Dense(16, activation="tanh", name="twice")
+    h = keras.layers.Dense(7, activation="tanh", name="mid")(twice(twice(inp)))
+    return keras.Model(inp, keras.layers.Dense(3, name="head")(h))
+
+
+def l3_shared_call_case() -> dict:
+    """Level 3 with wrong prefetch guesses against serial Keras (one epoch, Adam)."""
+    x, y = data()
+    serial = shared_call_model()
+    serial.compile(optimizer("adam"), "mse")
+    serial_history = serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    tm = tnt.Model(shared_call_model(), sharding=3)
+    tm.compile(optimizer("adam"), "mse")
+    history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    return {"history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
+            "weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
+            "predict_diff": _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
+                                              serial.predict(x, batch_size=BATCH, verbose=0)),
+            "prefetch": prefetch_structure(tm),
+            "order": [layer.name for layer in tm._tnt_sharding.layers._order]}
+
+
 def l3_files_case(tmp, shared) -> dict:
     """Level 3: save -> serial Keras load equals the serial run; tnt.models.load_model(...,
     sharding=3) continues as serial Keras continues. Its fit also keeps a BackupAndRestore
@@ -761,7 +788,7 @@ CASES = {f"l{level}_{kind}": (level, kind)
 def main() -> None:
     out = _job.out_path()
     chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, *OWN_STEP_CASES, "files", "l3_files", "l3_vs_l2",
-                         "l3_deferred", "l3_mixed", "l3_backup_resume", "errors"])
+                         "l3_shared_call", "l3_deferred", "l3_mixed", "l3_backup_resume", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: _job.timed(n, lambda n=n: case(*CASES[n])) for n in chosen if n in CASES}}
     for name in chosen:
         if name in ALL_CASES:
@@ -777,6 +804,8 @@ def main() -> None:
         result["l3_files"] = _job.timed("l3_files", lambda: l3_files_case(out.parent, _job.shared_dir() or out.parent))
     if "l3_vs_l2" in chosen:
         result["l3_vs_l2"] = l3_vs_l2_case()
+    if "l3_shared_call" in chosen:
+        result["l3_shared_call"] = _job.timed("l3_shared_call", l3_shared_call_case)
     if "l3_deferred" in chosen:
         result["l3_deferred"] = _job.timed("l3_deferred", l3_deferred_case)
     for name, run in (("l3_mixed", l3_mixed_case),
