@@ -32,6 +32,7 @@ Rank 0 writes the JSON that tests/test_sharded.py checks.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import time
@@ -199,6 +200,7 @@ def case(level: int, kind: str) -> dict:
         out["predict_diff"] = _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
                                                 serial.predict(x, batch_size=BATCH, verbose=0))
         out.update(_job.timed(f"l{level}_{kind} *_on_batch", lambda: on_batch(tm, serial, x, y)))
+        out["prefetch"] = prefetch_structure(tm)
     return {
         **out,
         "history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
@@ -214,6 +216,47 @@ def case(level: int, kind: str) -> dict:
         "applied_steps": applied,
         "steps": EPOCHS * -(-len(x) // BATCH),
     }
+
+
+def _ancestors(op, cache: dict) -> set[str]:
+    """Names of every op ``op`` depends on (data and control inputs, transitively)."""
+    if op.name not in cache:
+        seen, stack = set(), [op]
+        while stack:
+            o = stack.pop()
+            for p in [i.op for i in o.inputs] + list(o.control_inputs):
+                if p.name not in seen:
+                    seen.add(p.name)
+                    stack.append(p)
+        cache[op.name] = seen
+    return cache[op.name]
+
+
+def prefetch_structure(tm) -> list[dict]:
+    """Level 3's prefetch in each traced step (docs/sharding.md, "Level 3", Prefetch): every
+    prefetched gather, started right after another one's wait, must (overlapped) be a
+    dependency of a MatMul computing with the waited weights, so it is in flight while they
+    compute, and (bounded) its own wait must come after such a MatMul, so no gather runs
+    more than one layer ahead. Counted from the graph's dependencies, per concrete function."""
+    out = []
+    for fn in tm._tnt_steps._compiled_fns[("local", False)]._list_all_concrete_functions():
+        ops, cache = fn.graph.get_operations(), {}
+        chain = [o for o in ops if "tnt_shard3_allgather_" in o.name]
+        waits = [o for o in chain if "allgather_wait" in o.name]
+        matmuls = [o for o in ops if o.type == "MatMul"]
+        pairs = overlapped = bounded = 0
+        for w, s in itertools.pairwise(chain):
+            if "allgather_prefetch" not in s.name:
+                continue
+            assert "allgather_wait" in w.name, (w.name, s.name)  # a prefetch follows a wait
+            pairs += 1
+            w2 = next(o for o in waits if o.inputs[0].op is s)  # the wait of the prefetched gather
+            uses = [m for m in matmuls if w.name in _ancestors(m, cache) and w2.name not in _ancestors(m, cache)]
+            overlapped += any(s.name in _ancestors(m, cache) for m in uses)
+            bounded += any(m.name in _ancestors(w2, cache) for m in uses)
+        out.append({"waits": len(waits), "starts": sum("allgather_start" in o.name for o in chain),
+                    "prefetches": pairs, "overlapped": overlapped, "bounded": bounded})
+    return out
 
 
 def on_batch(tm, serial, x, y) -> dict:
@@ -274,6 +317,33 @@ def l3_vs_l2_case() -> dict:
         "per_layer_positions": runs[3][4],
         "weights": len(runs[3][1]),
     }
+
+
+def shared_call_model() -> keras.Model:
+    """One Dense called twice in a row: the first trace predicts the plan's order (each layer
+    once), so two prefetched gathers are of the wrong layer and dropped."""
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16,))
+    twice = keras.layers.Dense(16, activation="tanh", name="twice")
+    h = keras.layers.Dense(7, activation="tanh", name="mid")(twice(twice(inp)))
+    return keras.Model(inp, keras.layers.Dense(3, name="head")(h))
+
+
+def l3_shared_call_case() -> dict:
+    """Level 3 with wrong prefetch guesses against serial Keras (one epoch, Adam)."""
+    x, y = data()
+    serial = shared_call_model()
+    serial.compile(optimizer("adam"), "mse")
+    serial_history = serial.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    tm = tnt.Model(shared_call_model(), sharding=3)
+    tm.compile(optimizer("adam"), "mse")
+    history = tm.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    return {"history_diff": _job.max_abs_diff(history["loss"], serial_history["loss"]),
+            "weight_diff": _job.max_abs_diff(tm.get_weights(), serial.get_weights()),
+            "predict_diff": _job.max_abs_diff(tm.predict(x, batch_size=BATCH, verbose=0),
+                                              serial.predict(x, batch_size=BATCH, verbose=0)),
+            "prefetch": prefetch_structure(tm),
+            "order": [layer.name for layer in tm._tnt_sharding.layers._order]}
 
 
 def l3_files_case(tmp, shared) -> dict:
@@ -761,7 +831,7 @@ CASES = {f"l{level}_{kind}": (level, kind)
 def main() -> None:
     out = _job.out_path()
     chosen = _job.only([*CASES, *ALL_CASES, *ALL_TENSOR_CASES, *OWN_STEP_CASES, "files", "l3_files", "l3_vs_l2",
-                         "l3_deferred", "l3_mixed", "l3_backup_resume", "errors"])
+                         "l3_shared_call", "l3_deferred", "l3_mixed", "l3_backup_resume", "errors"])
     result = {"ranks": tnt.get_size(), "cases": {n: _job.timed(n, lambda n=n: case(*CASES[n])) for n in chosen if n in CASES}}
     for name in chosen:
         if name in ALL_CASES:
@@ -777,6 +847,8 @@ def main() -> None:
         result["l3_files"] = _job.timed("l3_files", lambda: l3_files_case(out.parent, _job.shared_dir() or out.parent))
     if "l3_vs_l2" in chosen:
         result["l3_vs_l2"] = l3_vs_l2_case()
+    if "l3_shared_call" in chosen:
+        result["l3_shared_call"] = _job.timed("l3_shared_call", l3_shared_call_case)
     if "l3_deferred" in chosen:
         result["l3_deferred"] = _job.timed("l3_deferred", l3_deferred_case)
     for name, run in (("l3_mixed", l3_mixed_case),

@@ -10,7 +10,10 @@ tape, and reduce-scatters the weight gradients so each owner receives their sum 
 replicas (as level 2 does after backprop, here layer by layer).
 
 Every collective of a step is chained on the previous one's own output token in trace
-order (the same on every replica), as ``Sharding.gather_values`` chains its buckets.
+order (the same on every replica), as ``Sharding.gather_values`` chains its buckets, and runs
+on the replica's one communication worker in that order (``_prefetch.py``). A gather is
+started one layer ahead: the next layer's while this one computes (forward), the previous
+layer's while this one's backward runs; at most two gathered layers exist at once.
 
 What stays whole on every replica (level 2's treatment: the owner updates, then its values
 are allgathered): variables of ``Embedding`` layers (sparse gradients), variables with a
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import keras
 import numpy as np
@@ -31,6 +35,7 @@ import tensorflow as tf
 from .._core import deferred as _deferred
 from .._core import internals as _internals
 from .._core.batch_norm import has_sync_batch_norm
+from ._prefetch import CommWorker, Pending, predict_next
 from ._sharding import ShardingError
 
 
@@ -55,18 +60,32 @@ class ReleasedWeight:
 
 
 class _StepState:
-    """One traced step's level-3 state: the last collective's token, and how this replica's
-    weight gradients are scaled before the reduce-scatter (as ``_local_part`` scales them)."""
+    """One traced step's level-3 state: the last collective's token and whether this replica
+    has data (the loss is already weighted by b_r / B: its gradients are reduce-scattered as
+    they come)."""
 
-    def __init__(self, scale=None, has_data=None) -> None:
+    def __init__(self, has_data=None) -> None:
         self.token = tf.zeros((), tf.int32)
-        self.scale = scale  # b_r when the global batch is unknown before backprop, else None
         self.has_data = tf.constant(True) if has_data is None else has_data
         self.backward = True  # a training step: gradients are reduce-scattered
         # An input of every layer call that backprop differentiates on every replica: without
         # it a replica owning no weight of the first layers (whose inputs need no gradient)
         # would never run their backward collectives while the owners do (a hang, 3 ranks).
         self.anchor = tf.zeros((), tf.float32)
+        self.calls: list = []  # the planned layer of each forward call, in call order
+        self.pending: Pending | None = None  # a started gather no call waited for yet
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one layer's weights travel: positions in wire order (by owner, then position),
+    their sizes, the owned positions, elements per replica, the stored dtype."""
+
+    order: list[int]
+    sizes: list[int]
+    mine: list[int]
+    counts: list[int]
+    dtype: tf.DType
 
 
 class LayerShards:
@@ -83,6 +102,8 @@ class LayerShards:
         # may own every per-layer variable and release none), so collectives branch on it.
         self._sharded = False
         self._state: _StepState | None = None
+        self._order: list = []  # the last traced step's forward calls (what prefetch predicts)
+        self._comm_worker: CommWorker | None = None
 
     # -- the plan --------------------------------------------------------------------------
     def _make_plan(self) -> None:
@@ -99,7 +120,7 @@ class LayerShards:
     def forget_plan(self) -> None:
         """The trainable variables changed (a new compile): plan again."""
         self.unhook()
-        self._plan, self._layers = None, []
+        self._plan, self._layers, self._order = None, [], []
 
     def per_layer_positions(self) -> set[int]:
         """Positions whose storage is sharded (gathered per layer call)."""
@@ -205,13 +226,14 @@ class LayerShards:
         self._hooked = []
 
     @contextlib.contextmanager
-    def step(self, scale=None, has_data=None, backward: bool = True) -> Iterator[_StepState]:
+    def step(self, has_data=None, backward: bool = True) -> Iterator[_StepState]:
         """While inside (a step's trace), planned layers gather their weights for each call."""
-        state = _StepState(scale, has_data)
+        state = _StepState(has_data)
         state.backward = backward
         self._state = state
         try:
             yield state
+            self.settle(state)
         finally:
             self._state = None
 
@@ -219,37 +241,108 @@ class LayerShards:
         """The step being traced (inside :meth:`step`), else None."""
         return self._state
 
-    # -- collectives -----------------------------------------------------------------------------
-    def _layout(self, positions: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-        """(wire order by (owner, position), the sizes in that order, the owned positions)."""
+    # -- collectives (through the replica's CommWorker: _prefetch.py) ----------------------------
+    def _worker(self) -> CommWorker:
+        if self._comm_worker is None:
+            self._comm_worker = CommWorker()
+        return self._comm_worker
+
+    def _layout(self, layer) -> _Layout:
+        """How ``layer``'s weights travel: wire order by (owner, position), sizes, owned part."""
         owners = self.sharding.owners
         variables = self.model.trainable_variables
-        order = sorted(positions, key=lambda i: (owners[i], i))
+        order = sorted(self.plan()[id(layer)], key=lambda i: (owners[i], i))
         sizes = [int(np.prod(variables[i].shape)) for i in order]
         mine = [i for i in order if owners[i] == self.sharding.rank]
-        return order, sizes, mine
+        counts = [sum(s for i, s in zip(order, sizes) if owners[i] == r) for r in range(self.sharding.size)]
+        with _internals.without_autocast():  # the stored dtype (a variable reports the cast one)
+            dtype = tf.as_dtype(variables[order[0]].dtype)
+        return _Layout(order, sizes, mine, counts, dtype)
 
-    def _gather(self, flat: tf.Tensor, dtype: tf.DType, total: int, token: tf.Tensor):
-        comm = self.sharding.comm
+    def _owned_flat(self, lay: _Layout) -> tf.Tensor:
+        """This replica's owned weights of a layer, read now, laid out flat."""
+        variables = self.model.trainable_variables
+        with _internals.without_autocast():  # the stored dtype (the call casts, as Keras does)
+            owned = [tf.reshape(tf.convert_to_tensor(variables[i].value), [-1]) for i in lay.mine]
+        return tf.concat(owned, 0) if len(owned) > 1 else owned[0] if owned else tf.zeros([0], lay.dtype)
 
-        def gather(a, _token):
-            whole = comm.allgather(np.ascontiguousarray(a))
+    def _start(self, flat: tf.Tensor, state: _StepState, name: str = "tnt_shard3_allgather_start") -> tf.Tensor:
+        """Hand the allgather of ``flat`` (each replica's owned part) to the worker; its key."""
+        comm, worker = self.sharding.comm, self._worker()
+
+        def start(a, _token):
+            # A copy: TensorFlow may reuse the input's memory once this op returned.
+            return np.int64(worker.submit(comm.allgather, np.array(a, copy=True))), np.int32(0)
+
+        # The token is the op's own output (a constant would be folded away and the next
+        # collective could overtake this one on one replica only).
+        key, state.token = tf.numpy_function(start, [flat, state.token], [tf.int64, tf.int32], stateful=True,
+                                             name=name)
+        key.set_shape([])
+        state.token.set_shape([])
+        return key
+
+    def _wait(self, key: tf.Tensor, lay: _Layout, state: _StepState, after: Sequence[tf.Tensor]) -> tf.Tensor:
+        """The whole weights of the gather ``key`` started, waited for once ``after`` exist.
+
+        ``after`` are data inputs (unread), not control dependencies: with control edges out
+        of the layers' activations, level 3's predict read 2e-7 off level 2's (0 with data
+        inputs), presumably as such an edge keeps Grappler from fusing MatMul, BiasAdd and
+        the activation as it does at level 2."""
+        worker = self._worker()
+
+        def wait(k, _token, *_after):
+            whole = worker.result(int(k))
             return whole, np.int32(whole.size)
 
-        # The token is the collective's own output (a constant would be folded away and the
-        # next collective could overtake this one on one replica only).
-        whole, done = tf.numpy_function(gather, [flat, token], [dtype, tf.int32], stateful=True,
-                                        name="tnt_shard3_allgather")
-        whole.set_shape([total])
-        done.set_shape([])
-        return whole, done
+        whole, state.token = tf.numpy_function(wait, [key, state.token, *after], [lay.dtype, tf.int32],
+                                               stateful=True, name="tnt_shard3_allgather_wait")
+        whole.set_shape([sum(lay.sizes)])
+        state.token.set_shape([])
+        return whole
+
+    def _gathered(self, layer, state: _StepState, read) -> tuple[tf.Tensor, tf.Tensor]:
+        """(key, owned read) of ``layer``'s gather: the one prefetched for it, else one started
+        now from ``read()``. A prefetch of another layer (a wrong prediction) is waited for
+        and dropped first: every started collective is waited for, in chain order."""
+        pending, state.pending = state.pending, None
+        if pending is not None and pending.layer is layer:
+            return pending.key, pending.read
+        if pending is not None:
+            self._drop(pending, state)
+        flat = read()
+        return self._start(flat, state), flat
+
+    def _drop(self, pending: Pending, state: _StepState) -> None:
+        self._wait(pending.key, self._layout(pending.layer), state, ())
+
+    def _prefetch(self, layer, call: int, flat: tf.Tensor, state: _StepState) -> tf.Tensor:
+        """Start the gather of the next layer's weights (``flat``: this replica's part) now;
+        its key, which the current layer's compute waits for, so that it runs meanwhile."""
+        key = self._start(flat, state, name="tnt_shard3_allgather_prefetch")
+        state.pending = Pending(layer, call, key, flat)
+        return key
+
+    def settle(self, state: _StepState) -> None:
+        """End of a step's trace: wait for a prefetch no call used; remember the call order."""
+        if state.pending is not None:
+            pending, state.pending = state.pending, None
+            self._drop(pending, state)
+        if state.calls:
+            self._order = list(state.calls)
+
+    def _next_forward(self, call: int):
+        """The layer predicted to be called after forward call ``call``: that of the last
+        traced step's forward (the plan's order before the first)."""
+        nxt = predict_next(self._order or self._layers, call, backward=False)
+        return None if nxt is None else (self._order or self._layers)[nxt]
 
     def _scatter(self, flat: tf.Tensor, dtype: tf.DType, counts: list[int], own: int, keep, token):
-        comm = self.sharding.comm
+        comm, worker = self.sharding.comm, self._worker()
 
         def scatter(buf, keep, _token):
             buf = np.ascontiguousarray(buf) if keep else np.zeros_like(buf)
-            mine = comm.reduce_scatter(buf, counts)
+            mine = worker.call(comm.reduce_scatter, buf, counts)  # after the prefetched gather
             return mine, np.int32(mine.size)
 
         mine, done = tf.numpy_function(scatter, [flat, keep, token], [dtype, tf.int32], stateful=True,
@@ -263,27 +356,25 @@ class LayerShards:
         state = self._state
         if state is None or _internals.in_symbolic_scope():
             return original(*args, **kwargs)  # shape inference, or outside tnt's steps (held weights)
-        positions = self.plan()[id(layer)]
         variables = self.model.trainable_variables
-        order, sizes, mine = self._layout(positions)
-        with _internals.without_autocast():  # the stored dtype (a variable reports the cast one)
-            dtype = tf.as_dtype(variables[order[0]].dtype)
-        owners = self.sharding.owners
-        counts = [sum(s for i, s in zip(order, sizes) if owners[i] == r) for r in range(self.sharding.size)]
-        # Real reads of the owned variables, outside the custom gradient: the outer tape
-        # differentiates through them, so an owner's gradient is the reduce-scattered sum.
-        def owned_flat():
-            """This replica's owned weights of the layer, read now, laid out flat."""
-            with _internals.without_autocast():  # the stored dtype (the call casts, as Keras does)
-                owned = [tf.reshape(tf.convert_to_tensor(variables[i].value), [-1]) for i in mine]
-            return tf.concat(owned, 0) if len(owned) > 1 else owned[0] if owned else tf.zeros([0], dtype)
-
-        flat_owned = owned_flat()
+        lay = self._layout(layer)
+        order, sizes, dtype, counts = lay.order, lay.sizes, lay.dtype, lay.counts
+        call = len(state.calls)  # this call's number in the step's forward
+        state.calls.append(layer)
         with _internals.without_autocast():
             held_values = [tf.convert_to_tensor(v.value) for v in layer.non_trainable_variables]
         held = list(layer.non_trainable_variables)
         flat_args, structure = _flatten_call(args, kwargs)
+        inputs = _dense(flat_args)
         diff = [k for k, a in enumerate(flat_args) if _differentiable(a)]
+        # Real reads of the owned variables, outside the custom gradient: the outer tape
+        # differentiates through them, so an owner's gradient is the reduce-scattered sum.
+        # This layer's gather was started by the previous call (prefetch) or starts here.
+        key, flat_owned = self._gathered(layer, state, lambda: self._owned_flat(lay))
+        nxt = self._next_forward(call)
+        if nxt is not None:  # read once this layer's gather started (not held from the step's start)
+            with tf.control_dependencies([key]):
+                next_flat = self._owned_flat(self._layout(nxt))
         # The layer's __call__ entered its autocast scope (mixed precision: float16 compute of
         # float32 weights); backprop's recompute runs outside it and must cast alike.
         cast_to = _internals.autocast_dtype()
@@ -299,17 +390,23 @@ class LayerShards:
                 out = original(*a, **kw)
             return out, scope
 
-        def split(whole):
+        def split(whole, gate):
+            """The layer's weights; computing with them waits for the next gather's start."""
+            if gate is not None:
+                with tf.control_dependencies([gate]):
+                    whole = tf.identity(whole)
             parts = tf.split(whole, sizes) if len(sizes) > 1 else [whole]
             return [tf.reshape(p, variables[i].shape) for i, p in zip(order, parts)]
 
         updates: list = []
         shapes: list = []  # the call's output structure (its flat tensors cross the custom gradient)
 
-        def forward_once(flat, xs):
-            """Gather, call, note the call's non-trainable updates; the flat outputs."""
-            whole, state.token = self._gather(flat, dtype, sum(sizes), state.token)
-            out, scope = run(split(whole), xs)
+        def forward_once(xs):
+            """Wait for the gather (once the inputs exist), prefetch the next layer's, call,
+            note the call's non-trainable updates; the flat outputs."""
+            whole = self._wait(key, lay, state, inputs)
+            gate = None if nxt is None else self._prefetch(nxt, call + 1, next_flat, state)
+            out, scope = run(split(whole, gate), xs)
             for v, before in zip(held, held_values):
                 after = scope.get_current_value(v)
                 if after is not None and after is not before:
@@ -318,19 +415,29 @@ class LayerShards:
             return tf.nest.flatten(out)
 
         @tf.custom_gradient
-        def forward(flat, _anchor, *xs):
-            flat_out = forward_once(flat, xs)
+        def forward(_flat, _anchor, *xs):
+            flat_out = forward_once(xs)
 
             def grad(*dys, variables=None):
                 dys = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, flat_out)]
-                # Gather again when backprop reaches this layer (not kept from the forward).
-                # The owned weights are read again (unchanged until the update after backprop)
-                # rather than kept: the forward's concatenated copy of a layer whose variables
-                # this replica owns several of stayed alive until here (2 x 64 MiB measured).
-                with tf.control_dependencies(dys):
-                    again = tf.identity(owned_flat())
-                whole2, state.token = self._gather(again, dtype, sum(sizes), state.token)
-                pieces = split(whole2)
+                # Gather again when backprop reaches this layer (not kept from the forward),
+                # prefetched while the layer after it ran its backward. The owned weights are
+                # read again (unchanged until the update after backprop) rather than kept: the
+                # forward's concatenated copy of a layer whose variables this replica owns
+                # several of stayed alive until here (2 x 64 MiB measured).
+                def again():
+                    with tf.control_dependencies(dys):
+                        return tf.identity(self._owned_flat(lay))
+
+                key2, _ = self._gathered(layer, state, again)
+                whole2 = self._wait(key2, lay, state, _dense(dys))
+                back = predict_next(state.calls, call, backward=True)  # backprop's next call
+                gate = None
+                if back is not None:
+                    with tf.control_dependencies(dys):
+                        nxt_flat = tf.identity(self._owned_flat(self._layout(state.calls[back])))
+                    gate = self._prefetch(state.calls[back], back, nxt_flat, state)
+                pieces = split(whole2, gate)
                 with tf.GradientTape() as tape:
                     tape.watch(pieces)
                     tape.watch(list(xs))
@@ -340,8 +447,6 @@ class LayerShards:
                                       unconnected_gradients=tf.UnconnectedGradients.ZERO)
                 dw, dx = grads[:len(pieces)], grads[len(pieces):]
                 flat_dw = tf.concat([tf.reshape(tf.cast(g, dtype), [-1]) for g in dw], 0)
-                if state.scale is not None:
-                    flat_dw = flat_dw * tf.cast(state.scale, dtype)
                 mine_sum, state.token = self._scatter(flat_dw, dtype, counts, counts[self.sharding.rank],
                                                       state.has_data, state.token)
                 # The owned sums leave with the token: the next collective waits for this one.
@@ -357,7 +462,7 @@ class LayerShards:
         if state.backward:
             flat_out = forward(flat_owned, state.anchor, *[flat_args[k] for k in diff])
         else:  # evaluate / predict: no backward pass to prepare for
-            flat_out = forward_once(flat_owned, [flat_args[k] for k in diff])
+            flat_out = forward_once([flat_args[k] for k in diff])
         for v, value in updates:  # batch norm's moving statistics, a seed's next state
             v.assign(value)
         return tf.nest.pack_sequence_as(shapes[0], list(flat_out))
@@ -366,6 +471,17 @@ class LayerShards:
 def _flatten_call(args, kwargs):
     structure = (list(args), dict(kwargs))
     return tf.nest.flatten(structure), structure
+
+
+def _dense(values) -> list[tf.Tensor]:
+    """The dense tensors among ``values`` (an IndexedSlices by its values), to order an op after."""
+    out = []
+    for a in values:
+        if isinstance(a, tf.IndexedSlices):
+            a = a.values
+        if isinstance(a, tf.Tensor):
+            out.append(a)
+    return out
 
 
 def _differentiable(a) -> bool:

@@ -11,8 +11,9 @@ so the two agree by construction. Per replica r (docs/sharding.md, "Level 3"):
   treatment: every replica computes them before the reduce-scatter);
 - owned trainable bytes: what r's optimizer builds slots for (ownership is level 1's);
 - gathered: ``GATHERED_COPIES`` copies of the largest per-layer gather, the transient of a
-  layer's backward (its weights gathered again, the local weight gradient and the
-  reduce-scatter's copy of it; the forward's gather is freed before backprop).
+  layer's backward (its weights gathered again, the local weight gradient, the
+  reduce-scatter's copy of it, and the next layer's weights prefetched meanwhile; the
+  forward holds at most two gathered layers, freed before backprop).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ._layer_shards import per_layer_plan
 from ._sharding import ShardingError, _nbytes, assign_owners
 
 #: Copies of the largest per-layer gather alive at once in its backward (see module doc).
-GATHERED_COPIES = 3
+GATHERED_COPIES = 4
 
 
 @dataclass(frozen=True)
