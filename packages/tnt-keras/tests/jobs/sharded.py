@@ -132,6 +132,17 @@ def bucket_threshold(name: str) -> None:
         os.environ.pop("TNT_FUSION_THRESHOLD", None)
 
 
+def fit_spec(x, y):
+    """The elements fit hands a multi-rank step: the rank's batch and its step sizes (without
+    them the step first sums the ranks' sizes: Note [Global batch first])."""
+    import tensorflow as tf
+
+    import tnt_data
+
+    batch = (tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None, *y.shape[1:]), tf.float32))
+    return (batch, tnt_data.StepSizes(tf.TensorSpec([], tf.int64), tf.TensorSpec([], tf.int64)))
+
+
 def scatter_graph(tm, x, y) -> dict:
     """Level 2's reduce-scatters in a traced training step (Note [Reduce-scatter during backprop]):
     how many, and what each waits for in the step graph. Overlap with backprop needs the first
@@ -139,8 +150,7 @@ def scatter_graph(tm, x, y) -> dict:
     chain would order it after the whole local part), and the others in one chain."""
     import tensorflow as tf
 
-    spec = (tf.TensorSpec((None, *x.shape[1:]), tf.float32), tf.TensorSpec((None, *y.shape[1:]), tf.float32))
-    graph = tf.function(tm._tnt_steps.train_step, autograph=False).get_concrete_function(spec).graph
+    graph = tf.function(tm._tnt_steps.train_step, autograph=False).get_concrete_function(fit_spec(x, y)).graph
 
     def upstream(op) -> set:
         """Every op ``op`` waits for, through data and control inputs."""
