@@ -170,8 +170,8 @@ def update_graph(tm, model) -> list[dict]:
     """Per rank, level 2's update in each traced global step (Note [Level 2's update bucket by bucket]):
     per owned variable (in update order) whether its writes wait for the previous one's (one
     variable's temporaries at a time), and which owned variables' writes the first allgather
-    of values waits for (only the first bucket's where no global_clipnorm or loss scale needs
-    the whole update first). Counted from the graph's dependencies, per concrete function."""
+    of values waits for (the first bucket's only). Counted from the graph's dependencies, per
+    concrete function."""
     sharding = tm._tnt_sharding
     owned = sharding.owned_mask()
     order = [i for i in sharding._update_order() if owned[i]]

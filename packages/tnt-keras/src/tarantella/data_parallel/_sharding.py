@@ -265,31 +265,24 @@ class Sharding:
         # gradients it does not own, which no update reads (else one replica can block in an
         # allgather while the other still waits for a bucket it has not launched: a hang).
         dense = [g for g in grads if g is not None and not _sparse.is_sparse(g)]
-        # Read after the update (its last write): every collective of apply came before. Not
-        # needed where apply runs no collective (Note [Level 2's update bucket by bucket]): each
-        # bucket's allgather then waits only for its own variables' updates (its reads).
-        whole_update = [] if self._bucketwise(optimizer) else [tf.identity(optimizer.iterations)]
-        return self.gather_values(after=[*whole_update, *gathered, *after], settled=[*dense, *settled])
+        # Read after the update (its last write): every collective of apply came before.
+        return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered, *after],
+                                  settled=[*dense, *settled])
 
     # Note [Level 2's update bucket by bucket]
     # At level 2 every owned gradient sum has arrived (reduce-scatters during backprop) before
     # the update begins. Left to TensorFlow's executor, the owned variables' updates ran
-    # interleaved (Adam's full-size temporaries of every variable alive at once, every owned
-    # sum alive until the last update) and the first allgather of values waited for all of
-    # them (it read ``iterations``, which every update reads first): the step's peak stood
-    # there (docs/sharding.md "Memory and speed"). So at level 2 the updates run one variable
-    # at a time (``serial_updates``) in the order of the values' buckets (``_update_order``),
-    # each freeing its owned sum; and where ``apply`` runs no collective (no global_clipnorm,
-    # no LossScaleOptimizer: both need every owned gradient before any update, and their
-    # allreduces must precede the allgathers on every replica) a bucket's allgather starts as
-    # soon as its own variables are updated, while the next bucket's updates run: one values
-    # bucket in flight. The arithmetic is unchanged (bitwise), and so is the collectives'
-    # order: the allgathers still form one chain in bucket order on every replica.
-    def _bucketwise(self, optimizer) -> bool:
-        """Whether each values bucket is gathered as soon as its variables are updated."""
-        return (self.level == 2 and not _target(optimizer).global_clipnorm
-                and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
-
+    # interleaved: Adam's full-size temporaries of several variables alive at once, and every
+    # owned sum alive until the update reading it ran (the step's peak stood in the update,
+    # docs/sharding.md "Memory and speed"). So at level 2 the updates run one variable at a
+    # time (``serial_updates``), in the order of the values' allgather buckets
+    # (``_update_order``): one variable's temporaries at a time, each owned sum freed once its
+    # variable is updated, and a bucket's allgather (which reads its variables, so waits for
+    # their writes) never waits for a later bucket's updates. The arithmetic is unchanged
+    # (bitwise), so are global_clipnorm's and the loss scale's decisions (taken inside
+    # apply_gradients before any update) and the collectives' order. Dropping the first
+    # allgather's wait on ``iterations`` as well (where apply runs no collective) measured the
+    # same peak (docs/sharding.md): every update reads ``iterations`` first, so it cost nothing.
     def _update_order(self) -> list[int]:
         """Positions in the order their updates run: at level 2 that of the values' buckets
         (then any not in them), so bucket by bucket; else the variables' own order."""
