@@ -156,6 +156,27 @@ def test_level_2_reduce_scatters_start_during_backprop(report):
     assert seen >= 1, sorted(report["cases"])
 
 
+def test_level_2_updates_one_variable_at_a_time_and_gathers_bucket_by_bucket(report):
+    # Note [Level 2's update bucket by bucket]: in each traced global step, every owned
+    # variable's writes wait for the previous one's, and the first allgather of values waits
+    # for the writes of the first bucket's owned variables only (so the chain runs in bucket
+    # order). Before, the updates were unchained: chained 0 on the 3-rank l2_sgd_momentum's
+    # rank owning 4 variables (run with the chain removed).
+    chains = later = 0  # ranks whose check could fail: several owned variables; some past bucket 1
+    for name, c in report["cases"].items():
+        if not name.startswith("l2_"):
+            continue
+        for g in (g for per_rank in c["update_graph"] for g in per_rank):
+            assert g["written"] == g["owned"] >= 1, (name, g)
+            assert g["chained"] == g["owned"] - 1, (name, g)
+            chains += g["owned"] >= 2
+            assert g["before_first_gather"] == g["first_bucket"], (name, g)
+            later += g["owned"] > len(g["first_bucket"])
+    assert chains >= 1, sorted(report["cases"])
+    if report["ranks"] == 3:  # l2_sgd_momentum's 3 buckets
+        assert later >= 1, sorted(report["cases"])
+
+
 def test_level_2_scatter_buckets_go_in_backprop_order_large_first():
     import types
 

@@ -176,6 +176,38 @@ def scatter_graph(tm, x, y) -> dict:
     }
 
 
+def update_graph(tm, model) -> list[dict]:
+    """Per rank, level 2's update in each traced global step (Note [Level 2's update bucket by bucket]):
+    per owned variable (in update order) whether its writes wait for the previous one's (one
+    variable's temporaries at a time), and which owned variables' writes the first allgather
+    of values waits for (the first bucket's only). Counted from the graph's dependencies, per
+    concrete function."""
+    sharding = tm._tnt_sharding
+    owned = sharding.owned_mask()
+    order = [i for i in sharding._update_order() if owned[i]]
+    first_bucket = sorted(i for i in sharding._groups()[0][1] if owned[i])
+    variables = model.trainable_variables
+    out = []
+    for fn in tm._tnt_steps._compiled_fns[("global", False)]._list_all_concrete_functions():
+        ops, cache = fn.graph.get_operations(), {}
+        inner = {id(ext): internal.op for ext, internal in fn.graph.captures}
+        writes = {}
+        for i in order:
+            handle = inner.get(id(variables[i].value.handle))
+            writes[i] = {o.name for o in ops if o.inputs and o.inputs[0].op is handle
+                         and (o.type.startswith("Assign") or o.type.startswith("ResourceApply"))}
+        gathers = [o for o in ops if "tnt_shard_allgather" in o.name]
+        first = min(gathers, key=lambda o: len(_ancestors(o, cache)))
+        before_first = _ancestors(first, cache)
+        by_name = {o.name: o for o in ops}
+        chained = sum(all(writes[a] <= _ancestors(by_name[w], cache) for w in writes[b])
+                      for a, b in itertools.pairwise(order) if writes[a] and writes[b])
+        out.append({"owned": len(order), "written": sum(bool(writes[i]) for i in order),
+                    "chained": chained, "first_bucket": first_bucket,
+                    "before_first_gather": sorted(i for i in order if writes[i] & before_first)})
+    return tnt_comm.allgather_object(out)  # per rank: each owns other variables
+
+
 def stored_elements(model, shards) -> int:
     """Trainable elements this rank stores (level 3 releases the ones other replicas own)."""
     return elements([v for v in model.trainable_variables if shards is None or not shards.is_released(v)])
@@ -202,6 +234,7 @@ def case(level: int, kind: str) -> dict:
     out = {}
     if level == 2:
         out["scatter_graph"] = scatter_graph(tm, x, y)
+        out["update_graph"] = update_graph(tm, model)
     if level == 3:  # held only by owners; evaluate and predict gather per layer too
         out["stored_elements_per_rank"] = tnt_comm.allgather_object(stored_elements(model, sharding.layers))
         out["owned_elements_per_rank"] = tnt_comm.allgather_object(elements(sharding.owned_variables()))

@@ -16,7 +16,9 @@ Used where a step's gradients are all held before the update (a pipeline stage's
 largest-stage peaks of benchmarks/memory.py's pp2 1151 -> 1055 MiB on rank 0, rank 1
 unchanged at 1189). Not for DATA: there each update frees the fused bucket its gradient
 arrived in, in arrival order; chained in variable order the update held every bucket
-(dp2 measured 1401 -> 1674 MiB per rank, the same hour).
+(dp2 measured 1401 -> 1674 MiB per rank, the same hour). Used at DATA's sharding=2, where
+every owned sum has arrived (reduce-scatters during backprop) before the update, chained in
+the values' bucket order (data_parallel/_sharding.py, Note [Level 2's update bucket by bucket]).
 """
 
 from __future__ import annotations

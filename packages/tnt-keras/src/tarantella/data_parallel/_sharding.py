@@ -31,6 +31,7 @@ import tnt_comm
 
 from .._core import graph_collectives as _gc
 from .._core import sparse as _sparse
+from .._core.serial_updates import update_one_variable_at_a_time
 from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
 
 
@@ -208,8 +209,11 @@ class Sharding:
         cls_build = type(optimizer).build
 
         def build(opt, variables):
-            owned = {id(v) for v in sharding.owned_variables()}
-            return cls_build(opt, [v for v in variables if id(v) in owned])
+            # In the shared variables' order, whatever order the first apply hands them in (at
+            # level 2, the update's): the slots' order is the files' (Sharding.apply).
+            given = {id(v) for v in variables}
+            owned = [v for v in sharding.owned_variables() if id(v) in given]
+            return cls_build(opt, owned)
 
         optimizer.build = types.MethodType(build, optimizer)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -224,6 +228,8 @@ class Sharding:
         target = _target(optimizer)
         if target.global_clipnorm:
             target._clip_gradients = types.MethodType(self._clip_by_global_norm, target)
+        if self.level == 2:  # Note [Level 2's update bucket by bucket]
+            update_one_variable_at_a_time(optimizer)
         self._installed = optimizer
 
     def _clip_by_global_norm(self, opt, grads):
@@ -245,7 +251,7 @@ class Sharding:
         step's earlier collectives, see :meth:`reduce_scatter`; and after ``settled``: every
         result of the step's fused allreduce, owned or not); returns a token."""
         owned = self.owned_mask()
-        pairs = [(g, v) for g, v, mine in zip(grads, variables, owned) if mine]
+        pairs = [(grads[i], variables[i]) for i in self._update_order() if owned[i]]
         # The update's own collectives (global norm, finiteness) too: a replica owning only
         # sparse gradients reads no output of the reduce-scatter.
         with tf.control_dependencies(list(after)):
@@ -262,6 +268,28 @@ class Sharding:
         # Read after the update (its last write): every collective of apply came before.
         return self.gather_values(after=[tf.identity(optimizer.iterations), *gathered, *after],
                                   settled=[*dense, *settled])
+
+    # Note [Level 2's update bucket by bucket]
+    # At level 2 every owned gradient sum has arrived (reduce-scatters during backprop) before
+    # the update begins. Left to TensorFlow's executor, the owned variables' updates ran
+    # interleaved: Adam's full-size temporaries of several variables alive at once, and every
+    # owned sum alive until the update reading it ran (the step's peak stood in the update,
+    # docs/sharding.md "Memory and speed"). So at level 2 the updates run one variable at a
+    # time (``serial_updates``), in the order of the values' allgather buckets
+    # (``_update_order``): one variable's temporaries at a time, each owned sum freed once its
+    # variable is updated, and a bucket's allgather (which reads its variables, so waits for
+    # their writes) never waits for a later bucket's updates. The arithmetic is unchanged
+    # (bitwise), so are global_clipnorm's and the loss scale's decisions (taken inside
+    # apply_gradients before any update) and the collectives' order. Dropping the first
+    # allgather's wait on ``iterations`` as well (where apply runs no collective) measured the
+    # same peak (docs/sharding.md): every update reads ``iterations`` first, so it cost nothing.
+    def _update_order(self) -> list[int]:
+        """Positions in the order their updates run: at level 2 that of the values' buckets
+        (then any not in them), so bucket by bucket; else the variables' own order."""
+        if self.level != 2:
+            return list(range(len(self.variables)))
+        order = [i for _, idx in self._groups() for i in sorted(idx)]
+        return order + sorted(set(range(len(self.variables))) - set(order))
 
     # -- collectives -----------------------------------------------------------------------------
     def _groups(self, positions: Sequence[int] | None = None) -> list[tuple[tf.DType, list[int]]]:
