@@ -177,14 +177,20 @@ class GatheredStepFunctions:
         raise NotImplementedError
 
     def make_train_function(self, force=False):
+        """Keras' train function, gathering the weights before each call and releasing the
+        non-owned ones after it at level 3 (unchanged otherwise)."""
         super().make_train_function(force)
         return self._gathered_per_call("train_function", self.train_function)
 
     def make_test_function(self, force=False):
+        """Keras' test function, gathering the weights before each call and releasing the
+        non-owned ones after it at level 3 (unchanged otherwise)."""
         super().make_test_function(force)
         return self._gathered_per_call("test_function", self.test_function)
 
     def make_predict_function(self, force=False):
+        """Keras' predict function, gathering the weights before each call and releasing the
+        non-owned ones after it at level 3 (unchanged otherwise)."""
         super().make_predict_function(force)
         return self._gathered_per_call("predict_function", self.predict_function)
 
