@@ -441,17 +441,23 @@ def test_a_deferred_build_on_one_rank_trains_as_the_eager_build():
 
 def test_level_3_comm_worker_runs_in_submission_order_and_hands_back_errors():
     # Level 3's collectives run on one worker thread per replica (data_parallel/_prefetch.py):
-    # the replicas agree on the order only if it is the submission order. The earlier jobs
-    # sleep longer, so a worker running two at once (or out of order) fails the order check.
-    import time
+    # the replicas agree on the order only if it is the submission order. The first job holds
+    # the worker until another job starts (or 0.5 s pass): a worker running two at once, or
+    # out of order, lets a later job start while it waits, and the order check fails.
+    import threading
 
     from tarantella.data_parallel._prefetch import CommWorker, predict_next
 
-    worker, ran = CommWorker(), []
+    worker, ran, started = CommWorker(), [], []
+    changed = threading.Condition()
 
     def job(k: int) -> int:
-        time.sleep(0.002 * (8 - k))
-        ran.append(k)
+        with changed:
+            started.append(k)
+            changed.notify_all()
+            if k == 0:
+                changed.wait_for(lambda: len(started) > 1, timeout=0.5)
+            ran.append(k)
         return k * k
 
     keys = [worker.submit(job, k) for k in range(8)]
