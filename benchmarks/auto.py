@@ -179,7 +179,9 @@ def plan_worker(names: list[str], out: str, quick: bool) -> None:
         keras.utils.set_random_seed(0)
         probe = MODELS[name](keras)
         t0 = time.perf_counter()
-        plan = tnt.plan_parallel(probe, num_ranks=size, global_batch_size=PLAN_BATCH) if rank == 0 else None
+        network = tnt.auto.measure_network()  # as AUTO does in a job: every rank, before rank 0 plans
+        plan = tnt.plan_parallel(probe, num_ranks=size, global_batch_size=PLAN_BATCH,
+                                 network=network) if rank == 0 else None
         plan_s = time.perf_counter() - t0
         plan = tnt_comm.broadcast_object(plan, root=0)
         x, y = data(name, PLAN_BATCH * max(WARM_STEPS, TIMED_STEPS))

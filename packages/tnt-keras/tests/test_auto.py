@@ -280,6 +280,22 @@ def test_auto_on_one_rank_and_bad_input():
         tnt.Model(two_convs(), plan=plan)
 
 
+def test_a_given_network_prices_the_plan_and_a_wrong_one_is_named():
+    slow = tnt.auto.Network(alpha_s=1e-3, beta_Bps=1e6, name="given here")
+    plan = tnt.plan_parallel(two_convs(), num_ranks=2, global_batch_size=8, network=slow)
+    fast = tnt.plan_parallel(two_convs(), num_ranks=2, global_batch_size=8)
+    assert plan.network == slow and fast.network == tnt.auto.Network()
+    assert any("alpha = 1000 us, beta = 0.00 GB/s (given here)" in n for n in plan.notes), plan.notes
+    data = next(c for c in plan.feasible if c.layout.describe() == "DATA(d=2)")
+    data_fast = next(c for c in fast.feasible if c.layout.describe() == "DATA(d=2)")
+    assert data.estimate.step_s > data_fast.estimate.step_s  # the slow network's allreduce costs more
+    model = tnt.Model(two_convs(), parallel_strategy=tnt.ParallelStrategy.AUTO, global_batch_size=8, network=slow)
+    assert model._tnt_plan.network == slow
+    with pytest.raises(tnt.auto.AutoError, match=r"network=.*tnt\.auto\.Network"):
+        tnt.Model(two_convs(), parallel_strategy=tnt.ParallelStrategy.AUTO, global_batch_size=8, network=(1, 2))
+    assert tnt.auto.measure_network().name.startswith("one rank")  # nothing to time on one process
+
+
 def test_profile_file_is_kept_and_reused_for_the_same_model_only(tmp_path):
     m = two_convs()
     path = tmp_path / "profile.json"
@@ -385,6 +401,19 @@ def test_auto_under_a_budget_below_data_trains_as_serial_keras(launched):
     assert pipe is not None and pipe["plan_layout"] == pipe["layout"] and "PIPELINING" in pipe["layout"], r
     assert pipe["model_type"] == "PipelinedModel" and pipe["split_after"] == pipe["built_split_after"], pipe
     assert pipe["history_diff"] <= TOL_LOSS and pipe["weight_diff"] <= TOL_WEIGHTS, pipe
+
+
+def test_auto_prices_the_plan_with_the_network_it_measured_in_the_job(launched):
+    """AUTO times the job's allreduce before it plans: its alpha and beta predict the
+    8 MiB allreduce the job times on its own, later, within a factor of 6 — loose, as the
+    shared 2-core machine's load moves both timings 1-4x (measured), but tight enough to
+    catch a unit slip (us for s, bits for bytes)."""
+    n = launched["network"]
+    assert n["name"].startswith("measured in this job"), n
+    assert 0 < n["alpha_s"] < 1e-2 and n["beta_Bps"] > 1e6, n
+    ranks = launched["ranks"]
+    predicted = 2 * (ranks - 1) * n["alpha_s"] + 2 * (ranks - 1) / ranks * n["nbytes"] / n["beta_Bps"]
+    assert n["allreduce_8mib_s"] / 6 <= predicted <= 6 * n["allreduce_8mib_s"], (predicted, n)
 
 
 def test_auto_at_sharding_3_keeps_a_deferred_model_deferred_and_trains_as_serial_keras(launched):

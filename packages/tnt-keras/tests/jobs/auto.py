@@ -8,6 +8,8 @@ tests/test_auto.py checks.
 
 from __future__ import annotations
 
+import time
+
 import _job
 import keras
 import numpy as np
@@ -100,6 +102,23 @@ def level3_case() -> dict:
             "history_diff": _job.history_diff(hist, ref_hist), "weight_diff": _job.max_abs_diff(weights, ref_weights)}
 
 
+def network_check(plan) -> dict:
+    """The network AUTO's plan was priced with (alpha, beta measured by the job before it
+    planned) and this job's own timing of an 8 MiB allreduce, to set beside the time the
+    measured alpha and beta predict for it."""
+    buf = np.ones(2 << 20, dtype=np.float32)  # 8 MiB
+    tnt_comm.allreduce(buf)
+    seconds = []
+    for _ in range(5):
+        tnt_comm.barrier()
+        t0 = time.perf_counter()
+        tnt_comm.allreduce(buf)
+        seconds.append(time.perf_counter() - t0)
+    return {"name": plan.network.name, "alpha_s": plan.network.alpha_s, "beta_Bps": plan.network.beta_Bps,
+            "allreduce_8mib_s": max(tnt_comm.allgather_object(min(seconds))),
+            "nbytes": buf.nbytes}
+
+
 def main() -> None:
     out = _job.out_path()
     ref_hist, ref_weights = serial()
@@ -144,6 +163,7 @@ def main() -> None:
                            "history_diff": _job.history_diff(h3, ref_hist),
                            "weight_diff": _job.max_abs_diff(w3, ref_weights)}
     res["level3"] = level3_case()
+    res["network"] = network_check(plan)
     _job.write(out, res)
 
 

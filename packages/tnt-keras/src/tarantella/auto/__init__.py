@@ -12,7 +12,7 @@ per-layer profile and the alpha-beta communication model, within a per-rank memo
 from __future__ import annotations
 
 from ._budget import default_budget
-from ._comm import Network
+from ._comm import Network, measure_network
 from ._cost import Estimate
 from ._layout import Layout
 from ._plan import Candidate, Plan
@@ -30,6 +30,7 @@ __all__ = [
            "Plan",
            "Profile",
            "default_budget",
+           "measure_network",
            "plan_parallel",
            "profile",
 ]

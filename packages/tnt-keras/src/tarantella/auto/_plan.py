@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .._core.memory import CATEGORIES
+from ._comm import Network
 from ._cost import Estimate
 from ._layout import Layout
 
@@ -39,6 +40,7 @@ class Plan:
     feasible: list[Candidate]  # fastest first; the choice is the first
     rejected: list[Candidate]
     notes: list[str] = field(default_factory=list)
+    network: Network = field(default_factory=Network)  # the alpha and beta its times were priced with
 
     @property
     def layout(self) -> Layout:

@@ -307,4 +307,4 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
              f"communication: alpha = {net.alpha_s * 1e6:.0f} us, beta = {net.beta_Bps / 1e9:.2f} GB/s ({net.name})",
              f"profile measured here at {', '.join(map(str, prof.rows_measured))} rows per forward "
              "(linear in between)"]
-    return Plan(num_ranks, global_batch_size, budget, source, feasible[0], feasible, rejected, notes)
+    return Plan(num_ranks, global_batch_size, budget, source, feasible[0], feasible, rejected, notes, net)

@@ -1,9 +1,10 @@
 """ParallelStrategy.AUTO in the strategy registry: plan on rank 0, broadcast the plan,
 build the chosen layout with its own strategy.
 
-Rank 0 alone profiles and searches (the measurements differ from rank to rank), so every
-rank builds the same layout. ``plan=`` (a :class:`~._plan.Plan`, edited or not) skips the
-search.
+Every rank first times the job's allreduce together (alpha, beta: ``_comm.measure_network``),
+unless ``network=`` gives them. Rank 0 alone profiles and searches (the measurements differ
+from rank to rank), so every rank builds the same layout. ``plan=`` (a
+:class:`~._plan.Plan`, edited or not) skips the search.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import keras
 from .._core import runtime as _runtime
 from .._core.deferred import has_deferred, materialise
 from .._core.strategy import ParallelStrategy, Strategy, register, strategy_for
+from ._comm import Network, measure_network
 from ._plan import Plan
 from ._search import plan_parallel
 
 #: ``memory_budget=`` is every strategy's (tnt.Model passes it in).
-OPTIONS = ("plan", "global_batch_size")
+OPTIONS = ("plan", "global_batch_size", "network")
 
 
 class AutoError(ValueError):
@@ -40,12 +42,18 @@ def _agreed_plan(model: keras.Model, options: dict) -> Plan:
     if batch is None:
         raise AutoError("tnt.Model(parallel_strategy=ParallelStrategy.AUTO) needs global_batch_size= (the batch "
                         "size the dataset is batched with) to plan, or plan=tnt.plan_parallel(...).")
+    network = options.get("network")
+    if network is not None and not isinstance(network, Network):
+        raise AutoError(f"tnt.Model(network=...) takes a tnt.auto.Network(alpha_s=..., beta_Bps=...), got "
+                        f"{type(network).__name__}; leave it out to measure this job's network.")
     if size == 1:
-        return plan_parallel(model, 1, batch, options.get("memory_budget"))
+        return plan_parallel(model, 1, batch, options.get("memory_budget"), network=network)
+    if network is None:
+        network = measure_network()  # collective: every rank, before rank 0 plans alone
     result: Plan | Exception | None = None
     if _runtime.get_rank() == 0:
         try:
-            result = plan_parallel(model, size, batch, options.get("memory_budget"))
+            result = plan_parallel(model, size, batch, options.get("memory_budget"), network=network)
         except Exception as e:  # every rank raises rank 0's error, none hangs
             result = e
     result = tnt_comm.broadcast_object(result, root=0)
