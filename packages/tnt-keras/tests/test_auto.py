@@ -296,6 +296,25 @@ def test_a_given_network_prices_the_plan_and_a_wrong_one_is_named():
     assert tnt.auto.measure_network().name.startswith("one rank")  # nothing to time on one process
 
 
+def test_time_balanced_plan_cuts_where_time_balances_not_where_bytes_do():
+    inp = keras.Input((64,))
+    x = keras.layers.Dense(512, name="d1")(inp)   # most of the bytes
+    x = keras.layers.Dense(8, name="d2")(x)
+    x = keras.layers.Dense(8, name="d3")(x)
+    m = keras.Model(inp, keras.layers.Dense(8, name="d4")(x))
+    # given times: d4 dominates (as a layer with few weights and much compute would)
+    prof = given_profile(m, {"d1": 1e-4, "d2": 1e-4, "d3": 1e-4, "d4": 5e-4})
+    by_time = tnt.auto.time_balanced_plan(m, 2, 8, profile_=prof)
+    assert by_time.split_after == ["d3"], by_time.split_after
+    assert tnt.pipelining.plan(m, 2).split_after == ["d1"]  # the default: bytes
+    measured = tnt.auto.time_balanced_plan(m, 2, 8)  # timed here: some valid 2-stage cut
+    assert measured.num_stages == 2 and measured.split_after[0] in {"d1", "d2", "d3"}
+    with pytest.raises(tnt.auto.StagePlanError, match="fewer than num_stages=5"):
+        tnt.auto.time_balanced_plan(m, 5, 8, profile_=prof)
+    with pytest.raises(ValueError, match="micro_batch_size must be a positive integer"):
+        tnt.auto.time_balanced_plan(m, 2, 0)
+
+
 def test_profile_file_is_kept_and_reused_for_the_same_model_only(tmp_path):
     m = two_convs()
     path = tmp_path / "profile.json"
@@ -414,6 +433,13 @@ def test_auto_prices_the_plan_with_the_network_it_measured_in_the_job(launched):
     ranks = launched["ranks"]
     predicted = 2 * (ranks - 1) * n["alpha_s"] + 2 * (ranks - 1) / ranks * n["nbytes"] / n["beta_Bps"]
     assert n["allreduce_8mib_s"] / 6 <= predicted <= 6 * n["allreduce_8mib_s"], (predicted, n)
+
+
+def test_time_balanced_stages_are_rank_0s_on_every_rank(launched):
+    """Rank 0's profile puts the time in the last layer, rank 1's in the first: both ranks
+    cut before the last layer (each on its own would cut after the first)."""
+    cuts = launched["time_balanced_cuts"]
+    assert cuts == [["d3"], ["d3"]], cuts
 
 
 def test_auto_at_sharding_3_keeps_a_deferred_model_deferred_and_trains_as_serial_keras(launched):

@@ -8,6 +8,7 @@ tests/test_auto.py checks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import _job
@@ -102,6 +103,19 @@ def level3_case() -> dict:
             "history_diff": _job.history_diff(hist, ref_hist), "weight_diff": _job.max_abs_diff(weights, ref_weights)}
 
 
+def time_balanced_cuts() -> list[list[str]]:
+    """PIPELINING's stages by time on every rank. Each rank is handed a profile that cuts
+    elsewhere (rank 0: the last layer dominates; the others: the first): every rank must
+    take rank 0's cut, not its own."""
+    model = make_model()
+    measured = tnt.auto.profile(model, [BATCH // 4])
+    heavy = len(measured.layers) - 1 if tnt.get_rank() == 0 else 0
+    layers = [dataclasses.replace(c, a_s=0.0, b_s=1e-3 if i == heavy else 1e-6) for i, c in enumerate(measured.layers)]
+    given = dataclasses.replace(measured, layers=layers)
+    timed = tnt.auto.time_balanced_plan(model, 2, BATCH // 4, profile_=given)
+    return tnt_comm.allgather_object(list(timed.split_after))
+
+
 def network_check(plan) -> dict:
     """The network AUTO's plan was priced with (alpha, beta measured by the job before it
     planned) and this job's own timing of an 8 MiB allreduce, to set beside the time the
@@ -164,6 +178,7 @@ def main() -> None:
                            "weight_diff": _job.max_abs_diff(w3, ref_weights)}
     res["level3"] = level3_case()
     res["network"] = network_check(plan)
+    res["time_balanced_cuts"] = time_balanced_cuts()
     _job.write(out, res)
 
 

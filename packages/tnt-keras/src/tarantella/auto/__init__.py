@@ -18,6 +18,7 @@ from ._layout import Layout
 from ._plan import Candidate, Plan
 from ._profile import LayerCost, Profile, profile
 from ._search import plan_parallel
+from ._stages import StagePlanError, time_balanced_plan
 from ._strategy import AutoError  # also registers AUTO
 
 __all__ = [
@@ -29,8 +30,10 @@ __all__ = [
            "Network",
            "Plan",
            "Profile",
+           "StagePlanError",
            "default_budget",
            "measure_network",
            "plan_parallel",
            "profile",
+           "time_balanced_plan",
 ]
