@@ -149,6 +149,34 @@ def test_zb_h1_without_the_cut_backward_warns_and_stays_bitwise_1f1b(monkeypatch
     assert all(np.array_equal(a, b) for a, b in zip(pipe.get_weights(), ref.get_weights()))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gradients_summed_in_place_train_bitwise_as_the_tapes_sums(monkeypatch, schedule):
+    """Note [Gradients summed in place]: W adding each dense gradient into the micro-batch
+    sum as it is computed trains bitwise as the tape's whole gradient sets added as tensors
+    (the cut refused: the path every schedule but ZB-H1 took before). The skip model: an L2
+    loss on stage 0 (its regularisation target), two inputs, clipnorm over all stages."""
+    from tarantella.pipelining import _split_backward
+
+    x, y = data(two_inputs=True)
+
+    def opt():
+        return keras.optimizers.Adam(0.02, global_clipnorm=0.05)
+
+    pipe, hist = pipelined(skip_model, opt(), x, y, schedule=schedule, epochs=1)
+    # in place on every stage: its W variants were built (first micro-batch: set; then: add)
+    assert [sorted(k[2] for k in c._splitter._into) for st in pipe.stages for c in st.executor.chunks.values()] \
+        == [[False, True]] * len(pipe.stages)
+
+    def refuse(self, cf, all_args, watched):
+        raise _split_backward.SplitUnavailable("refused by the test")
+
+    monkeypatch.setattr(_split_backward.SplitBackward, "_cut", refuse)
+    ref, ref_hist = pipelined(skip_model, opt(), x, y, schedule=schedule, epochs=1)
+    assert cut_backward(ref) == [False] * len(ref.stages)
+    assert hist == ref_hist
+    assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(pipe.get_weights(), ref.get_weights()))
+
+
 def test_1f1b_holds_fewer_micro_batches_than_gpipe(case):
     runs = case[5]
     p = len(runs["1f1b"][0].stages)
