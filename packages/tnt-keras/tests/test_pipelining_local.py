@@ -164,8 +164,8 @@ def test_gradients_summed_in_place_train_bitwise_as_the_tapes_sums(monkeypatch, 
 
     pipe, hist = pipelined(skip_model, opt(), x, y, schedule=schedule, epochs=1)
     # in place on every stage: its W variants were built (first micro-batch: set; then: add)
-    assert [sorted(k[2] for k in c._splitter._into) for st in pipe.stages for c in st.executor.chunks.values()] \
-        == [[False, True]] * len(pipe.stages)
+    assert [{k[2] for k in c._splitter._into} for st in pipe.stages for c in st.executor.chunks.values()] \
+        == [{False, True}] * len(pipe.stages)
 
     def refuse(self, cf, all_args, watched):
         raise _split_backward.SplitUnavailable("refused by the test")
