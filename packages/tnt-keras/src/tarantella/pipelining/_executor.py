@@ -56,7 +56,7 @@ from ._transport import ACTIVATION, GRADIENT, Transport, message_tag
 class StepResult:
     """What a stage produced in one step."""
 
-    grads: list | None = None  # accumulated weighted gradients (train), None if no micro-batch
+    grads: list | None = None  # accumulated weighted gradients (train; tf.Variable if summed in place), None if no micro-batch
     predictions: list = field(default_factory=list)  # last stage, predict: one output per micro-batch
     peak_live: int = 0  # the most micro-batches in flight at once (forward done, backward not)
     peak_taped: int = 0  # of those, the most holding their activations (in a tape) at once
@@ -107,9 +107,9 @@ class _Accumulator:
             self.next += 1
 
     def result(self) -> list:
-        """The sums as tensors (a variable's value taken without a copy; the variables dropped)."""
-        out = [g.value() if isinstance(g, tf.Variable) else g for g in self.grads]
-        self.grads = None
+        """The sums (a ``tf.Variable`` where summed in place: ``StageRuntime`` releases it
+        variable by variable in the optimizer's update, Note [Gradients summed in place])."""
+        out, self.grads = self.grads, None
         return out
 
 
