@@ -362,7 +362,9 @@ class PipelinedModel(DistributedModel):
             model=self.stage_model, optimizer=self._tnt_stage.optimizer,
             what=f"{self.parallel_strategy.upper()}, stage {s} of {p}, m = {m}, {self.pipeline_schedule}"
                  + (", remat='stages'" if self.remat else ""),
-            accumulator_sets=1 if m > 1 else 0, in_flight=in_flight, activation_sets=activation_sets, rows=rows,
+            # the micro-batches' sum is the step's gradient set, summed in place inside W
+            # (Note [Gradients summed in place]): no second set beside it
+            accumulator_sets=0, in_flight=in_flight, activation_sets=activation_sets, rows=rows,
             comm_gradient_sets=1 if self.num_replicas > 1 else 0, receive_bytes=per_row * (rows or 0))
 
     # -- loops ---------------------------------------------------------------------------------------
