@@ -154,6 +154,14 @@ class StageExecutor:
             offset += len(passes.model.trainable_variables)
         return frozenset(out)
 
+    @property
+    def sums_in_place(self) -> bool:
+        """Whether every chunk sums its dense weight gradients in place, inside W (Note
+        [Gradients summed in place]); False where a backward could not be cut: its tape
+        returns each micro-batch's whole gradient set beside the sum (the memory estimate
+        counts that set)."""
+        return all(p.sums_in_place for p in self.chunks.values())
+
     def regularization_value(self) -> float:
         """The weight-regularisation loss of this stage's chunks but the model's last (whose
         loss holds its own): what serial Keras adds to every step's loss."""

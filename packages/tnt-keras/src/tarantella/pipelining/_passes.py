@@ -82,6 +82,13 @@ class ChunkPasses:
         self._splitter = SplitBackward()
         self.split_fallback: str | None = None
 
+    @property
+    def sums_in_place(self) -> bool:
+        """Whether W sums the dense weight gradients into the micro-batch sum (Note
+        [Gradients summed in place]): the backward is cut (or not tried yet) and TensorFlow
+        has variables without a value."""
+        return self._splitter is not None and _sum_into is not None
+
     def _fn(self, key, make):
         if key not in self._fns:
             self._fns[key] = tf.function(make(), reduce_retracing=True, autograph=False)
