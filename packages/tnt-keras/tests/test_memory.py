@@ -83,11 +83,13 @@ def test_parameters_add_up_to_the_serial_model(result):
     # Transient buckets waited one at a time (the default) carry the gradients instead of
     # standing beside them: no set of their own (docs/memory.md, "Buckets one at a time").
     assert all(r["estimate"]["communication_buffers"] == 0 for r in st["DATA"])
-    assert all(r["estimate"]["gradient_accumulators"] == r["estimate"]["gradients"] for r in st["PIPELINING"])
-    # The larger stage holds 57 % of the parameters, and an accumulator (+25 % of its 16 bytes
-    # per parameter): 0.72 of DATA's 16 bytes per parameter (before DATA's estimate dropped
-    # its bucket set, 20 bytes: this bound was 0.7 of that).
-    assert max(r["estimate_total"] for r in st["PIPELINING"]) < 0.75 * st["DATA"][0]["estimate_total"]
+    # The micro-batches' sum is the step's gradient set (summed in place, Note [Gradients
+    # summed in place]): no accumulator beside it.
+    assert all(r["estimate"]["gradient_accumulators"] == 0 for r in st["PIPELINING"])
+    # The larger stage holds 57 % of the parameters at DATA's 16 bytes per parameter, plus
+    # its few activations: 0.57 of DATA's estimate (0.72 while it counted an accumulator,
+    # +25 % of 16 bytes; this bound was 0.75).
+    assert max(r["estimate_total"] for r in st["PIPELINING"]) < 0.6 * st["DATA"][0]["estimate_total"]
 
 
 def test_budget_below_the_estimate_fails_on_every_rank_before_training(result):

@@ -149,6 +149,68 @@ def test_zb_h1_without_the_cut_backward_warns_and_stays_bitwise_1f1b(monkeypatch
     assert all(np.array_equal(a, b) for a, b in zip(pipe.get_weights(), ref.get_weights()))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_gradients_summed_in_place_train_bitwise_as_the_tapes_sums(monkeypatch, schedule):
+    """Note [Gradients summed in place]: W adding each dense gradient into the micro-batch
+    sum as it is computed trains bitwise as the tape's whole gradient sets added as tensors
+    (the cut refused: the path every schedule but ZB-H1 took before). The skip model: an L2
+    loss on stage 0 (its regularisation target), two inputs, clipnorm over all stages."""
+    from tarantella.pipelining import _split_backward
+
+    x, y = data(two_inputs=True)
+
+    def opt():
+        return keras.optimizers.Adam(0.02, global_clipnorm=0.05)
+
+    pipe, hist = pipelined(skip_model, opt(), x, y, schedule=schedule, epochs=1)
+    # in place on every stage: its W variants were built (first micro-batch: set; then: add)
+    assert [{k[2] for k in c._splitter._into} for st in pipe.stages for c in st.executor.chunks.values()] \
+        == [{False, True}] * len(pipe.stages)
+
+    def refuse(self, cf, all_args, watched):
+        raise _split_backward.SplitUnavailable("refused by the test")
+
+    monkeypatch.setattr(_split_backward.SplitBackward, "_cut", refuse)
+    ref, ref_hist = pipelined(skip_model, opt(), x, y, schedule=schedule, epochs=1)
+    assert cut_backward(ref) == [False] * len(ref.stages)
+    assert hist == ref_hist
+    assert all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(pipe.get_weights(), ref.get_weights()))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_no_micro_batch_gradient_set_beside_the_sums(monkeypatch, schedule):
+    """Issue 29: a stage never holds a micro-batch's whole gradient set beside the sum. Every
+    micro-batch summed in order hands the accumulator, at each dense position, the sum's own
+    variable (its gradient was written or added inside W), not a gradient tensor; and the
+    in-place W functions return no tensor of a weight's shape.
+    Fails on the tape's path (each backward returned all its gradients as tensors)."""
+    from tarantella.pipelining import _executor
+
+    calls: list[tuple[int, bool]] = []  # (micro-batch, every dense position is the sum's variable)
+    add = _executor._Accumulator.add
+
+    def checked(self, i, grads):
+        if i == self.next:
+            sums = self.grads
+            calls.append((i, all(isinstance(g, tf.Variable) and (sums is None or g is sums[k])
+                                 for k, g in enumerate(grads))))
+        return add(self, i, grads)
+
+    monkeypatch.setattr(_executor._Accumulator, "add", checked)
+    x, y = data(two_inputs=False)
+    pipe, _ = pipelined(mlp, keras.optimizers.Adam(0.01), x, y, p=2, schedule=schedule, epochs=1)
+    assert {i for i, _ in calls} == set(range(6)), calls  # m = 6 micro-batches summed in order
+    assert all(in_place for _, in_place in calls), calls
+    for st in pipe.stages:
+        for c in st.executor.chunks.values():
+            weights = {tuple(v.shape) for v in c.model.trainable_variables}
+            fns = [held[1] for held in c._splitter._into.values()]
+            assert fns
+            # (stage 0's W also returns the data input's unused gradient: rows x 10)
+            returned = {tuple(o.shape) for fn in fns for o in fn.graph.outputs}
+            assert not returned & weights, (returned, weights)
+
+
 def test_1f1b_holds_fewer_micro_batches_than_gpipe(case):
     runs = case[5]
     p = len(runs["1f1b"][0].stages)

@@ -113,7 +113,7 @@ class Holdings:
     ``model``: the Keras model whose variables live on this rank (the whole model, a stage,
     a model of shards); ``optimizer``: its optimizer (None before compile);
     ``accumulator_sets``: full gradient sets held beside the step's gradients (a pipeline
-    sums micro-batches: 1); ``in_flight``: micro-batches in flight at once (their received
+    sums micro-batches in place, into its gradient set: 0); ``in_flight``: micro-batches in flight at once (their received
     inputs are held); ``activation_sets``: of those, how many keep their activations (None:
     all; 1 under a pipeline's ``remat="stages"``); ``rows``: samples per micro-batch (None: not known before fit);
     ``comm_gradient_sets``: full gradient sets the fused engine stages (its buckets: 1 when

@@ -56,7 +56,7 @@ from ._transport import ACTIVATION, GRADIENT, Transport, message_tag
 class StepResult:
     """What a stage produced in one step."""
 
-    grads: list | None = None  # accumulated weighted gradients (train), None if no micro-batch
+    grads: list | None = None  # accumulated weighted gradients (train; tf.Variable if summed in place), None if no micro-batch
     predictions: list = field(default_factory=list)  # last stage, predict: one output per micro-batch
     peak_live: int = 0  # the most micro-batches in flight at once (forward done, backward not)
     peak_taped: int = 0  # of those, the most holding their activations (in a tape) at once
@@ -71,12 +71,24 @@ def _taped(live: dict) -> int:
 
 
 class _Accumulator:
-    """One chunk's weight gradients summed in micro-batch order, whatever order they come in."""
+    """One chunk's weight gradients summed in micro-batch order, whatever order they come in.
+
+    The micro-batch next in order may sum its dense gradients in place, inside its W (Note
+    [Gradients summed in place]): ``into(i)`` says where, and its gradients list then holds
+    the sums' variables at those positions. The others are added here, one variable at a
+    time, each micro-batch's tensor dropped once added."""
 
     def __init__(self) -> None:
-        self.grads: list | None = None
+        self.grads: list | None = None  # per variable: the sum so far (a tf.Variable if summed in place)
         self.pending: dict[int, list] = {}
         self.next = 0
+
+    def into(self, i: int) -> list | None:
+        """``sums`` for micro-batch ``i``'s backward (``ChunkPasses.backward_weights``):
+        ``[]`` for the first, the sums so far for the next in order, else None."""
+        if i != self.next:
+            return None
+        return [] if self.grads is None else self.grads
 
     def add(self, i: int, grads: list) -> None:
         self.pending[i] = grads
@@ -84,17 +96,29 @@ class _Accumulator:
             g = self.pending.pop(self.next)
             # Sparse gradients: slices concatenated in micro-batch order, as serial
             # Keras' one lookup over the whole batch orders them (_sparse).
-            # One variable at a time, each micro-batch's tensor dropped once added:
-            # the step holds the sum and one micro-batch's gradients, never a third
-            # full set of new sums beside them (issue 29).
             if self.grads is None:
                 self.grads = g
             else:
                 for k in range(len(g)):
-                    self.grads[k] = _sparse.accumulate(self.grads[k], g[k])
+                    if g[k] is not self.grads[k]:  # not summed in place already
+                        self.grads[k] = _add(self.grads[k], g[k])
                     g[k] = None
             del g
             self.next += 1
+
+    def result(self) -> list:
+        """The sums (a ``tf.Variable`` where summed in place: ``StageRuntime`` releases it
+        variable by variable in the optimizer's update, Note [Gradients summed in place])."""
+        out, self.grads = self.grads, None
+        return out
+
+
+def _add(total, grad):
+    """``total + grad`` (``_sparse.accumulate``), into ``total`` if it is a variable."""
+    if isinstance(total, tf.Variable):
+        total.assign_add(tf.convert_to_tensor(grad))
+        return total
+    return _sparse.accumulate(total, grad)
 
 
 class StageExecutor:
@@ -129,6 +153,14 @@ class StageExecutor:
             out.update(offset + k for k in passes.no_gradient)
             offset += len(passes.model.trainable_variables)
         return frozenset(out)
+
+    @property
+    def sums_in_place(self) -> bool:
+        """Whether every chunk sums its dense weight gradients in place, inside W (Note
+        [Gradients summed in place]); False where a backward could not be cut: its tape
+        returns each micro-batch's whole gradient set beside the sum (the memory estimate
+        counts that set)."""
+        return all(p.sums_in_place for p in self.chunks.values())
 
     def regularization_value(self) -> float:
         """The weight-regularisation loss of this stage's chunks but the model's last (whose
@@ -238,7 +270,7 @@ class StageExecutor:
                 else:
                     record = passes.recomputed(live.pop(key))
                     result.peak_taped = max(result.peak_taped, _taped(live) + 1)
-                    d_inputs, grads = passes.backward(record, out_grads.pop(key, {}), variables)
+                    d_inputs, grads = passes.backward(record, out_grads.pop(key, {}), variables, sums[c].into(i))
                     del record
                     sums[c].add(i, grads)
                 d_inputs = [np.asarray(d) for d in d_inputs]
@@ -249,7 +281,8 @@ class StageExecutor:
                 in_grads[key] = d_inputs
             elif a.kind == "W":
                 t0 = time.perf_counter()
-                sums[c].add(i, passes.backward_weights(live.pop(key), passes.model.trainable_variables))
+                sums[c].add(i, passes.backward_weights(live.pop(key), passes.model.trainable_variables,
+                                                       sums[c].into(i)))
                 t1 = time.perf_counter()
                 result.busy_seconds += t1 - t0
                 if rec:
@@ -275,7 +308,7 @@ class StageExecutor:
         if rec and sends:
             rec.add("send wait", "send", "comm", t0, time.perf_counter(), **lane_args)
         if any(s.grads is not None for s in sums.values()):
-            result.grads = [g for c in sorted(sums) for g in sums[c].grads]
+            result.grads = [g for c in sorted(sums) for g in sums[c].result()]
         result.seconds = time.perf_counter() - started
         result.window = (started_at, started_at + result.seconds)
         return result

@@ -344,8 +344,8 @@ class PipelinedModel(DistributedModel):
             self._tnt_synced = True
 
     def _tnt_memory_layout(self) -> _memory.Holdings:
-        """This stage: its weights, the sum of the micro-batches' gradients beside one
-        micro-batch's, the activations of the micro-batches its schedule keeps in flight
+        """This stage: its weights, the sum of the micro-batches' gradients (summed in place;
+        beside one micro-batch's where the backward could not be cut), the activations of the micro-batches its schedule keeps in flight
         (1F1B: min(p - s, m); GPipe: m) and their received boundary tensors."""
         p, m, s = self.num_pipeline_stages, self.num_micro_batches, self.stage
         in_flight = m if self.pipeline_schedule == "gpipe" else min(p - s, m)
@@ -362,7 +362,11 @@ class PipelinedModel(DistributedModel):
             model=self.stage_model, optimizer=self._tnt_stage.optimizer,
             what=f"{self.parallel_strategy.upper()}, stage {s} of {p}, m = {m}, {self.pipeline_schedule}"
                  + (", remat='stages'" if self.remat else ""),
-            accumulator_sets=1 if m > 1 else 0, in_flight=in_flight, activation_sets=activation_sets, rows=rows,
+            # the micro-batches' sum is the step's gradient set, summed in place inside W
+            # (Note [Gradients summed in place]): no second set beside it, unless a chunk's
+            # backward could not be cut (its tape returns a whole set beside the sum)
+            accumulator_sets=0 if m == 1 or self._tnt_stage.executor.sums_in_place else 1,
+            in_flight=in_flight, activation_sets=activation_sets, rows=rows,
             comm_gradient_sets=1 if self.num_replicas > 1 else 0, receive_bytes=per_row * (rows or 0))
 
     # -- loops ---------------------------------------------------------------------------------------

@@ -27,6 +27,14 @@ from ._stages import StageModel
 
 TRAIN, TEST, PREDICT = "train", "test", "predict"
 
+try:  # a variable without a value: the first micro-batch's gradient becomes its value, uncopied
+    from tensorflow.python.ops.resource_variable_ops import UninitializedVariable as _Uninitialized
+
+    def _sum_into(shape: tuple, dtype) -> tf.Variable:
+        return _Uninitialized(shape=shape, dtype=dtype, trainable=False)
+except ImportError:  # pragma: no cover - another TensorFlow: sums returned, added as tensors
+    _sum_into = None
+
 
 @dataclass
 class _SplitTaped:
@@ -67,10 +75,19 @@ class ChunkPasses:
         self._grad_outputs = [k for k, b in enumerate(stage.outputs) if plan.boundaries[b].differentiable]
         self._split = schedule in SPLIT_BACKWARD
         self._state = StageState(self.model) if self.remat else None
-        # B and W cut out of TensorFlow's backward (Note [Split backward]); on a graph it
-        # cannot cut, the persistent tape (W recomputes the backward) and why, here
-        self._splitter = SplitBackward() if self._split else None
+        # B and W cut out of TensorFlow's backward (Note [Split backward]), under every
+        # schedule: W sums the gradients in place (Note [Gradients summed in place]). On a
+        # graph it cannot cut, the tape (persistent under ZB-H1: W recomputes the backward)
+        # and why, here
+        self._splitter = SplitBackward()
         self.split_fallback: str | None = None
+
+    @property
+    def sums_in_place(self) -> bool:
+        """Whether W sums the dense weight gradients into the micro-batch sum (Note
+        [Gradients summed in place]): the backward is cut (or not tried yet) and TensorFlow
+        has variables without a value."""
+        return self._splitter is not None and _sum_into is not None
 
     def _fn(self, key, make):
         if key not in self._fns:
@@ -151,9 +168,10 @@ class ChunkPasses:
             except SplitUnavailable as exc:
                 self._splitter = None
                 self.split_fallback = str(exc)
-                warnings.warn(f"pipeline stage {self.stage.index}: ZB-H1's W cannot be cut from B ({exc}); this "
-                              "stage's W recomputes the backward pass (results unchanged, W as slow as a backward)",
-                              stacklevel=2)
+                if self._split:
+                    warnings.warn(f"pipeline stage {self.stage.index}: ZB-H1's W cannot be cut from B ({exc}); "
+                                  "this stage's W recomputes the backward pass (results unchanged, W as slow as a "
+                                  "backward)", stacklevel=2)
         st = self.stage
         tape = tf.GradientTape(persistent=self._split) if taped else None
         watched = [inputs[k] for k in self._grad_positions]
@@ -238,10 +256,15 @@ class ChunkPasses:
         grads = tape.gradient(targets, watched, output_gradients=output_gradients)
         return [tf.zeros(tuple(src.shape), src.dtype) if g is None else g for g, src in zip(grads, watched)]
 
-    def backward_weights(self, record, variables) -> list:
-        """W of a split backward: the weight gradients of the micro-batch whose B ran."""
+    def backward_weights(self, record, variables, sums: list | None = None) -> list:
+        """W of a split backward: the weight gradients of the micro-batch whose B ran.
+
+        ``sums`` (only when this micro-batch is the next to be summed: ``[]`` for the first,
+        else the sums per variable so far) lets a cut W sum its dense gradients in place
+        (Note [Gradients summed in place]): at those positions the returned list holds the
+        ``tf.Variable`` of the sum (a new one for the first micro-batch), the gradient added."""
         if isinstance(record, _SplitTaped):
-            grads = self._split_weights(record, variables)
+            grads = self._split_weights(record, variables, sums)
         else:
             tape, _watched, targets, output_gradients = record
             grads = tape.gradient(targets, list(variables), output_gradients=output_gradients)
@@ -264,11 +287,31 @@ class ChunkPasses:
         return [tf.zeros(tuple(src.shape), src.dtype) if g is None else g
                 for g, src in zip(d_inputs, record.split.watched)]
 
-    def _split_weights(self, record: _SplitTaped, variables) -> list:
-        by_position = self._splitter.backward_weights(record.split)
-        return [None if p is None else by_position[p] for p in record.split.positions(variables)]
+    def _split_weights(self, record: _SplitTaped, variables, sums: list | None) -> list:
+        positions = record.split.positions(variables)
+        if sums is None or _sum_into is None:
+            by_position = self._splitter.backward_weights(record.split)
+            return [None if p is None else by_position[p] for p in positions]
+        dense = record.split.cut.w_dense
+        first = not sums
+        into: dict[int, tf.Variable] = {}  # variable index -> the variable its gradient goes into
+        for k, (p, v) in enumerate(zip(positions, variables)):
+            if p is None or p not in dense:
+                continue
+            if first:
+                into[k] = _sum_into(tuple(v.shape), record.split.cut.w_structure[p].dtype)
+            elif isinstance(sums[k], tf.Variable):
+                into[k] = sums[k]
+        by_position = self._splitter.backward_weights_into(
+            record.split, {positions[k]: s.handle for k, s in into.items()}, assign=first)
+        return [into[k] if k in into else None if p is None else by_position[p] for k, p in enumerate(positions)]
 
-    def backward(self, record, received: dict, variables):
+    def backward(self, record, received: dict, variables, sums: list | None = None):
+        """The joint backward: (input gradients, weight gradients); ``sums`` as for
+        ``backward_weights`` (a cut forward runs B, then W)."""
+        if isinstance(record, _SplitTaped):
+            d_inputs = self._split_inputs(record, received)
+            return d_inputs, self.backward_weights(record, variables, sums)
         tape, watched, targets = record
         output_gradients = self._output_gradients(targets, received)
         sources = [*watched, *variables]

@@ -24,6 +24,16 @@ across the cut, a collective among the weight-gradient ops), ``SplitUnavailable`
 why and the stage falls back to the persistent tape (W then recomputes the backward):
 ``ChunkPasses.split_fallback`` holds the reason, a warning and the timeline's W events
 (``recomputes_backward``) show it.
+
+Note [Gradients summed in place]
+Every schedule runs its forward through the cut (1F1B and GPipe run B and W back to back:
+the joint backward's work, no more). W's dense weight gradients can then be summed into
+the micro-batch sum inside W's own function: a variant of W (``backward_weights_into``)
+writes (first micro-batch) or adds (the next ones, in micro-batch order) each gradient
+into a variable as soon as it is computed, so TensorFlow's executor frees it at once and a
+stage never holds a whole micro-batch's gradient set beside the sum. ``sum = g`` and then
+``sum += g`` are the additions the executor made before (elementwise, in micro-batch
+order), so results stay bitwise. Sparse gradients (slices concatenated) are returned.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ try:  # TensorFlow internals: the cut falls back to the tape without them
     from tensorflow.python.eager.polymorphic_function import atomic_function, function_type_utils
     from tensorflow.python.framework import func_graph as func_graph_module
     from tensorflow.python.framework import ops
-    from tensorflow.python.ops import default_gradient, gradients_util
+    from tensorflow.python.ops import array_ops, default_gradient, gradients_util
     from tensorflow.python.ops.op_selector import UnliftableError
     from tensorflow.python.util import nest
     _INTERNALS_ERROR: str | None = None
@@ -66,6 +76,10 @@ class _Cut:
     handle_positions: dict[int, int]  # id(captured variable handle) -> its flat input position
     num_inference_outputs: int
     pack_output: object
+    w_dense: dict[int, int]  # input position -> index in W's flat outputs of its dense float gradient
+    w_graph: object = None  # what W's in-place variants are lifted from: the backward graph,
+    w_fetches: list | None = None  # W's outputs
+    w_sources: list | None = None  # and W's inputs
 
 
 @dataclass
@@ -123,12 +137,34 @@ def _function(name: str, graph, fetches, sources):
     return atomic_function.from_func_graph(name, out, {})
 
 
+def _function_into(name: str, graph, fetches, sources, into: list[int], assign: bool):
+    """``_function`` whose fetches at ``into`` are written (``assign``) or added into the
+    variables whose handles follow ``sources`` as inputs, each as soon as it is computed
+    (Note [Gradients summed in place]); returns the other fetches and a flag whose control
+    inputs are the writes (so they run)."""
+    out = func_graph_module.FuncGraph(name)
+    with out.as_default():
+        op_map = lift_to_graph.lift_to_graph(fetches, out, sources=sources, base_graph=graph)
+        handles = [array_ops.placeholder(tf.resource, shape=[]) for _ in into]
+        write = tf.raw_ops.AssignVariableOp if assign else tf.raw_ops.AssignAddVariableOp
+        writes = [write(resource=h, value=op_map[fetches[k]]) for h, k in zip(handles, into)]
+        flag = tf.constant(True)
+        with tf.control_dependencies(writes):
+            done = tf.identity(flag)
+    skipped = set(into)
+    out.inputs = [op_map[s] for s in sources] + handles
+    out.outputs = [op_map[t] for k, t in enumerate(fetches) if k not in skipped] + [done]
+    out.structured_outputs = list(out.outputs)
+    return atomic_function.from_func_graph(name, out, {})
+
+
 class SplitBackward:
     """Forward, B and W of a ``tf.function`` ``fn`` whose positions ``watched`` (of its flat
     inputs) get input gradients; cuts made once per concrete function."""
 
     def __init__(self) -> None:
         self._cuts: dict = {}
+        self._into: dict = {}  # (id(cut), positions, assign) -> W writing/adding into variables
 
     def forward(self, fn, args: tuple, watched: list[int]) -> SplitRecord:
         """Run ``fn(*args)`` as TensorFlow's first-order forward function."""
@@ -200,8 +236,15 @@ class SplitBackward:
             w_structure[i] = structure[i]
         n_flat = len(all_args) - len(cf.captured_inputs)
         handles = {id(c): n_flat + k for k, c in enumerate(cf.captured_inputs) if c.dtype == tf.resource}
+        w_dense, k = {}, 0
+        for i in var_positions:
+            n = len(_flat(structure[i]))
+            if isinstance(structure[i], tf.Tensor) and structure[i].dtype.is_floating:
+                w_dense[i] = k
+            k += n
         return _Cut(forward, inputs, trainable, capture_sources, b_fn, [structure[i] for i in watched],
-                    len(b_flat), w_fn, w_feeds, w_structure, handles, n_inf, cf.function_type.pack_output)
+                    len(b_flat), w_fn, w_feeds, w_structure, handles, n_inf, cf.function_type.pack_output,
+                    w_dense, bgraph, w_flat, cut_tensors)
 
     def backward_inputs(self, record: SplitRecord, output_gradients: list) -> list:
         """B: the watched inputs' gradients (None: unconnected) given the gradients of the
@@ -230,3 +273,24 @@ class SplitBackward:
         values, record.w_values = record.w_values, None
         flat = cut.w_fn.call_flat(*values) if cut.w_fn is not None else []
         return _pack(cut.w_structure, list(flat))
+
+    def backward_weights_into(self, record: SplitRecord, sums: dict[int, object], assign: bool) -> list:
+        """W writing (``assign``: the first micro-batch) or adding the gradients of the input
+        positions ``sums`` (dense ones, ``cut.w_dense``) into the variables whose handles it
+        maps them to (Note [Gradients summed in place]); per flat input position, the other
+        gradients as ``backward_weights`` gives them (None at the positions of ``sums``)."""
+        cut = record.cut
+        positions = tuple(sorted(sums))
+        if not positions:
+            return self.backward_weights(record)
+        key = (id(cut), positions, assign)
+        held = self._into.get(key)
+        if held is None or held[0] is not cut:
+            into = [cut.w_dense[p] for p in positions]
+            name = f"{cut.w_graph.name}_zb_W_{'set' if assign else 'add'}"
+            held = self._into[key] = (cut, _function_into(name, cut.w_graph, cut.w_fetches, cut.w_sources,
+                                                          into, assign))
+        values, record.w_values = record.w_values, None
+        flat = held[1].call_flat(*values, *[sums[p] for p in positions])
+        structure = [None if i in sums else s for i, s in enumerate(cut.w_structure)]
+        return _pack(structure, list(flat)[:-1])

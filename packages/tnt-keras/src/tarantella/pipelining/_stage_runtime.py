@@ -52,6 +52,13 @@ from ._ties import TiedGradients
 from ._transport import Transport
 
 
+def _released(grads: list) -> tuple[list, tuple]:
+    """``grads`` for ``_apply_gradients``: a sum held in a ``tf.Variable`` (summed in place)
+    as its handle, and the (position, dtype) of those, for the update to read and release."""
+    held = tuple((i, g.dtype) for i, g in enumerate(grads) if isinstance(g, tf.Variable))
+    return [g.handle if isinstance(g, tf.Variable) else g for g in grads], held
+
+
 class StageRuntime:
     """Stage ``stage_index`` of ``plan`` on this rank, talking through ``transport``.
 
@@ -148,11 +155,22 @@ class StageRuntime:
         # reduce_retracing: sparse gradients hold as many slices as the step had tokens
         self._apply = tf.function(self._apply_gradients, autograph=False, reduce_retracing=True)
 
-    def _apply_gradients(self, grads):
+    def _apply_gradients(self, grads, held=()):
         # apply, not apply_gradients: a stage without trainable weights still moves its
         # loss scale (LossScaleOptimizer) with the other stages. Variables the loss does
         # not reach are left out, as serial Keras' apply_gradients leaves them out (a zero
         # gradient would still move them by weight decay).
+        # ``held``: (position, dtype) of the gradients passed as the handles of the
+        # variables they were summed in (``_released``): read, then the variables destroyed,
+        # so each sum is freed once its variable's update has read it, not at the end.
+        if held:
+            grads = list(grads)
+            handles = {i: grads[i] for i, _ in held}
+            for i, dtype in held:
+                grads[i] = tf.raw_ops.ReadVariableOp(resource=handles[i], dtype=dtype)
+            with tf.control_dependencies([grads[i] for i, _ in held]):
+                for i, _ in held:
+                    tf.raw_ops.DestroyResourceOp(resource=handles[i], ignore_lookup_error=True)
         skip = self._no_gradient
         shards = self.shards
         pairs = [(g, v) for i, (g, v) in enumerate(zip(grads, self.model.trainable_variables))
@@ -239,6 +257,8 @@ class StageRuntime:
             self.shards.release(variables)
         if not self._no_gradient_agreed:
             self._agree_no_gradient(len(variables))
+        if self.transport.num_replicas > 1 or self.ties or self.loss_scaled or self.global_clipnorm:
+            grads = [g.value() if isinstance(g, tf.Variable) else g for g in grads]  # combined as tensors
         rec = _trace.recorder()
         t0 = time.perf_counter()
         grads = self._reduce_over_replicas(grads)
@@ -253,7 +273,8 @@ class StageRuntime:
             self._all_stages_finite.assign(finite)
         if self.global_clipnorm and finite:  # a skipped step is not clipped (nor applied)
             grads = self._clip_over_pipeline(grads)
-        self._apply(grads)
+        self._apply(*_released(grads))
+        del grads
         if self.shards is not None and self.shards.level < 3:  # the owners' updated values to every replica
             self.shards.gather_values(self.model.trainable_variables)
         return self._logs()
