@@ -69,39 +69,49 @@ def test_budget_between_sharded_and_plain_data_picks_sharding():
 
 
 def sixteen_convs() -> keras.Model:
-    """Sixteen equal convolutions on a 2 x 2 map: nothing a tensor group splits, and level 3
-    gathers one sixteenth of the weights at a time."""
+    """Sixteen equal convolutions on a 2 x 2 map between two calls of one frozen
+    BatchNormalization (``trainable = False``: its four vectors are weights, none trained):
+    nothing a tensor group splits, no pipeline cut (every cut puts the shared layer's moving
+    statistics on two stages), and level 3 gathers one sixteenth of the weights at a time.
+    (Without the shared layer a 2-stage pipeline holds half the state, 2 w, less than level
+    3's 2 w + its gathered copies: the planner rightly takes it.)"""
     inp = keras.Input((2, 2, 64))
-    x = inp
+    norm = keras.layers.BatchNormalization(name="shared_bn")
+    norm.trainable = False  # frozen, as in fine-tuning: Keras 3 then runs it in inference mode
+    x = norm(inp)
     for i in range(16):
         x = keras.layers.Conv2D(64, 3, padding="same", name=f"c{i}")(x)
-    return keras.Model(inp, x)
+    return keras.Model(inp, norm(x))
 
 
 def test_budget_between_level_3_and_the_rest_picks_sharding_3():
     m = sixteen_convs()
     w = weight_bytes(m)
-    layer = w // 16  # one conv: 3 x 3 x 64 x 64 kernel + 64 bias, float32
-    assert layer == 4 * (3 * 3 * 64 * 64 + 64)
-    acts = 16 * 2 * 2 * 64 * 4  # every conv's output per sample x 1 row (2 / 2 replicas)
+    layer = 4 * (3 * 3 * 64 * 64 + 64)  # one conv: 3 x 3 x 64 x 64 kernel + 64 bias, float32
+    norm = 4 * 4 * 64  # the shared BatchNormalization: gamma, beta, moving mean and variance
+    assert w == 16 * layer + norm
+    acts = 17 * 2 * 2 * 64 * 4  # every conv's and the norm's output per sample x 1 row (2 / 2 replicas)
     # Counted by hand, Adam, d = 2: largest first onto the least loaded replica gives each
-    # replica 8 kernels and 8 biases (w / 2); it stores them (w / 2), receives their gradient
-    # sums (w / 2) and keeps their 2 slots (w); backprop holds 4 copies of one layer
+    # replica 8 kernels, then 8 of the 16 biases: it owns 8 kernels + 8 biases; it stores them
+    # and the frozen norm's 4 vectors (kept whole), receives their gradient sums and keeps
+    # their 2 slots; backprop holds 4 copies of one layer
     # (gathered weights, local weight gradient, the reduce-scatter's copy, the next layer's
-    # prefetched weights): 2.25 w + acts.
-    # Level 1 / 2: w + w + w (slots / 2); the pipeline's stage: 2.5 w (its accumulator).
-    level3 = {"parameters": w // 2, "gradients": w // 2, "optimizer_slots": w, "activations": acts,
+    # prefetched weights): about 2.25 w + acts.
+    # Level 1 / 2: w + w + w (slots / 2); no pipeline cut (shared_bn on both stages).
+    own = 8 * layer
+    level3 = {"parameters": own + norm, "gradients": own, "optimizer_slots": 2 * own, "activations": acts,
               "communication_buffers": 4 * layer}
     budget = int(2.4 * w)
     assert sum(level3.values()) < budget < 2.5 * w
-    prof = given_profile(m, {f"c{i}": 1e-4 for i in range(16)})
+    prof = given_profile(m, {**{f"c{i}": 1e-4 for i in range(16)}, "shared_bn": 0.0})  # untimed: not regathered
     plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=2, memory_budget=budget, profile_=prof)
     assert plan.layout.describe() == "DATA(d=2, sharding=3)", plan.summary(print_fn=None)
     assert plan.model_options() == (tnt.ParallelStrategy.DATA, {"sharding": 3})
     assert {k: v for k, v in plan.memory_per_rank.items() if v} == level3
     reasons = {c.layout.describe(): c.rejected for c in plan.rejected}
-    for name in ("DATA(d=2)", "DATA(d=2, sharding=1)", "DATA(d=2, sharding=2)", "PIPELINING(d=1, p=2 m=2 bytes)"):
+    for name in ("DATA(d=2)", "DATA(d=2, sharding=1)", "DATA(d=2, sharding=2)"):
         assert reasons[name].startswith("over budget by"), reasons
+    assert "shared_bn" in reasons["PIPELINING(d=1, p=2 m=2)"], reasons
     text = plan.summary(print_fn=None)
     assert "chosen: DATA(d=2, sharding=3)" in text
     assert re.search(r"DATA\(d=2, sharding=2\)\s+[\d.,]+\s+[\d.,]+\s+rejected: over budget by", text), text
@@ -446,8 +456,9 @@ def test_auto_at_sharding_3_keeps_a_deferred_model_deferred_and_trains_as_serial
     r = launched["level3"]
     assert r["chosen"] == "DATA(d=2, sharding=3)", r
     assert r["materialise_calls"] == 0, r  # never whole: each replica gave values to its part only
-    # each replica stores 8 of the 16 kernels and 8 of the biases (largest first, least loaded)
-    assert r["held_trainable_bytes"] == [r["weight_bytes"] // 2] * 2, r
+    # each replica stores 8 of the 16 kernels and 8 of the biases (largest first, least loaded;
+    # the frozen norm trains nothing)
+    assert r["held_trainable_bytes"] == [8 * 4 * (3 * 3 * 64 * 64 + 64)] * 2, r
     for total in r["layout_estimate_totals"]:  # the built model's memory_report, as planned
         assert total <= r["budget"] and abs(total - r["predicted_total"]) <= 0.05 * total, r
     assert r["history_diff"] <= TOL_LOSS and r["weight_diff"] <= TOL_WEIGHTS, r

@@ -163,7 +163,9 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
     slowest = 0.0
     sync = 0.0
     for s, names in enumerate(stages.layer_names):
-        mem = _memory(prof, names, split, slots, layout, rows, min(p - s, m), m > 1,
+        # no accumulator set: a stage sums its micro-batches' gradients in place, into the
+        # gradient set itself (pipelining, Note [Gradients summed in place])
+        mem = _memory(prof, names, split, slots, layout, rows, min(p - s, m), False,
                       stages.receive_bytes_per_sample[s])
         if worst is None or sum(mem.values()) > sum(worst.values()):
             worst = mem
