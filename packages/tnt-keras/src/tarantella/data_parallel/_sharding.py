@@ -352,9 +352,13 @@ class Sharding:
             with tf.control_dependencies([token, *(settled if n == 0 else ())]):
                 flat = tf.concat([tf.reshape(variables[i].value, [-1]) for i in mine], 0) if mine \
                     else tf.zeros([0], dt)
-            def gather(a, *_tokens):
+            # A bucket this replica owns whole: its values are already here, keep no copy.
+            received = len(mine) < len(idx)
+
+            def gather(a, *_tokens, received=received):
                 whole = comm.allgather(np.ascontiguousarray(a))
-                return whole, np.int32(whole.size)
+                size = np.int32(whole.size)
+                return (whole if received else np.zeros([0], whole.dtype)), size
 
             # The token is the collective's own output: ``tf.size`` of its (static-shaped) result
             # would be folded to a constant, and the next bucket's allgather could then run
@@ -363,11 +367,19 @@ class Sharding:
                 whole, token = tf.numpy_function(gather, [flat, token, *after], [dt, tf.int32], stateful=True,
                                                  name="tnt_shard_allgather")
             token.set_shape([])
+            if not received:
+                continue
             sizes = [int(np.prod(variables[i].shape)) for i in idx]
             whole.set_shape([sum(sizes)])
+            written = []
             for i, piece in zip(idx, tf.split(whole, sizes) if len(sizes) > 1 else [whole]):
                 if self.owners[i] != self.rank:
                     variables[i].assign(tf.reshape(piece, variables[i].shape))
+                    written.append(tf.identity(variables[i].value))  # read after the write
+            # The next bucket's copy and allgather after these writes: else the executor may run
+            # the next allgather first and hold every received bucket to the step's end.
+            with tf.control_dependencies(written):
+                token = tf.identity(token)
         return token
 
     def scatter_buckets(self, positions: Sequence[int]) -> list[tuple[tf.DType, list[int]]]:
