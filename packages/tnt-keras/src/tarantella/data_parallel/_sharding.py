@@ -252,7 +252,8 @@ class Sharding:
         result of the step's fused allreduce, owned or not); returns a token."""
         owned = self.owned_mask()
         early = self.updates_during_backprop(optimizer)
-        pairs = [(grads[i], variables[i]) for i in self._update_order(grads, early) if owned[i]]
+        sparse = frozenset(i for i, g in enumerate(grads) if _sparse.is_sparse(g))
+        pairs = [(grads[i], variables[i]) for i in self._update_order(early, sparse) if owned[i]]
         # The update's own collectives (global norm, finiteness) after the step's earlier ones:
         # a replica owning only sparse gradients reads no output of the reduce-scatter. Without
         # such collectives each update waits only for its own sum (Note [Level 2's update
@@ -305,15 +306,15 @@ class Sharding:
         return (self.level == 2 and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
                 and not _target(optimizer).global_clipnorm)
 
-    def _update_order(self, grads: Sequence = (), early: bool = False) -> list[int]:
+    def _update_order(self, early: bool = False, sparse: frozenset[int] = frozenset()) -> list[int]:
         """Positions in the order their updates run: at level 2 that of the reduce-scatters
-        when the updates run during backprop (``early``, Note [Level 2's update during
-        backprop]), else that of the values' buckets (then any not in them), so bucket by
-        bucket; at other levels the variables' own order."""
+        (of all but the ``sparse`` positions) when the updates run during backprop (``early``,
+        Note [Level 2's update during backprop]), else that of the values' buckets; then any
+        not in them. So bucket by bucket. At other levels the variables' own order."""
         if self.level != 2:
             return list(range(len(self.variables)))
         if early:
-            dense = [i for i, g in enumerate(grads) if not _sparse.is_sparse(g)]  # as _steps scatters them
+            dense = [i for i in range(len(self.variables)) if i not in sparse]  # as _steps scatters them
             order = [i for _, idx in self.scatter_buckets(dense) for i in idx]
         else:
             order = [i for _, idx in self._groups() for i in sorted(idx)]
