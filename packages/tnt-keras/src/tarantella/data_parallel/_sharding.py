@@ -287,6 +287,8 @@ class Sharding:
     # apply_gradients before any update) and the collectives' order. Dropping the first
     # allgather's wait on ``iterations`` as well (where apply runs no collective) measured the
     # same peak (docs/sharding.md): every update reads ``iterations`` first, so it cost nothing.
+    # Where apply runs no collective, the updates need not wait for every sum at all: Note
+    # [Level 2's update during backprop] (then in the reduce-scatters' order instead).
     #
     # Note [Level 2's update during backprop]
     # Where ``apply`` runs no collective of its own (no global_clipnorm, no LossScaleOptimizer:
