@@ -355,13 +355,9 @@ class Sharding:
             with tf.control_dependencies([token, *(settled if n == 0 else ())]):
                 flat = tf.concat([tf.reshape(variables[i].value, [-1]) for i in mine], 0) if mine \
                     else tf.zeros([0], dt)
-            # A bucket this replica owns whole: its values are already here, keep no copy.
-            received = len(mine) < len(idx)
-
-            def gather(a, *_tokens, received=received):
+            def gather(a, *_tokens):
                 whole = comm.allgather(np.ascontiguousarray(a))
-                size = np.int32(whole.size)
-                return (whole if received else np.zeros([0], whole.dtype)), size
+                return whole, np.int32(whole.size)
 
             # The token is the collective's own output: ``tf.size`` of its (static-shaped) result
             # would be folded to a constant, and the next bucket's allgather could then run
@@ -370,8 +366,6 @@ class Sharding:
                 whole, token = tf.numpy_function(gather, [flat, token, *after], [dt, tf.int32], stateful=True,
                                                  name="tnt_shard_allgather")
             token.set_shape([])
-            if not received:
-                continue
             sizes = [int(np.prod(variables[i].shape)) for i in idx]
             whole.set_shape([sum(sizes)])
             written = []
