@@ -184,7 +184,8 @@ def update_graph(tm, model) -> list[dict]:
     concrete function."""
     sharding = tm._tnt_sharding
     owned = sharding.owned_mask()
-    order = [i for i in sharding._update_order() if owned[i]]
+    early = sharding.updates_during_backprop(model.optimizer)  # Note [Level 2's update during backprop]
+    order = [i for i in sharding._update_order(early) if owned[i]]
     first_bucket = sorted(i for i in sharding._groups()[0][1] if owned[i])
     variables = model.trainable_variables
     out = []
@@ -202,8 +203,21 @@ def update_graph(tm, model) -> list[dict]:
         by_name = {o.name: o for o in ops}
         chained = sum(all(writes[a] <= _ancestors(by_name[w], cache) for w in writes[b])
                       for a, b in itertools.pairwise(order) if writes[a] and writes[b])
+        # The global part's inputs named ``after``: the last reduce-scatter's token (and the
+        # sparse gathers'); an update waiting for one cannot run during backprop.
+        after = {o.name for o in ops if o.type == "Placeholder" and o.name.startswith("after")}
+        waiting = sum(any(after & _ancestors(by_name[w], cache) for w in writes[i]) for i in order)
+        # Each allgather after the previous bucket's writes of received values (one at a time).
+        gathers = sorted(gathers, key=lambda o: len(_ancestors(o, cache)))
+        received = []
+        for _, idx in sharding._groups():
+            handles = {inner.get(id(variables[i].value.handle)) for i in idx if not owned[i]}
+            received.append({o.name for o in ops if o.type == "AssignVariableOp" and o.inputs[0].op in handles})
+        pairs = [(w, g) for w, g in zip(received, gathers[1:]) if w]
         out.append({"owned": len(order), "written": sum(bool(writes[i]) for i in order),
-                    "chained": chained, "first_bucket": first_bucket,
+                    "chained": chained, "first_bucket": first_bucket, "early": early,
+                    "after_inputs": len(after), "writes_after_last_scatter": waiting,
+                    "gathers_after_received_writes": [sum(w <= _ancestors(g, cache) for w, g in pairs), len(pairs)],
                     "before_first_gather": sorted(i for i in order if writes[i] & before_first)})
     return tnt_comm.allgather_object(out)  # per rank: each owns other variables
 

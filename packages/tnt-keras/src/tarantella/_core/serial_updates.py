@@ -18,7 +18,9 @@ unchanged at 1189). Not for DATA: there each update frees the fused bucket its g
 arrived in, in arrival order; chained in variable order the update held every bucket
 (dp2 measured 1401 -> 1674 MiB per rank, the same hour). Used at DATA's sharding=2, where
 every owned sum has arrived (reduce-scatters during backprop) before the update, chained in
-the values' bucket order (data_parallel/_sharding.py, Note [Level 2's update bucket by bucket]).
+the values' bucket order (data_parallel/_sharding.py, Note [Level 2's update bucket by bucket]);
+or, without global_clipnorm or a loss scale, in the reduce-scatters' order, each update as its
+sum arrives (Note [Level 2's update during backprop]).
 """
 
 from __future__ import annotations

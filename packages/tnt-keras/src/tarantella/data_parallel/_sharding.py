@@ -251,10 +251,14 @@ class Sharding:
         step's earlier collectives, see :meth:`reduce_scatter`; and after ``settled``: every
         result of the step's fused allreduce, owned or not); returns a token."""
         owned = self.owned_mask()
-        pairs = [(grads[i], variables[i]) for i in self._update_order() if owned[i]]
-        # The update's own collectives (global norm, finiteness) too: a replica owning only
-        # sparse gradients reads no output of the reduce-scatter.
-        with tf.control_dependencies(list(after)):
+        early = self.updates_during_backprop(optimizer)
+        sparse = frozenset(i for i, g in enumerate(grads) if _sparse.is_sparse(g))
+        pairs = [(grads[i], variables[i]) for i in self._update_order(early, sparse) if owned[i]]
+        # The update's own collectives (global norm, finiteness) after the step's earlier ones:
+        # a replica owning only sparse gradients reads no output of the reduce-scatter. Without
+        # such collectives each update waits only for its own sum (Note [Level 2's update
+        # during backprop]).
+        with tf.control_dependencies([] if early else list(after)):
             optimizer.apply_gradients(pairs)
         # A sparse gradient this replica does not own was gathered by its own collective, which
         # nothing here reads: without this edge the values' allgather could run before it on
@@ -283,12 +287,39 @@ class Sharding:
     # apply_gradients before any update) and the collectives' order. Dropping the first
     # allgather's wait on ``iterations`` as well (where apply runs no collective) measured the
     # same peak (docs/sharding.md): every update reads ``iterations`` first, so it cost nothing.
-    def _update_order(self) -> list[int]:
-        """Positions in the order their updates run: at level 2 that of the values' buckets
-        (then any not in them), so bucket by bucket; else the variables' own order."""
+    # Where apply runs no collective, the updates need not wait for every sum at all: Note
+    # [Level 2's update during backprop] (then in the reduce-scatters' order instead).
+    #
+    # Note [Level 2's update during backprop]
+    # Where ``apply`` runs no collective of its own (no global_clipnorm, no LossScaleOptimizer:
+    # neither needs every owned sum before any update), each owned variable's update waits only
+    # for its own sum (and, through serial_updates' chain, the update before it), not for the
+    # last reduce-scatter: the updates run in the reduce-scatters' order (scatter_buckets), each
+    # as soon as its bucket's sums arrive, i.e. during backprop, and each sum is freed then. Before,
+    # every owned sum stood beside the last buckets' local gradients at the end of backprop
+    # (the step's peak, docs/sharding.md "Memory and speed"). Still exact: Keras' one ``apply``
+    # (``iterations`` advances once, after every update reading it), the backward pass reads the
+    # forward's values (a variable written while its read is still held is copied, not changed
+    # in place), and the allgathers of values keep waiting for the last reduce-scatter (the
+    # collectives' order is unchanged).
+    def updates_during_backprop(self, optimizer) -> bool:
+        """Whether ``optimizer``'s updates may start before the last reduce-scatter ended
+        (Note [Level 2's update during backprop])."""
+        return (self.level == 2 and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                and not _target(optimizer).global_clipnorm)
+
+    def _update_order(self, early: bool = False, sparse: frozenset[int] = frozenset()) -> list[int]:
+        """Positions in the order their updates run: at level 2 that of the reduce-scatters
+        (of all but the ``sparse`` positions) when the updates run during backprop (``early``,
+        Note [Level 2's update during backprop]), else that of the values' buckets; then any
+        not in them. So bucket by bucket. At other levels the variables' own order."""
         if self.level != 2:
             return list(range(len(self.variables)))
-        order = [i for _, idx in self._groups() for i in sorted(idx)]
+        if early:
+            dense = [i for i in range(len(self.variables)) if i not in sparse]  # as _steps scatters them
+            order = [i for _, idx in self.scatter_buckets(dense) for i in idx]
+        else:
+            order = [i for _, idx in self._groups() for i in sorted(idx)]
         return order + sorted(set(range(len(self.variables))) - set(order))
 
     # -- collectives -----------------------------------------------------------------------------
@@ -337,9 +368,15 @@ class Sharding:
             token.set_shape([])
             sizes = [int(np.prod(variables[i].shape)) for i in idx]
             whole.set_shape([sum(sizes)])
+            written = []
             for i, piece in zip(idx, tf.split(whole, sizes) if len(sizes) > 1 else [whole]):
                 if self.owners[i] != self.rank:
                     variables[i].assign(tf.reshape(piece, variables[i].shape))
+                    written.append(tf.identity(variables[i].value))  # read after the write
+            # The next bucket's copy and allgather after these writes: else the executor may run
+            # the next allgather first and hold every received bucket to the step's end.
+            with tf.control_dependencies(written):
+                token = tf.identity(token)
         return token
 
     def scatter_buckets(self, positions: Sequence[int]) -> list[tuple[tf.DType, list[int]]]:
