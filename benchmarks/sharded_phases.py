@@ -81,6 +81,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--level", type=int, default=2, help="sharding level (1 or 2)")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--trace", type=Path, default=None,
+                        help="also write each rank's RSS samples and collective events to TRACE.<rank>.json "
+                             "(benchmarks/plot_phases.py draws them)")
     args = parser.parse_args()
     import keras
     import numpy as np
@@ -132,6 +135,18 @@ def main() -> None:
     print(json.dumps({"rank": tnt.get_rank(), "level": args.level,
                       "peak_MiB": round((hwm - rss_before) / MiB, 1),
                       "phases_MiB_s": _phases(events, samples)}), flush=True)
+    if args.trace is not None:
+        _write_trace(args.trace, tnt.get_rank(), args.level, events, samples)
+
+
+def _write_trace(path: Path, rank: int, level: int, events: list, samples: list) -> None:
+    """Seconds from the first timed step's start; RSS in MiB above the RSS then."""
+    t0 = next(t for t, n in events if n == "step")
+    base = next(r for t, r in samples if t >= t0)
+    Path(f"{path}.{rank}.json").write_text(json.dumps({
+        "rank": rank, "level": level,
+        "samples": [[round(t - t0, 4), round((r - base) / MiB, 1)] for t, r in samples if t >= t0],
+        "events": [[round(t - t0, 4), n] for t, n in events if t >= t0]}))
 
 
 if __name__ == "__main__":
