@@ -99,7 +99,7 @@ def _level3_sync_s(level3: Level3, d: int, net: _comm.Network) -> float:
 
 
 def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layout, rows: int,
-            in_flight: int, accumulate: bool, receive_per_sample: int, staged: bool = True) -> dict[str, int]:
+            in_flight: int, receive_per_sample: int, staged: bool = True) -> dict[str, int]:
     """Bytes per category of one rank (as ``_core.memory.estimate`` counts its holdings);
     ``staged``: the replicas' gradient exchange keeps a gradient set of buckets (False for
     DATA's transient buckets, waited one at a time: they replace the gradients they carry)."""
@@ -116,7 +116,7 @@ def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layou
         "parameters": params,
         "gradients": grads,
         "optimizer_slots": slot_bytes,
-        "gradient_accumulators": grads if accumulate else 0,
+        "gradient_accumulators": 0,  # pipeline stages sum micro-batches in place, into the gradients
         "activations": acts * rows * activation_sets,
         "communication_buffers": grads if d > 1 and staged else 0,
         "receive_buffers": receive_per_sample * rows * in_flight,
@@ -150,7 +150,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         rows = -(-global_batch // d)
         # As the layouts' memory reports: DATA's fused engine frees each bucket with its last
         # holder (TNT_COMM_TRANSIENT_BUCKETS, default on); tensor groups' replicas stage a set.
-        mem = _memory(prof, None, split, slots, layout, rows, 1, False, 0,
+        mem = _memory(prof, None, split, slots, layout, rows, 1, 0,
                       staged=split is not None or not _settings.transient_buckets())
         compute = prof.time_s(rows, scale=scale)
         if split is not None:
@@ -165,7 +165,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
     for s, names in enumerate(stages.layer_names):
         # no accumulator set: a stage sums its micro-batches' gradients in place, into the
         # gradient set itself (pipelining, Note [Gradients summed in place])
-        mem = _memory(prof, names, split, slots, layout, rows, min(p - s, m), False,
+        mem = _memory(prof, names, split, slots, layout, rows, min(p - s, m),
                       stages.receive_bytes_per_sample[s])
         if worst is None or sum(mem.values()) > sum(worst.values()):
             worst = mem
