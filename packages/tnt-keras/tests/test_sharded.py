@@ -156,6 +156,26 @@ def test_level_2_reduce_scatters_start_during_backprop(report):
     assert seen >= 1, sorted(report["cases"])
 
 
+def test_level_2_updates_wait_for_their_release_bucket(report):
+    # Note [Level 2's updates released in step]: in the traced step, each owned sum reaches its
+    # update through an identity waiting for exactly the reduce-scatters up to its planned release
+    # bucket (release_buckets, checked by hand above). On 3 ranks (l2_sgd_momentum, 3 buckets)
+    # some update waits for a later bucket than its own; without the gate each waited for its
+    # own bucket only (waits == own bucket).
+    checked = lagged = 0
+    for name, c in report["cases"].items():
+        if not name.startswith("l2_") or "scatter_graph" not in c:
+            continue
+        for per_rank in c["scatter_graph"]["releases"]:
+            for i, (waits, planned, own) in per_rank.items():
+                assert waits == planned >= own, (name, i, waits, planned, own)
+                checked += 1
+                lagged += planned > own
+    assert checked >= 1, sorted(report["cases"])
+    if report["ranks"] == 3:
+        assert lagged >= 1, sorted(report["cases"])
+
+
 def test_level_2_updates_one_variable_at_a_time_and_gathers_bucket_by_bucket(report):
     # Note [Level 2's update bucket by bucket]: in each traced global step, every owned
     # variable's writes wait for the previous one's, and the first allgather of values waits
@@ -214,6 +234,24 @@ def test_level_2_scatter_buckets_go_in_backprop_order_large_first():
     # Cut from the last variable back: [5, 4, 3, 2] (488 B), [1] (52 B), [0] (832 B); each laid
     # out by (owner, index); those of >= 256 B first, then [1].
     assert [idx for _, idx in shards.scatter_buckets(range(6))] == [[2, 3, 4, 5], [0], [1]]
+
+
+def test_level_2_updates_are_released_where_every_replica_has_as_much_to_update():
+    from tarantella.data_parallel._update_release import release_buckets
+
+    # Note [Level 2's updates released in step]. Five equal kernels in wire order, owned
+    # 0, 1, 0, 1, 0 (as largest-first ownership alternates), then one bucket of biases.
+    buckets, owners = [[0], [1], [2], [3], [4], [5, 6]], [0, 1, 0, 1, 0, 0, 1]
+    sizes = [100, 100, 100, 100, 100, 1, 1]
+    # Replica 0's kernel 0 waits for replica 1's kernel 1 (bucket 1), so both update in the same
+    # interval; kernel 2 pairs with kernel 3; kernel 4 has no partner: after the last bucket.
+    # (Released at its own bucket, replica 1 would wait for each of them at the next scatter.)
+    assert release_buckets(buckets, owners, sizes, 2) == {0: 1, 1: 1, 2: 3, 3: 3, 4: 5, 5: 5, 6: 5}
+    # One replica owning everything before the other owns anything: nothing is released early.
+    assert release_buckets([[0], [1], [2]], [0, 0, 1], [10, 10, 20], 2) == {0: 2, 1: 2, 2: 2}
+    # Three replicas: a release needs all three to have had as much arrive.
+    assert release_buckets([[0], [1], [2], [3]], [0, 1, 2, 0], [5, 5, 5, 5], 3) == {0: 2, 1: 2, 2: 2, 3: 3}
+    assert release_buckets([], [], [], 2) == {}
 
 
 def test_global_clipnorm_was_active(report):

@@ -165,6 +165,22 @@ def scatter_graph(tm, x, y) -> dict:
 
     scatters = [op for op in graph.get_operations() if "tnt_shard_reduce_scatter" in op.name]
     before = {op.name: upstream(op) for op in scatters}
+    # Note [Level 2's updates released in step]: per owned position, the reduce-scatters its
+    # update's input waits for, beside the release point the plan names (its bucket's index + 1).
+    from tarantella.data_parallel._update_release import release_buckets
+
+    sharding = tm._tnt_sharding
+    variables = tm.trainable_variables
+    dense = [i for i in range(len(variables)) if i not in (tm._tnt_steps._sparse_positions or ())]
+    buckets = [idx for _, idx in sharding.scatter_buckets(dense)]
+    own_bucket = {i: k for k, idx in enumerate(buckets) for i in idx}
+    plan = release_buckets(buckets, sharding.owners, [int(np.prod(v.shape)) for v in variables], sharding.size)
+    releases = {}
+    for op in graph.get_operations():
+        if op.type == "Identity" and op.name.rsplit("/", 1)[-1].startswith("tnt_shard_release_"):
+            i = int(op.name.rsplit("_", 1)[-1])
+            releases[i] = [sum("tnt_shard_reduce_scatter" in a.name for a in upstream(op)), plan[i] + 1,
+                           own_bucket[i] + 1]
     first = [op for op in scatters if not any("tnt_shard_reduce_scatter" in a.name for a in before[op.name])]
     return {
         "count": len(scatters),
@@ -173,6 +189,7 @@ def scatter_graph(tm, x, y) -> dict:
         "first_control_inputs": sum(len(op.control_inputs) for op in first),
         "scatters_before_each": sorted(sum("tnt_shard_reduce_scatter" in a.name for a in before[op.name])
                                        for op in scatters),
+        "releases": tnt_comm.allgather_object(releases),  # per rank: [waits for, planned, own bucket]
     }
 
 

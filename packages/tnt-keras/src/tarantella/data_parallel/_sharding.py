@@ -33,6 +33,7 @@ from .._core import graph_collectives as _gc
 from .._core import sparse as _sparse
 from .._core.serial_updates import update_one_variable_at_a_time
 from .._core.shard_buckets import BUCKET_BYTES, cut_into_buckets
+from ._update_release import release_buckets
 
 
 class ShardingError(ValueError):
@@ -301,7 +302,9 @@ class Sharding:
     # (``iterations`` advances once, after every update reading it), the backward pass reads the
     # forward's values (a variable written while its read is still held is copied, not changed
     # in place), and the allgathers of values keep waiting for the last reduce-scatter (the
-    # collectives' order is unchanged).
+    # collectives' order is unchanged). Each update starts no earlier than its release point
+    # (Note [Level 2's updates released in step], ``_update_release``): where the replicas have
+    # equal work to do, so none waits at the next reduce-scatter for another's update.
     def updates_during_backprop(self, optimizer) -> bool:
         """Whether ``optimizer``'s updates may start before the last reduce-scatter ended
         (Note [Level 2's update during backprop])."""
@@ -415,7 +418,11 @@ class Sharding:
         acd = None
         if not tf.executing_eagerly():
             acd = getattr(tf.compat.v1.get_default_graph(), "experimental_acd_manager", None)
-        for dt, idx in self.scatter_buckets(list(dense)):
+        buckets = self.scatter_buckets(list(dense))
+        release = release_buckets([idx for _, idx in buckets], self.owners,
+                                  {i: int(np.prod(g.shape)) for i, g in dense.items()}, self.size)
+        finished_by_bucket: list[tf.Tensor] = []
+        for dt, idx in buckets:
             sizes = [int(np.prod(dense[i].shape)) for i in idx]
             counts = [sum(s for i, s in zip(idx, sizes) if self.owners[i] == r) for r in range(self.size)]
             with tf.control_dependencies(done):  # one bucket's copy at a time, in the same order everywhere
@@ -437,4 +444,10 @@ class Sharding:
             for i, piece in zip(own, tf.split(mine, own_sizes) if len(own) > 1 else [mine]):
                 out[i] = tf.reshape(piece, dense[i].shape)
             token = done = [finished]
+            finished_by_bucket.append(finished)
+        # Each update may start only at its release point (Note [Level 2's updates released in
+        # step]): its sum passes through an identity that waits for that bucket's end.
+        for i in list(out):
+            with tf.control_dependencies([finished_by_bucket[release[i]]]):
+                out[i] = tf.identity(out[i], name=f"tnt_shard_release_{i}")
         return out, done
