@@ -12,9 +12,9 @@ from conftest import launch
 
 MIB = 2**20
 #: What a rank holds beyond the counted state while training: TensorFlow's traced step
-#: functions, oneDNN's caches, Keras' loop, the tnt_comm buffers of small messages, and
-#: the transient temporaries of one variable's update (measured 27-57 MiB above the
-#: estimate here; before issue 29's cuts DATA's replica sync alone added 3 x 168 MiB).
+#: functions, oneDNN's caches, Keras' loop, the tnt_comm buffers of small messages
+#: (measured 27-57 MiB above the estimate here before the estimate counted the update's
+#: temporaries; before issue 29's cuts DATA's replica sync alone added 3 x 168 MiB).
 RUNTIME_BYTES = 128 * MIB
 #: How far above its estimate a peak may go (allocator fragmentation, temporaries).
 SLACK = 1.25
@@ -63,7 +63,10 @@ def test_measured_peak_within_bound_of_estimate(result, strategy):
 def test_data_peak_holds_one_gradient_set_of_buckets(result):
     for k, r in enumerate(result["strategies"]["DATA"]):
         assert r["estimate"]["communication_buffers"] == 0, r["estimate"]
-        above = r["peak"] - r["estimate_total"] - r["estimate"]["gradients"]  # at most one set of buckets
+        # at most one set of buckets; measured before the estimate counted the update's
+        # temporaries (so they are left out here: the bound stays as strict as it was)
+        counted = r["estimate_total"] - r["estimate"]["update_temporaries"]
+        above = r["peak"] - counted - r["estimate"]["gradients"]
         assert above <= DATA_ABOVE_ESTIMATE, (k, above / MIB, r["peak"] / MIB, r["estimate_total"] / MIB)
 
 
@@ -86,10 +89,19 @@ def test_parameters_add_up_to_the_serial_model(result):
     # The micro-batches' sum is the step's gradient set (summed in place, Note [Gradients
     # summed in place]): no accumulator beside it.
     assert all(r["estimate"]["gradient_accumulators"] == 0 for r in st["PIPELINING"])
+    # The update's temporaries: 2 copies of the rank's largest variable, a 2048 x 2048 float32
+    # kernel on every DATA rank and pipeline stage, half of one on a tensor shard.
+    kernel = 2048 * 2048 * 4
+    assert all(r["estimate"]["update_temporaries"] == 2 * kernel for s in ("DATA", "PIPELINING") for r in st[s])
+    assert all(r["estimate"]["update_temporaries"] == kernel for r in st["TENSOR"]), st["TENSOR"]
     # The larger stage holds 57 % of the parameters at DATA's 16 bytes per parameter, plus
     # its few activations: 0.57 of DATA's estimate (0.72 while it counted an accumulator,
     # +25 % of 16 bytes; this bound was 0.75).
-    assert max(r["estimate_total"] for r in st["PIPELINING"]) < 0.6 * st["DATA"][0]["estimate_total"]
+    # (The update's temporaries, the same on both, are left out of this share.)
+    def state(r: dict) -> int:
+        return r["estimate_total"] - r["estimate"]["update_temporaries"]
+
+    assert max(state(r) for r in st["PIPELINING"]) < 0.6 * state(st["DATA"][0])
 
 
 def test_budget_below_the_estimate_fails_on_every_rank_before_training(result):

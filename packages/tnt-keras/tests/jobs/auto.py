@@ -83,9 +83,10 @@ def level3_case() -> dict:
 
     ref_hist, ref_weights = _job.timed("level-3 serial fit", lambda: train(make_convs()))
     w = 4 * make_convs().count_params()
-    # By hand (tests/test_auto.py): level 3 holds about 2.25 w + activations per rank, level 1/2
-    # 3 w, plain DATA 4 w; no 2-stage pipeline (the shared norm).
-    budget = int(2.4 * w)
+    # By hand (tests/test_auto.py): level 3 holds about 2.375 w + activations per rank (with the
+    # update's temporaries, 2 copies of one layer), level 1/2 3.1 w, plain DATA 4.1 w; no 2-stage
+    # pipeline (the shared norm).
+    budget = int(2.45 * w)
     with tnt.deferred_variables():
         deferred = make_convs()
     calls = []

@@ -30,7 +30,12 @@ _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB"
           "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
 
 CATEGORIES = ("parameters", "gradients", "optimizer_slots", "gradient_accumulators",
-              "activations", "communication_buffers", "receive_buffers")
+              "activations", "communication_buffers", "receive_buffers", "update_temporaries")
+
+#: Full-size temporaries of one variable's optimizer update (Keras' Adam: ``g - m`` and
+#: ``g * g`` beside the variable; measured +128 MiB = 2 x 64 MiB in the update phase of a
+#: pipeline stage whose largest kernel is 64 MiB, docs/memory.md).
+UPDATE_TEMPORARIES = 2
 
 
 class MemoryBudgetError(RuntimeError):
@@ -196,7 +201,16 @@ def estimate(h: Holdings) -> dict[str, int]:
         "activations": acts,
         "communication_buffers": h.comm_gradient_sets * grads,
         "receive_buffers": h.receive_bytes * h.in_flight,
+        "update_temporaries": update_temporary_bytes(trainable) if h.optimizer is not None else 0,
     }, **h.counted}
+
+
+def update_temporary_bytes(trainable) -> int:
+    """The optimizer update's temporaries at their largest: ``UPDATE_TEMPORARIES`` copies of
+    the largest trainable variable (the updates' temporaries are alive one variable at a
+    time where the update is chained, and TensorFlow frees each after its last use)."""
+    largest = max((variable_bytes([v]) for v in trainable), default=0)
+    return UPDATE_TEMPORARIES * largest
 
 
 def report(model) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .._core import settings as _settings
+from .._core.memory import UPDATE_TEMPORARIES
 from . import _comm
 from ._layout import Layout
 from ._profile import Profile
@@ -83,7 +84,7 @@ def _level3_memory(prof: Profile, level3: Level3, slots: int, rows: int) -> dict
     for params, grads, owned, gathered in level3.replicas:
         mem = {"parameters": params, "gradients": grads, "optimizer_slots": slots * owned,
                "gradient_accumulators": 0, "activations": acts, "communication_buffers": gathered,
-               "receive_buffers": 0}
+               "receive_buffers": 0, "update_temporaries": _update_temporaries(prof.layers)}
         if not worst or sum(mem.values()) > sum(worst.values()):
             worst = mem
     return worst
@@ -120,7 +121,17 @@ def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layou
         "activations": acts * rows * activation_sets,
         "communication_buffers": grads if d > 1 and staged else 0,
         "receive_buffers": receive_per_sample * rows * in_flight,
+        "update_temporaries": _update_temporaries(layers, frac),
     }
+
+
+def _update_temporaries(layers, frac: dict[str, float] | None = None) -> int:
+    """As ``_core.memory.update_temporary_bytes``, with the largest layer's trainable bytes
+    (times its local fraction under a tensor split) standing for its largest variable: the
+    profile keeps bytes per layer (an upper bound for layers of several large variables)."""
+    frac = frac or {}
+    largest = max((int(c.trainable_bytes * frac.get(c.name, 1.0)) for c in layers), default=0)
+    return UPDATE_TEMPORARIES * largest
 
 
 def _replica_sync_s(layout: Layout, grad_bytes: int, param_bytes: int, net: _comm.Network) -> float:
