@@ -54,6 +54,37 @@ def given_profile(model: keras.Model, seconds_per_row: dict[str, float]) -> Prof
                                 for layer in model.layers[1:]], (8,))
 
 
+def test_the_update_is_priced_per_variable_and_byte_on_the_ranks_that_run_it():
+    # Note [The update's time]: each rank's step adds the optimizer update of what it updates.
+    # two_convs: c1 and c2 hold a 3 x 3 x 64 x 64 kernel and 64 biases each (2 variables,
+    # 147712 bytes), the head 64 x 4 + 4 (2 variables, 1040 bytes), the pool none.
+    import dataclasses
+
+    m = two_convs()
+    base = given_profile(m, {"c1": 1e-4, "c2": 1e-4, "pool": 0.0, "head": 0.0})
+    counts = {"c1": 2, "c2": 2, "pool": 0, "head": 2}
+    layers = [dataclasses.replace(c, trainable_variables=counts[c.name]) for c in base.layers]
+    prof = dataclasses.replace(base, layers=layers, update_s_per_variable=1e-3, update_s_per_byte=1e-8)
+    free = dataclasses.replace(prof, update_s_per_variable=0.0, update_s_per_byte=0.0)
+
+    def compute(p) -> dict[str, float]:
+        plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=None, profile_=p)
+        return {c.layout.describe(): c.estimate.compute_s for c in plan.feasible}
+
+    priced, unpriced = compute(prof), compute(free)
+    whole = 6 * 1e-3 + (2 * 147712 + 1040) * 1e-8  # every variable, on every DATA replica
+    assert priced["DATA(d=2)"] - unpriced["DATA(d=2)"] == pytest.approx(whole, rel=1e-9)
+    for level in (1, 2):  # the owners' half
+        name = f"DATA(d=2, sharding={level})"
+        assert priced[name] - unpriced[name] == pytest.approx(whole / 2, rel=1e-9), name
+    # A 2-stage pipeline cut after c1: the stages update side by side; the slower one (c2 + head:
+    # 4 variables, 148752 bytes) is the step's.
+    piped = [n for n in priced if n.startswith("PIPELINING(d=1, p=2")]
+    assert piped, sorted(priced)
+    for name in piped:
+        assert priced[name] - unpriced[name] == pytest.approx(4e-3 + 148752e-8, rel=1e-9), name
+
+
 def test_budget_between_sharded_and_plain_data_picks_sharding():
     m = one_conv()
     w = weight_bytes(m)

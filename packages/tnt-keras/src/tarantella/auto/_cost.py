@@ -125,6 +125,16 @@ def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layou
     }
 
 
+def _frac_of(split: Split | None) -> dict[str, float]:
+    """Each split layer's local fraction of its bytes (none without a tensor split)."""
+    return dict(split.local_fraction) if split is not None else {}
+
+
+def _share(layout: Layout) -> float:
+    """The share of its variables' updates a rank runs: 1/d where the replicas shard them."""
+    return 1 / layout.replicas if layout.sharding else 1.0
+
+
 def _update_temporaries(layers, frac: dict[str, float] | None = None) -> int:
     """As ``_core.memory.update_temporary_bytes``, with the largest layer's trainable bytes
     (times its local fraction under a tensor split) standing for its largest variable: the
@@ -154,7 +164,8 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         assert level3 is not None and p == 1 and t == 1
         rows = -(-global_batch // d)
         # backprop recomputes each gathered layer's forward (its activations are not kept)
-        compute = prof.time_s(rows) + REMAT_FORWARD_SHARE * prof.time_s(rows, names=level3.layer_bytes)
+        compute = (prof.time_s(rows) + REMAT_FORWARD_SHARE * prof.time_s(rows, names=level3.layer_bytes)
+                   + prof.update_s(share=1 / d))  # Note [The update's time]: owners update
         sync = _level3_sync_s(level3, d, net)
         return Estimate(_level3_memory(prof, level3, slots, rows), compute + sync, compute, sync)
     if p == 1:
@@ -163,7 +174,8 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         # holder (TNT_COMM_TRANSIENT_BUCKETS, default on); tensor groups' replicas stage a set.
         mem = _memory(prof, None, split, slots, layout, rows, 1, 0,
                       staged=split is not None or not _settings.transient_buckets())
-        compute = prof.time_s(rows, scale=scale)
+        # Note [The update's time] (_profile): each replica updates all it holds, or its owned 1/d
+        compute = prof.time_s(rows, scale=scale) + prof.update_s(fraction=_frac_of(split), share=_share(layout))
         if split is not None:
             tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)
         sync = _replica_sync_s(layout, mem["gradients"], mem["parameters"], net)
@@ -172,6 +184,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
     rows = -(-global_batch // (d * m))
     worst: dict[str, int] | None = None
     slowest = 0.0
+    update = 0.0  # the stages update side by side after the schedule: the slowest one counts
     sync = 0.0
     for s, names in enumerate(stages.layer_names):
         # no accumulator set: a stage sums its micro-batches' gradients in place, into the
@@ -182,11 +195,12 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
             worst = mem
         stage_time = prof.time_s(rows, names, scale=scale) * (1 + REMAT_FORWARD_SHARE if layout.remat else 1)
         slowest = max(slowest, stage_time)
+        update = max(update, prof.update_s(names, _frac_of(split), _share(layout)))
         sync = max(sync, _replica_sync_s(layout, mem["gradients"], mem["parameters"], net))
     boundary = max(stages.receive_bytes_per_sample) * rows
     p2p = 2 * _comm.p2p_s(boundary, net)  # a forward send and a backward send per slot
     if split is not None:
         tensor_comm = (m + p - 1) * _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net) / p
-    compute = (m + p - 1) * slowest
+    compute = (m + p - 1) * slowest + update
     comm = (m + p - 1) * p2p + tensor_comm + sync
     return Estimate(worst or {}, compute + comm, compute, comm)
