@@ -37,37 +37,43 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=0)
     args = parser.parse_args()
     reps = args.reps or (7 if args.quick else 21)
-    rank, size = tnt_comm.rank(), tnt_comm.size()
     for mb in (float(s) for s in args.mb.split(",")):
-        n = int(mb * 1e6) // 4
-        buf = np.random.default_rng(rank).normal(size=n).astype(np.float32)
-        block = np.array_split(buf, size)[rank].copy()
-        owner = [n] + [0] * (size - 1)
-        kinds = {
-            "allreduce": lambda: tnt_comm.allreduce(buf),
-            "reduce_scatter": lambda: tnt_comm.reduce_scatter(buf),
-            "reduce_scatter_owner": lambda: tnt_comm.reduce_scatter(buf, owner),
-            "allgather": lambda: tnt_comm.allgather(block),
-            "reduce_scatter_allgather": lambda: tnt_comm.allgather(tnt_comm.reduce_scatter(buf)),
-        }
-        times: dict[str, list[float]] = {k: [] for k in kinds}
-        for rep in range(reps + 1):  # the first round is a warm-up
-            for kind, fn in kinds.items():
-                tnt_comm.barrier()
-                t0 = time.perf_counter()
-                fn()
-                if rep:
-                    times[kind].append(time.perf_counter() - t0)
-        slowest = {k: [max(ts) for ts in zip(*tnt_comm.allgather_object(v))] for k, v in times.items()}
-        if rank == 0:
-            record = {"ranks": size, "bytes": buf.nbytes, "reps": reps}
-            for k, v in slowest.items():
-                record[k + "_ms"] = round(statistics.median(v) * 1e3, 2)
-                record[k + "_range_ms"] = [round(min(v) * 1e3, 2), round(max(v) * 1e3, 2)]
-            record["reduce_scatter_allgather_vs_allreduce"] = round(
-                record["reduce_scatter_allgather_ms"] / record["allreduce_ms"], 2)
+        record = measure(int(mb * 1e6) // 4, reps)
+        if record is not None:
             print("BENCH_RESULT " + json.dumps(record), flush=True)
 
+
+def measure(n: int, reps: int) -> dict | None:
+    """One size: every kind's median of the slowest rank (a record on rank 0, else None)."""
+    rank, size = tnt_comm.rank(), tnt_comm.size()
+    buf = np.random.default_rng(rank).normal(size=n).astype(np.float32)
+    block = np.array_split(buf, size)[rank].copy()
+    owner = [n] + [0] * (size - 1)
+    kinds = {
+        "allreduce": lambda: tnt_comm.allreduce(buf),
+        "reduce_scatter": lambda: tnt_comm.reduce_scatter(buf),
+        "reduce_scatter_owner": lambda: tnt_comm.reduce_scatter(buf, owner),
+        "allgather": lambda: tnt_comm.allgather(block),
+        "reduce_scatter_allgather": lambda: tnt_comm.allgather(tnt_comm.reduce_scatter(buf)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for rep in range(reps + 1):  # the first round is a warm-up
+        for kind, fn in kinds.items():
+            tnt_comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if rep:
+                times[kind].append(time.perf_counter() - t0)
+    slowest = {k: [max(ts) for ts in zip(*tnt_comm.allgather_object(v))] for k, v in times.items()}
+    if rank != 0:
+        return None
+    record = {"ranks": size, "bytes": buf.nbytes, "reps": reps}
+    for k, v in slowest.items():
+        record[k + "_ms"] = round(statistics.median(v) * 1e3, 2)
+        record[k + "_range_ms"] = [round(min(v) * 1e3, 2), round(max(v) * 1e3, 2)]
+    record["reduce_scatter_allgather_vs_allreduce"] = round(
+        record["reduce_scatter_allgather_ms"] / record["allreduce_ms"], 2)
+    return record
 
 if __name__ == "__main__":
     main()

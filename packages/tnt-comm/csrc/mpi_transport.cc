@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "buffer.h"
 #include "errors.h"
 #include "half.h"
 
@@ -251,7 +252,7 @@ class PairwiseReduceScatter final : public Request {
       } else {
         Slot& s = slots_[reduced_ % slots_.size()];
         if (!done(s.req)) return false;
-        reduce(s.data.get());
+        reduce(reinterpret_cast<const char*>(s.data->data()));
         ++reduced_;
         post_slots();
       }
@@ -266,7 +267,7 @@ class PairwiseReduceScatter final : public Request {
 
  private:
   struct Slot {
-    std::unique_ptr<char[]> data;  // uninitialised: every byte is received before it is read
+    std::unique_ptr<FusionBuffer> data;  // kNone: every byte is received before it is read
     MPI_Request req = MPI_REQUEST_NULL;
   };
 
@@ -290,7 +291,10 @@ class PairwiseReduceScatter final : public Request {
     if (n > 0) {
       check(MPI_Irecv(recv_, n, type_, order_.front(), tag_, comm_, &first_req_), "MPI_Irecv");
       slots_.resize(std::min(kScratchBlocks, slotted_.size()));
-      for (Slot& s : slots_) s.data.reset(new char[static_cast<std::size_t>(mine()) * elem_]);
+      for (Slot& s : slots_) {
+        s.data = std::make_unique<FusionBuffer>(static_cast<std::size_t>(mine()) * elem_,
+                                                FusionBuffer::Fill::kNone);
+      }
       post_slots();
     }
     // Sends in a rotating order (rank+1 first), so that the peers' receives spread.
@@ -311,7 +315,7 @@ class PairwiseReduceScatter final : public Request {
   void post_slots() {
     while (posted_ < slotted_.size() && posted_ - reduced_ < slots_.size()) {
       Slot& s = slots_[posted_ % slots_.size()];
-      check(MPI_Irecv(s.data.get(), static_cast<int>(mine()), type_, slotted_[posted_], tag_, comm_, &s.req),
+      check(MPI_Irecv(s.data->data(), static_cast<int>(mine()), type_, slotted_[posted_], tag_, comm_, &s.req),
             "MPI_Irecv");
       ++posted_;
     }
