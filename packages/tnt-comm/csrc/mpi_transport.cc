@@ -183,13 +183,13 @@ class AllreduceAlgorithm {
 };
 
 // Note [Pairwise reduce-scatter]
-// Open MPI's non-blocking reduce-scatter (coll/libnbc) reduces the whole array to rank 0
-// down a binomial tree, then scatters the blocks from there, with two whole-array
-// temporary buffers: rank 0 receives and reduces every byte, where a ring or pairwise
-// algorithm has each rank receive and reduce only (N-1)/N of its own block's worth. It
-// has no other algorithm to ask for (unlike the allreduce's ring, Note [libnbc ring]).
-// Measured on 2 ranks of a 2-core machine, 50.4 MB float32: 35.9 ms against 16.9 ms for
-// the allreduce of the same bytes. So calls of at least kPairwiseMinBytes are made of
+// Open MPI's non-blocking reduce-scatter (coll/libnbc, nbc_ireduce_scatter.c in Open MPI 5)
+// reduces the whole array to rank 0 down a binomial tree, then scatters the blocks from
+// there, with two whole-array temporary buffers: rank 0 receives and reduces every byte,
+// where a ring or pairwise algorithm has each rank receive and reduce only its own block.
+// It has no other algorithm to ask for (unlike the allreduce's ring, Note [libnbc ring]).
+// Issue 30 measured on 2 ranks of an idle 2-core machine, 50.4 MB float32: 35.9 ms against
+// 16.9 ms for the allreduce of the same bytes. So calls of at least kPairwiseMinBytes are made of
 // point-to-point messages: every rank sends each peer that peer's block of its input
 // (MPI_Isend) and receives every peer's contribution to its own block (MPI_Irecv), then
 // reduces them locally with MPI_Reduce_local and the call's operator (the user-defined
@@ -208,7 +208,11 @@ class AllreduceAlgorithm {
 // test(): an MPI error while posting then fails the task through the engine, which keeps
 // the request (and its scratch, into which receives may be posted) alive (Note [Buffers
 // outlive requests] in engine.cc). Smaller calls keep MPI_Ireduce_scatter (fewer
-// messages, latency-bound).
+// messages, latency-bound). Measured before/after side by side (benchmarks/sharded.py
+// --comm, benchmarks/scatter_gather.py; 50.4 MB float32, the 2-core machine under load
+// 2.3-5.5): 2 ranks 46.6-54.0 -> 7.4-10.3 ms (allreduce 15.4-22.3 ms), 3 ranks 79-101 ->
+// 27.5-29.0 ms (allreduce 61.5-62.2 ms), all of it to one rank (counts [n, 0, 0]) 84-107 ->
+// 41 ms. docs/sharding.md ("The collectives themselves") has the table.
 constexpr std::int64_t kPairwiseMinBytes = 64 * 1024;
 constexpr int kPairwiseFirstTag = 4096;  // below Note [Small allreduce]'s range, above p2p.cc's
 constexpr int kPairwiseTags = 8192;
