@@ -38,6 +38,10 @@ struct FusionLayout {
 FusionLayout make_layout(const std::vector<TensorSpec>& specs, const Plan& plan,
                          std::int64_t align_bytes = 1);
 
+// Asks the kernel for transparent huge pages over [p, p + nbytes) if it spans at least
+// 4 MiB (Note [Huge pages for large buffers] in buffer.cc); a hint, never an error.
+void advise_huge_pages(void* p, std::size_t nbytes);
+
 // One bucket's bytes, heap-allocated and 64-byte aligned. Shared so that arrays handed
 // to Python can keep it alive after the engine moved on to a fresh buffer.
 class FusionBuffer {

@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "buffer.h"
 #include "errors.h"
 #include "half.h"
 
@@ -181,6 +182,168 @@ class AllreduceAlgorithm {
   MPI_T_cvar_handle handle_{};
 };
 
+// Note [Pairwise reduce-scatter]
+// Open MPI's non-blocking reduce-scatter (coll/libnbc, nbc_ireduce_scatter.c in Open MPI 5)
+// reduces the whole array to rank 0 down a binomial tree, then scatters the blocks from
+// there, with two whole-array temporary buffers: rank 0 receives and reduces every byte,
+// where a ring or pairwise algorithm has each rank receive and reduce only its own block.
+// It has no other algorithm to ask for (unlike the allreduce's ring, Note [libnbc ring]).
+// Issue 30 measured on 2 ranks of an idle 2-core machine, 50.4 MB float32: 35.9 ms against
+// 16.9 ms for the allreduce of the same bytes. So calls of at least kPairwiseMinBytes are made of
+// point-to-point messages: every rank sends each peer that peer's block of its input
+// (MPI_Isend) and receives every peer's contribution to its own block (MPI_Irecv), then
+// reduces them locally with MPI_Reduce_local and the call's operator (the user-defined
+// 16-bit ones too). Each rank sends and receives (N-1)/N of the array, as in a ring, and
+// reduces only its own block, once. The first peer's contribution (in rank order) is
+// received straight into the result, the others into at most kScratchBlocks temporary
+// blocks, reused in turn (so 2 ranks need none, and N ranks at most two blocks, however
+// many peers). The fold has one fixed order for every call: acc = block of the lowest
+// other rank, then acc = x_r (op) acc for the remaining ranks r in ascending order (this
+// rank's own block included), whatever order the messages arrive in, so results are
+// deterministic; each block is computed by its owner alone, so every rank sees the same
+// bits of it afterwards. Messages use tags of their own (kPairwiseFirstTag..), one per
+// call in a cycle: a communicator's collectives issue their data steps in one order on
+// every rank (Note [Lanes] in engine.cc), so a call's tag is the same everywhere and two
+// calls in flight never match each other's messages. Nothing is posted before the first
+// test(): an MPI error while posting then fails the task through the engine, which keeps
+// the request (and its scratch, into which receives may be posted) alive (Note [Buffers
+// outlive requests] in engine.cc). Smaller calls keep MPI_Ireduce_scatter (fewer
+// messages, latency-bound). Measured before/after side by side (benchmarks/sharded.py
+// --comm, benchmarks/scatter_gather.py; 50.4 MB float32, the 2-core machine under load
+// 2.3-5.5): 2 ranks 46.6-54.0 -> 7.4-10.3 ms (allreduce 15.4-22.3 ms), 3 ranks 79-101 ->
+// 27.5-29.0 ms (allreduce 61.5-62.2 ms), all of it to one rank (counts [n, 0, 0]) 84-107 ->
+// 41 ms. docs/sharding.md ("The collectives themselves") has the table.
+constexpr std::int64_t kPairwiseMinBytes = 64 * 1024;
+constexpr int kPairwiseFirstTag = 4096;  // below Note [Small allreduce]'s range, above p2p.cc's
+constexpr int kPairwiseTags = 8192;
+constexpr std::size_t kScratchBlocks = 2;
+
+class PairwiseReduceScatter final : public Request {
+ public:
+  PairwiseReduceScatter(MPI_Comm comm, int rank, const void* send, void* recv,
+                        const std::vector<std::int64_t>& counts, MPI_Datatype type, MPI_Op op,
+                        std::size_t elem, int tag)
+      : comm_(comm), rank_(rank), send_(static_cast<const char*>(send)), recv_(static_cast<char*>(recv)),
+        counts_(counts), type_(type), op_(op), elem_(elem), tag_(tag) {
+    displs_.reserve(counts_.size());
+    std::int64_t off = 0;
+    for (const std::int64_t c : counts_) {
+      displs_.push_back(off);
+      off += c;
+    }
+    const int size = static_cast<int>(counts_.size());
+    if (mine() > 0) {
+      // The fold order: the lowest other rank first (received into the result), then
+      // every other rank ascending, this one included.
+      const int first = rank_ == 0 ? 1 : 0;
+      order_.push_back(first);
+      for (int r = 0; r < size; ++r) {
+        if (r == first) continue;
+        order_.push_back(r);
+        if (r != rank_) slotted_.push_back(r);
+      }
+    }
+  }
+
+  bool test() override {
+    if (!started_) start();
+    while (next_ < order_.size()) {
+      const int r = order_[next_];
+      if (r == rank_) {
+        reduce(own());
+      } else if (next_ == 0) {
+        if (!done(first_req_)) return false;
+      } else {
+        Slot& s = slots_[reduced_ % slots_.size()];
+        if (!done(s.req)) return false;
+        reduce(reinterpret_cast<const char*>(s.data->data()));
+        ++reduced_;
+        post_slots();
+      }
+      ++next_;
+    }
+    while (sends_done_ < sends_.size()) {
+      if (!done(sends_[sends_done_])) return false;
+      ++sends_done_;
+    }
+    return true;
+  }
+
+ private:
+  struct Slot {
+    std::unique_ptr<FusionBuffer> data;  // kNone: every byte is received before it is read
+    MPI_Request req = MPI_REQUEST_NULL;
+  };
+
+  std::int64_t mine() const { return counts_[static_cast<std::size_t>(rank_)]; }
+  const char* own() const {
+    return send_ + displs_[static_cast<std::size_t>(rank_)] * static_cast<std::int64_t>(elem_);
+  }
+  static bool done(MPI_Request& req) {
+    if (req == MPI_REQUEST_NULL) return true;
+    int flag = 0;
+    check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    return flag != 0;
+  }
+  void reduce(const char* in) {  // acc = in (op) acc; counts fit an int (checked by the caller)
+    check(MPI_Reduce_local(in, recv_, static_cast<int>(mine()), type_, op_), "MPI_Reduce_local");
+  }
+
+  void start() {
+    started_ = true;
+    const int n = static_cast<int>(mine());
+    if (n > 0) {
+      check(MPI_Irecv(recv_, n, type_, order_.front(), tag_, comm_, &first_req_), "MPI_Irecv");
+      slots_.resize(std::min(kScratchBlocks, slotted_.size()));
+      for (Slot& s : slots_) {
+        s.data = std::make_unique<FusionBuffer>(static_cast<std::size_t>(mine()) * elem_,
+                                                FusionBuffer::Fill::kNone);
+      }
+      post_slots();
+    }
+    // Sends in a rotating order (rank+1 first), so that the peers' receives spread.
+    const int size = static_cast<int>(counts_.size());
+    sends_.reserve(static_cast<std::size_t>(size));
+    for (int k = 1; k < size; ++k) {
+      const int p = (rank_ + k) % size;
+      const std::int64_t c = counts_[static_cast<std::size_t>(p)];
+      if (c == 0) continue;
+      sends_.push_back(MPI_REQUEST_NULL);
+      check(MPI_Isend(send_ + displs_[static_cast<std::size_t>(p)] * static_cast<std::int64_t>(elem_),
+                      static_cast<int>(c), type_, p, tag_, comm_, &sends_.back()),
+            "MPI_Isend");
+    }
+  }
+
+  // Receives into free slots, in fold order, at most slots_.size() ahead of the fold.
+  void post_slots() {
+    while (posted_ < slotted_.size() && posted_ - reduced_ < slots_.size()) {
+      Slot& s = slots_[posted_ % slots_.size()];
+      check(MPI_Irecv(s.data->data(), static_cast<int>(mine()), type_, slotted_[posted_], tag_, comm_, &s.req),
+            "MPI_Irecv");
+      ++posted_;
+    }
+  }
+
+  MPI_Comm comm_;
+  int rank_;
+  const char* send_;
+  char* recv_;
+  std::vector<std::int64_t> counts_, displs_;
+  MPI_Datatype type_;
+  MPI_Op op_;
+  std::size_t elem_;
+  int tag_;
+  std::vector<int> order_;    // the fold order (empty when this rank's block is empty)
+  std::vector<int> slotted_;  // the ranks received into slots, in fold order
+  std::vector<Slot> slots_;
+  // sends_ is reserved before the first Isend: MPI holds the handles' addresses.
+  std::vector<MPI_Request> sends_;
+  MPI_Request first_req_ = MPI_REQUEST_NULL;
+  bool started_ = false;
+  std::size_t next_ = 0, posted_ = 0, reduced_ = 0, sends_done_ = 0;
+};
+
 // The description check's reduction (check_block.h) as an MPI operator over one block.
 void reduce_check_blocks(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
   const auto* a = static_cast<const CheckBlock*>(in);
@@ -333,6 +496,12 @@ class MpiDataPlane final : public DataPlane {
           "reduce_scatter: more than 2^31-1 elements in one call are not supported; "
           "reduce-scatter the array in parts");
     }
+    if (size_ > 1 && total * static_cast<std::int64_t>(dtype_size(dtype)) >= kPairwiseMinBytes) {
+      // Note [Pairwise reduce-scatter]
+      const int tag = kPairwiseFirstTag + static_cast<int>(pairwise_calls_++ % kPairwiseTags);
+      return std::make_unique<PairwiseReduceScatter>(comm_, rank_, send, recv, counts, mpi_type(dtype),
+                                                     ops_->get(dtype, op), dtype_size(dtype), tag);
+    }
     check(MPI_Ireduce_scatter(send, recv, r->counts.data(), mpi_type(dtype), ops_->get(dtype, op),
                               comm_, r->add()),
           "MPI_Ireduce_scatter");
@@ -391,6 +560,7 @@ class MpiDataPlane final : public DataPlane {
   MPI_Comm comm_;
   Ops* ops_;  // shared by every communicator; used on the communication thread only
   int rank_ = 0, size_ = 1;
+  std::uint32_t pairwise_calls_ = 0;  // picks each pairwise collective's tag
   std::vector<int> world_ranks_;
 };
 

@@ -162,6 +162,52 @@ def allgather_uneven_lengths() -> None:
     assert none.shape == (0, 2)
 
 
+def large_contribution(start: int, n: int, dtype: object, r: int) -> np.ndarray:
+    """Rank r's elements start..start+n of a large array: (i % 61) + 64 r + 1. Exact in every
+    dtype summed over 4 ranks (< 2048); the prime period and the rank's offset make a block
+    taken at a wrong offset, a peer's contribution dropped, doubled or swapped change sums."""
+    return ((np.arange(start, start + n) % 61) + 64 * r + 1).astype(dtype)
+
+
+@check
+def reduce_scatter_and_allgather_large_uneven_counts() -> None:
+    # Above 64 KiB: Note [Pairwise reduce-scatter] in mpi_transport.cc (below it, MPI's own).
+    unit = 20011  # elements; neither it nor the sums below are multiples of 61
+    patterns = [[unit * (r + 1) + r for r in range(N)],      # every rank a different count
+                [0] + [unit + 7 * r for r in range(1, N)],    # rank 0 owns nothing
+                [2 * unit + 3] + [0] * (N - 1)]               # rank 0 owns it all (level 2's bucket)
+    if N >= 3:
+        patterns.append([unit if r != 1 else 0 for r in range(N)])  # a middle rank owns nothing
+    for dtype in (np.float32, np.int32, np.float16):
+        for counts in patterns:
+            n = sum(counts)
+            start = sum(counts[:R])
+            x = large_contribution(0, n, dtype, R)
+            want = sum(large_contribution(start, counts[R], np.int64, r) for r in range(N)).astype(dtype)
+            what = f"reduce_scatter {np.dtype(dtype).name} {counts}"
+            got = t.reduce_scatter(x, counts)
+            expect_equal(got, want, what)
+            expect_equal(x, large_contribution(0, n, dtype, R), what + ": input untouched")
+            whole = t.allgather(got)
+            expect_equal(whole, sum(large_contribution(0, n, np.int64, r) for r in range(N)).astype(dtype),
+                         f"allgather {np.dtype(dtype).name} {counts}")
+    counts = patterns[0]
+    n, start = sum(counts), sum(counts[:R])
+    x = large_contribution(0, n, np.int64, R)
+    expect_equal(t.reduce_scatter(x, counts, op=t.Op.MIN), large_contribution(start, counts[R], np.int64, 0),
+                 "reduce_scatter large min")
+    expect_equal(t.reduce_scatter(x, counts, op=t.Op.MAX),
+                 large_contribution(start, counts[R], np.int64, N - 1), "reduce_scatter large max")
+    avg = t.reduce_scatter(x.astype(np.float64), counts, op=t.Op.AVG)
+    expect_equal(avg, sum(large_contribution(start, counts[R], np.float64, r) for r in range(N)) / N,
+                 "reduce_scatter large avg")
+    # Inexact float32 sums: the same bits on every call (one fixed reduction order).
+    noise = np.random.default_rng(R).normal(size=n).astype(np.float32)
+    first = t.reduce_scatter(noise, counts)
+    for _ in range(3):
+        assert np.array_equal(t.reduce_scatter(noise, counts), first), "reduce_scatter not deterministic"
+
+
 @check
 def reduce_scatter_every_dtype_uneven_counts() -> None:
     for dtype in DTYPES:
