@@ -217,9 +217,11 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
 # rank holds comes on top of them each step (measured on a quiet 16-core machine: a CNN's
 # DATA step under-predicted by 19 % while a tensor group, which updates half the weights,
 # was not). Its cost is taken from Adam (the layouts are planned before compile) on probe
-# variables: per variable (the update's ops' launches; 16 small variables) and per byte
-# (one 4 MiB variable), fitted as ``count * per_variable + bytes * per_byte``. Sharded
-# replicas update 1/d of it; a tensor shard its fraction; a stage its own layers.
+# variables: per variable (the update's ops' launches: 16 one-element variables against
+# one, so the call's own fixed cost, which a training step pays anyway, drops out) and per
+# byte (one 4 MiB variable against one element), fitted as ``count * per_variable + bytes *
+# per_byte``. Sharded replicas update 1/d of it; a tensor shard its fraction; a stage its
+# own layers.
 _PROBE_ELEMENTS = 1 << 20
 _PROBE_SMALL = 16
 
@@ -247,9 +249,10 @@ def _update_cost() -> tuple[float, float]:
         return statistics.median(times)
 
     try:
+        one = timed([1])
         small = timed([1] * _PROBE_SMALL)
         large = timed([_PROBE_ELEMENTS])
     except Exception:  # no update term rather than no plan
         return 0.0, 0.0
-    per_variable = small / _PROBE_SMALL
-    return per_variable, max(large - per_variable, 0.0) / (4 * _PROBE_ELEMENTS)
+    per_variable = max(small - one, 0.0) / (_PROBE_SMALL - 1)
+    return per_variable, max(large - one, 0.0) / (4 * (_PROBE_ELEMENTS - 1))
