@@ -127,11 +127,6 @@ def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layou
     }
 
 
-def _frac_of(split: Split | None) -> dict[str, float]:
-    """Each split layer's local fraction of its bytes (none without a tensor split)."""
-    return dict(split.local_fraction) if split is not None else {}
-
-
 def _share(layout: Layout) -> float:
     """The share of its variables' updates a rank runs: 1/d where the replicas shard them."""
     return 1 / layout.replicas if layout.sharding else 1.0
@@ -160,6 +155,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
     """Memory and step time of ``layout`` (``split``: its tensor plan when t > 1;
     ``stages``: its pipeline plan when p > 1; ``level3``: its holdings at sharding=3)."""
     d, p, t, m = layout.replicas, layout.stages, layout.tensor, layout.micro_batches
+    # each split layer's local fraction of its weights: of its time, and of its update
     scale = {n: f for n, f in (split.local_fraction.items() if split is not None else ())}
     tensor_comm = 0.0
     if layout.sharding == 3:
@@ -177,7 +173,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         mem = _memory(prof, None, split, slots, layout, rows, 1, 0,
                       staged=split is not None or not _settings.transient_buckets())
         # Note [The update's time] (_profile): each replica updates all it holds, or its owned 1/d
-        compute = prof.time_s(rows, scale=scale) + prof.update_s(fraction=_frac_of(split), share=_share(layout))
+        compute = prof.time_s(rows, scale=scale) + prof.update_s(fraction=scale, share=_share(layout))
         if split is not None:
             tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)
         sync = _replica_sync_s(layout, mem["gradients"], mem["parameters"], net)
@@ -197,7 +193,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
             worst = mem
         stage_time = prof.time_s(rows, names, scale=scale) * (1 + REMAT_FORWARD_SHARE if layout.remat else 1)
         slowest = max(slowest, stage_time)
-        update = max(update, prof.update_s(names, _frac_of(split), _share(layout)))
+        update = max(update, prof.update_s(names, scale, _share(layout)))
         sync = max(sync, _replica_sync_s(layout, mem["gradients"], mem["parameters"], net))
     boundary = max(stages.receive_bytes_per_sample) * rows
     p2p = 2 * _comm.p2p_s(boundary, net)  # a forward send and a backward send per slot
