@@ -385,6 +385,61 @@ def test_layers_are_timed_under_op_determinism():
     assert not prof.notes
 
 
+def test_attention_embeddings_and_keras_hub_blocks_are_timed_as_their_model_calls_them():
+    # Note [Layers timed as their model calls them]: MultiHeadAttention called as mha(h, h) was
+    # called with a list and an Embedding's IndexedSlices gradient could not be fetched: both fell
+    # back to the FLOP proxy (attention priced by its weights only); a keras-hub block takes a
+    # keyword mask.
+    import keras_hub
+
+    tokens = keras.Input((16,), dtype="int32")
+    h = keras.layers.Embedding(100, 32, name="emb")(tokens)
+    h = keras.layers.MultiHeadAttention(2, 16, name="mha")(h, h)
+    mask = keras.layers.Lambda(lambda t: keras.ops.not_equal(t, 0), name="mask")(tokens)
+    h = keras_hub.layers.TransformerEncoder(64, 2, name="block")(h, padding_mask=mask)
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D(name="pool")(h))
+    prof = profile(keras.Model(tokens, out), [2, 8])
+    assert {c.name: c.measured for c in prof.layers} == dict.fromkeys(
+        ["emb", "mha", "mask", "block", "pool", "head"], True), prof.notes
+    assert not prof.notes
+    assert prof.call_s > 0 and all(c.a_s >= 0 and c.b_s >= 0 for c in prof.layers)
+
+
+def test_a_functions_fixed_cost_once_per_step_and_the_pipelines_own_cost_per_step_and_micro_batch():
+    # Note [Layers timed as their model calls them]: the layers' times are net of a call's fixed
+    # cost, charged once per step; Note [The pipeline's own cost]: a pipeline stage's executor
+    # costs per step and per micro-batch in each of the m + p - 1 slots (two calls per
+    # micro-batch where it was not measured).
+    import dataclasses
+
+    m = two_convs()
+    free = given_profile(m, {"c1": 1e-4, "c2": 1e-4, "pool": 0.0, "head": 0.0})
+    called = dataclasses.replace(free, call_s=1e-3)
+    executor = dataclasses.replace(called, pipeline_step_s=5e-3, pipeline_micro_batch_s=3e-3)
+
+    def compute(p) -> dict:
+        plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=None, profile_=p)
+        return {c.layout.describe(): (c.layout, c.estimate.compute_s) for c in plan.feasible}
+
+    without, with_call, with_executor = compute(free), compute(called), compute(executor)
+    assert with_call.keys() == without.keys() == with_executor.keys()
+    for name, (layout, seconds) in without.items():
+        slots = layout.micro_batches + layout.stages - 1
+        piped = layout.stages > 1
+        assert with_call[name][1] - seconds == pytest.approx(2e-3 * slots if piped else 1e-3, rel=1e-9), name
+        assert with_executor[name][1] - seconds == pytest.approx(5e-3 + 3e-3 * slots if piped else 1e-3,
+                                                                 rel=1e-9), name
+    assert any(layout.stages > 1 for layout, _ in without.values()), sorted(without)
+
+
+def test_the_pipelines_own_cost_is_measured_per_step_and_micro_batch():
+    from tarantella.auto import _pipeline_overhead
+
+    per_step, per_micro_batch = _pipeline_overhead.measure()
+    assert per_micro_batch > 0 and per_step >= 0, (per_step, per_micro_batch)
+    assert per_micro_batch < 0.5 and per_step < 0.5  # seconds: the probe's layers are tiny
+
+
 def test_time_partition_minimises_the_slowest_stage():
     # the only best cuts, worked out by hand: [5, 1 | 1, 1, 4] (slowest 6), [6 | 1, 2, 3 | 4] (6)
     assert time_split_after(_profile_of([5, 1, 1, 1, 4]), 2, rows=1) == ["l1"]

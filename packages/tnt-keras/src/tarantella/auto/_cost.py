@@ -8,8 +8,9 @@ a layer's gathered copies), the pipeline's
 gradient accumulator, activations of the micro-batches in flight (1F1B: ``min(p - s, m)``
 on stage s; one set with ``remat``, whose inputs are still held per micro-batch), the engine's gradient buffer when gradients are reduced over replicas and
 received boundary tensors. Time: the profile's forward + backward of the layers a rank
-runs (tensor-split layers at ``1/t``) at its rows, the pipeline's ``m + p - 1`` slots of
-its slowest stage, and the collectives from the alpha-beta model (``_comm``). Recomputation
+runs (tensor-split layers at ``1/t``) at its rows plus each function's fixed call cost
+(one per step), the pipeline's ``m + p - 1`` slots of its slowest stage with the
+executor's own cost per micro-batch and per step (``_pipeline_overhead``), and the collectives from the alpha-beta model (``_comm``). Recomputation
 (``remat``) runs each stage's forward twice: the profile times forward + backward together,
 so the second forward is taken as ``REMAT_FORWARD_SHARE`` of it (backward about twice the
 forward; benchmarks/remat.py measured 1.39x the 1F1B step on an MLP).
@@ -163,7 +164,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         rows = -(-global_batch // d)
         # backprop recomputes each gathered layer's forward (its activations are not kept)
         compute = (prof.time_s(rows) + REMAT_FORWARD_SHARE * prof.time_s(rows, names=level3.layer_bytes)
-                   + prof.update_s(share=1 / d))  # Note [The update's time]: owners update
+                   + prof.update_s(share=1 / d) + prof.call_s)  # Note [The update's time]: owners update
         sync = _level3_sync_s(level3, d, net)
         return Estimate(_level3_memory(prof, level3, slots, rows), compute + sync, compute, sync)
     if p == 1:
@@ -173,7 +174,8 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         mem = _memory(prof, None, split, slots, layout, rows, 1, 0,
                       staged=split is not None or not _settings.transient_buckets())
         # Note [The update's time] (_profile): each replica updates all it holds, or its owned 1/d
-        compute = prof.time_s(rows, scale=scale) + prof.update_s(fraction=scale, share=_share(layout))
+        compute = (prof.time_s(rows, scale=scale) + prof.update_s(fraction=scale, share=_share(layout))
+                   + prof.call_s)  # one step function (_profile, Note [Layers timed as their model calls them])
         if split is not None:
             tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)
         sync = _replica_sync_s(layout, mem["gradients"], mem["parameters"], net)
@@ -199,6 +201,9 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
     p2p = 2 * _comm.p2p_s(boundary, net)  # a forward send and a backward send per slot
     if split is not None:
         tensor_comm = (m + p - 1) * _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net) / p
-    compute = (m + p - 1) * slowest + update
+    # the executor's own work per step and per micro-batch (_pipeline_overhead, Note [The
+    # pipeline's own cost]) beside the slowest stage's layers in each of the m + p - 1 slots
+    per_step, per_micro_batch = prof.pipeline_overheads()
+    compute = per_step + (m + p - 1) * (slowest + per_micro_batch) + update
     comm = (m + p - 1) * p2p + tensor_comm + sync
     return Estimate(worst or {}, compute + comm, compute, comm)

@@ -5,12 +5,14 @@ output (activation) bytes per sample, and its forward + backward time at the mic
 sizes the search considers, fitted to ``a + b * rows``. A layer is timed on its own, with
 random inputs of its input's shape and a ``tf.function`` computing the gradients of its
 outputs' sum with respect to its weights and inputs, so profiling materialises one layer
-at a time. A layer that cannot be timed alone (deferred weights, several calls, no
-symbolic input) gets a FLOP-proxy time, and the profile says which layers did.
+at a time, called as its model calls it. A layer that cannot be timed alone (deferred
+weights, several calls, no symbolic input) gets a FLOP-proxy time, and the profile says which
+layers did.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -23,6 +25,8 @@ from .._core.deferred import is_deferred
 #: Floating point operations per second assumed for a layer that could not be timed.
 PROXY_FLOPS = 5e9
 _REPEATS = 3
+#: Calls timed for the fixed cost (cheap, and taken off every layer: its noise counts often).
+_OVERHEAD_REPEATS = 15
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,19 @@ class Profile:
     #: The optimizer update's cost (Note [The update's time]): per variable and per byte.
     update_s_per_variable: float = 0.0
     update_s_per_byte: float = 0.0
+    #: A called function's own fixed cost, charged once per function a step runs (Note
+    #: [Layers timed as their model calls them]); the layers' times are net of it.
+    call_s: float = 0.0
+    #: The pipeline executor's own seconds per step and per micro-batch on a stage (its
+    #: Note [The pipeline's own cost]); 0: not measured (two calls per micro-batch counted).
+    pipeline_step_s: float = 0.0
+    pipeline_micro_batch_s: float = 0.0
+
+    def pipeline_overheads(self) -> tuple[float, float]:
+        """(per step, per micro-batch) seconds a pipeline stage spends beyond its layers."""
+        if self.pipeline_micro_batch_s > 0:
+            return self.pipeline_step_s, self.pipeline_micro_batch_s
+        return 0.0, 2 * self.call_s
 
     def update_s(self, names=None, fraction: dict[str, float] | None = None, share: float = 1.0) -> float:
         """Seconds of one optimizer update of the layers ``names`` (all: None), each layer's
@@ -127,27 +144,44 @@ def _output_bytes(layer) -> int:
     return total
 
 
+def _node_arguments(layer):
+    """The arguments of ``layer``'s one call in its model (keras' symbolic arguments: the
+    positional and keyword ones, with KerasTensors where tensors flow), or None."""
+    nodes = getattr(layer, "_inbound_nodes", [])
+    if len(nodes) != 1:
+        return None
+    return getattr(nodes[0], "arguments", None)
+
+
 def _timer(layer):
-    """A function timing forward + backward of ``layer`` for ``rows`` samples, or None."""
+    """A function timing forward + backward of ``layer`` for ``rows`` samples, or None.
+
+    The layer is called as its model calls it (Note [Layers timed as their model calls them])."""
     import tensorflow as tf
 
-    if any(is_deferred(v) for v in layer.weights) or len(getattr(layer, "_inbound_nodes", [])) > 1:
+    if any(is_deferred(v) for v in layer.weights):
         return None
-    try:
-        inputs = _symbolic(layer.input)
-    except (AttributeError, ValueError):
+    arguments = _node_arguments(layer)
+    if arguments is None or not arguments.keras_tensors:
         return None
+    inputs = list({id(x): x for x in arguments.keras_tensors}.values())  # one tensor per symbolic one
     if any(any(d is None for d in tuple(x.shape)[1:]) for x in inputs):
         return None
+    position = {id(x): i for i, x in enumerate(inputs)}
 
     @tf.function(reduce_retracing=True)
     def step(xs):
         with tf.GradientTape() as tape:
             floats = [x for x in xs if x.dtype.is_floating]
             tape.watch(floats)
-            y = layer(xs if len(xs) > 1 else xs[0], training=True)
+            args, kwargs = arguments.convert(
+                lambda a: xs[position[id(a)]] if isinstance(a, keras.KerasTensor) else a)
+            kwargs.setdefault("training", True)  # keras passes it on only where call takes it
+            y = layer(*args, **kwargs)
             loss = tf.add_n([tf.reduce_sum(tf.cast(t, tf.float32)) for t in tf.nest.flatten(y)])
-        return tape.gradient(loss, list(layer.trainable_variables) + floats)
+        grads = tape.gradient(loss, list(layer.trainable_variables) + floats)
+        # an Embedding's gradient is IndexedSlices: its values are what the step computed
+        return [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
 
     def run(rows: int) -> float:
         xs = []
@@ -158,18 +192,49 @@ def _timer(layer):
             # tf.random.normal without a seed raises and every layer fell back to the FLOP proxy
             xs.append(tf.zeros(shape, dtype) if dtype.kind in "iub"
                       else tf.random.stateless_normal(shape, seed=(0, 0), dtype=x.dtype))
-        step(xs)  # trace / warm up
-        times = []
-        for _ in range(_REPEATS):
-            t0 = time.perf_counter()
-            out = step(xs)
-            for g in out:
-                if g is not None:
-                    g.numpy()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return _median_call_s(lambda: step(xs))
 
     return run
+
+
+def _median_call_s(call, repeats: int = _REPEATS) -> float:
+    """Median seconds of ``call()`` (after one warm-up / trace), its outputs fetched."""
+    call()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for g in call():
+            g.numpy()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# Note [Layers timed as their model calls them]
+# A layer is called with the arguments of its node in the model (positional and keyword, the
+# same symbolic tensor given twice as one generated tensor: MultiHeadAttention(h, h), keras-hub
+# blocks with their masks), so attention is timed, not priced by its weights' FLOPs (it was:
+# a small Transformer's pipeline stages ran 2.3x their predicted compute). Each timed call also
+# pays the timing function's own fixed cost (calling a tf.function, fetching its outputs:
+# 0.3-0.6 ms on a 2-core machine, as much as a small layer's whole work), which a training step
+# pays once, not once per layer: it is measured on an empty gradient (``_call_overhead_s``),
+# taken off each layer's time at zero rows and charged once per function a step runs
+# (``Profile.call_s``: one per DATA or TENSOR step, two per pipeline slot).
+
+
+@functools.cache
+def _call_overhead_s() -> float:
+    """Seconds of one timing call that computes nothing: a gradient of one element's sum."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(x)
+        return [tape.gradient(loss, x)]
+
+    x = tf.zeros((1, 1), tf.float32)
+    return _median_call_s(lambda: step(x), _OVERHEAD_REPEATS)
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -186,6 +251,7 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
     sizes = sorted({int(r) for r in rows if int(r) > 0}) or [1]
     sizes = [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes
     costs, proxied = [], []
+    overhead = _call_overhead_s()
     for layer in _layers(model):
         wb, tb = _nbytes(layer.weights), _nbytes(layer.trainable_weights)
         act = _output_bytes(layer)
@@ -198,6 +264,7 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
                 points = []
         if points:
             a, b = _fit(points)
+            a = max(a - overhead, 0.0)  # Note [Layers timed as their model calls them]
             measured = True
         else:  # forward 2 FLOPs per weight per row, backward twice that
             a, b = 0.0, 6.0 * max(wb // 4, 1) / PROXY_FLOPS
@@ -209,7 +276,10 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
         notes.append(f"{len(proxied)} layer(s) not timed alone, FLOP proxy at {PROXY_FLOPS:.0e} FLOP/s: "
                      + ", ".join(proxied[:8]) + (" ..." if len(proxied) > 8 else ""))
     per_variable, per_byte = _update_cost()
-    return Profile(model.name, costs, tuple(sizes), notes, per_variable, per_byte)
+    from . import _pipeline_overhead
+
+    return Profile(model.name, costs, tuple(sizes), notes, per_variable, per_byte, overhead,
+                   *_pipeline_overhead.measure())
 
 
 # Note [The update's time]
@@ -226,6 +296,7 @@ _PROBE_ELEMENTS = 1 << 20
 _PROBE_SMALL = 16
 
 
+@functools.cache
 def _update_cost() -> tuple[float, float]:
     """(seconds per variable, seconds per byte) of an Adam update, measured on probes."""
     import tensorflow as tf
