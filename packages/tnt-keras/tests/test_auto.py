@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import launch
+from conftest import share
 
 import tarantella as tnt
 from tarantella.auto import LayerCost, Profile
@@ -83,6 +83,12 @@ def test_the_update_is_priced_per_variable_and_byte_on_the_ranks_that_run_it():
     assert piped, sorted(priced)
     for name in piped:
         assert priced[name] - unpriced[name] == pytest.approx(4e-3 + 148752e-8, rel=1e-9), name
+    # Where the pipeline executor's cost per variable was measured (Note [The pipeline's own
+    # cost]: it includes the update's launches), it replaces the update's per-variable price.
+    executor = dataclasses.replace(prof, pipeline_variable_s=5e-4)
+    for name, seconds in compute(executor).items():
+        expected = priced[name] + (4 * 5e-4 - 4e-3 if name in piped else 0.0)
+        assert seconds == pytest.approx(expected, rel=1e-9), name
 
 
 def test_budget_between_sharded_and_plain_data_picks_sharding():
@@ -421,23 +427,28 @@ def test_a_functions_fixed_cost_once_per_step_and_the_pipelines_own_cost_per_ste
         plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=None, profile_=p)
         return {c.layout.describe(): (c.layout, c.estimate.compute_s) for c in plan.feasible}
 
-    without, with_call, with_executor = compute(free), compute(called), compute(executor)
-    assert with_call.keys() == without.keys() == with_executor.keys()
+    stepped = dataclasses.replace(executor, step_s=2e-3)  # Note [A step's own cost]
+    without, with_call, with_executor, with_step = compute(free), compute(called), compute(executor), compute(stepped)
+    assert with_call.keys() == without.keys() == with_executor.keys() == with_step.keys()
     for name, (layout, seconds) in without.items():
         slots = layout.micro_batches + layout.stages - 1
         piped = layout.stages > 1
         assert with_call[name][1] - seconds == pytest.approx(2e-3 * slots if piped else 1e-3, rel=1e-9), name
         assert with_executor[name][1] - seconds == pytest.approx(5e-3 + 3e-3 * slots if piped else 1e-3,
                                                                  rel=1e-9), name
+        assert with_step[name][1] - seconds == pytest.approx(5e-3 + 3e-3 * slots if piped else 2e-3,
+                                                             rel=1e-9), name
     assert any(layout.stages > 1 for layout, _ in without.values()), sorted(without)
 
 
-def test_the_pipelines_own_cost_is_measured_per_step_and_micro_batch():
-    from tarantella.auto import _pipeline_overhead
+def test_the_pipelines_and_a_keras_steps_own_costs_are_measured():
+    from tarantella.auto import _pipeline_overhead, _step_overhead
 
-    per_step, per_micro_batch = _pipeline_overhead.measure()
-    assert per_micro_batch > 0 and per_step >= 0, (per_step, per_micro_batch)
-    assert per_micro_batch < 0.5 and per_step < 0.5  # seconds: the probe's layers are tiny
+    assert 0 < _step_overhead.measure() < 0.5  # seconds: the probe's layers are tiny
+
+    per_step, per_micro_batch, per_variable = _pipeline_overhead.measure()
+    assert per_micro_batch > 0 and per_variable > 0 and per_step >= 0, (per_step, per_micro_batch, per_variable)
+    assert max(per_step, per_micro_batch, per_variable) < 0.5  # seconds: the probe's layers are tiny
 
 
 def test_time_partition_minimises_the_slowest_stage():
@@ -491,10 +502,12 @@ def test_stage_cuts_that_split_a_tensor_pair_are_rejected_not_chosen():
             tnt.hybrid.check_pairs_in_one_stage(tp, tnt.pipelining.plan(m, split_after=list(c.layout.split_after)))
 
 
+share(__name__, 2, "auto", "auto.py")  # in the shared 2-rank launch (shared_launch.py)
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    out = tmp_path_factory.mktemp("auto") / "auto.json"
-    res = launch(2, "auto.py", out)
+def launched(shared_launches):
+    res = shared_launches.result(2, "auto")
     print("\n" + res["summary"])
     return res
 

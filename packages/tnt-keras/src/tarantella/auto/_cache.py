@@ -34,8 +34,9 @@ def load(path: str | os.PathLike, wanted: str) -> Profile | None:
     p = data["profile"]
     return Profile(p["model_name"], [LayerCost(**c) for c in p["layers"]], tuple(p["rows_measured"]),
                    [*p["notes"], f"profile read from {path}"], p.get("update_s_per_variable", 0.0),
-                   p.get("update_s_per_byte", 0.0), p.get("call_s", 0.0),
-                   p.get("pipeline_step_s", 0.0), p.get("pipeline_micro_batch_s", 0.0))
+                   p.get("update_s_per_byte", 0.0), p.get("call_s", 0.0), p.get("step_s", 0.0),
+                   p.get("pipeline_step_s", 0.0), p.get("pipeline_micro_batch_s", 0.0),
+                   p.get("pipeline_variable_s", 0.0))
 
 
 def store(path: str | os.PathLike, wanted: str, prof: Profile) -> None:

@@ -4,16 +4,17 @@ and step time of one layout, from a measured :class:`~._profile.Profile`.
 Memory follows ``_core.memory.estimate`` (docs/memory.md) for what each layout holds:
 weights, gradients, optimizer slots (``/ d`` with sharding 1 or 2; at level 3 each replica's
 own weights, gradient sums and slots as ``tnt.data_parallel.level3_layout`` counts them, plus
-a layer's gathered copies), the pipeline's
-gradient accumulator, activations of the micro-batches in flight (1F1B: ``min(p - s, m)``
-on stage s; one set with ``remat``, whose inputs are still held per micro-batch), the engine's gradient buffer when gradients are reduced over replicas and
-received boundary tensors. Time: the profile's forward + backward of the layers a rank
-runs (tensor-split layers at ``1/t``) at its rows plus each function's fixed call cost
-(one per step), the pipeline's ``m + p - 1`` slots of its slowest stage with the
-executor's own cost per micro-batch and per step (``_pipeline_overhead``), and the collectives from the alpha-beta model (``_comm``). Recomputation
-(``remat``) runs each stage's forward twice: the profile times forward + backward together,
-so the second forward is taken as ``REMAT_FORWARD_SHARE`` of it (backward about twice the
-forward; benchmarks/remat.py measured 1.39x the 1F1B step on an MLP).
+a layer's gathered copies), the pipeline's gradient accumulator, activations of the
+micro-batches in flight (1F1B: ``min(p - s, m)`` on stage s; one set with ``remat``, whose
+inputs are still held per micro-batch), the engine's gradient buffer when gradients are
+reduced over replicas and received boundary tensors. Time: the profile's forward + backward
+of the layers a rank runs (tensor-split layers at ``1/t``) at its rows plus a Keras step's
+own cost (``_step_overhead``); a pipeline's ``m + p - 1`` slots of its slowest stage with the
+executor's own cost per micro-batch, per step and per variable (``_pipeline_overhead``);
+the optimizer's update; and the collectives from the alpha-beta model (``_comm``).
+Recomputation (``remat``) runs each stage's forward twice: the profile times forward +
+backward together, so the second forward is taken as ``REMAT_FORWARD_SHARE`` of it
+(backward about twice the forward; benchmarks/remat.py measured 1.39x the 1F1B step on an MLP).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         rows = -(-global_batch // d)
         # backprop recomputes each gathered layer's forward (its activations are not kept)
         compute = (prof.time_s(rows) + REMAT_FORWARD_SHARE * prof.time_s(rows, names=level3.layer_bytes)
-                   + prof.update_s(share=1 / d) + prof.call_s)  # Note [The update's time]: owners update
+                   + prof.update_s(share=1 / d) + prof.step_overhead_s())  # Note [The update's time]: owners update
         sync = _level3_sync_s(level3, d, net)
         return Estimate(_level3_memory(prof, level3, slots, rows), compute + sync, compute, sync)
     if p == 1:
@@ -175,7 +176,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
                       staged=split is not None or not _settings.transient_buckets())
         # Note [The update's time] (_profile): each replica updates all it holds, or its owned 1/d
         compute = (prof.time_s(rows, scale=scale) + prof.update_s(fraction=scale, share=_share(layout))
-                   + prof.call_s)  # one step function (_profile, Note [Layers timed as their model calls them])
+                   + prof.step_overhead_s())  # fit's own step (_step_overhead, Note [A step's own cost])
         if split is not None:
             tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)
         sync = _replica_sync_s(layout, mem["gradients"], mem["parameters"], net)
@@ -195,7 +196,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
             worst = mem
         stage_time = prof.time_s(rows, names, scale=scale) * (1 + REMAT_FORWARD_SHARE if layout.remat else 1)
         slowest = max(slowest, stage_time)
-        update = max(update, prof.update_s(names, scale, _share(layout)))
+        update = max(update, prof.pipeline_update_s(names, scale, _share(layout)))
         sync = max(sync, _replica_sync_s(layout, mem["gradients"], mem["parameters"], net))
     boundary = max(stages.receive_bytes_per_sample) * rows
     p2p = 2 * _comm.p2p_s(boundary, net)  # a forward send and a backward send per slot

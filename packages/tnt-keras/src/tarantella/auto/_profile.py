@@ -61,16 +61,37 @@ class Profile:
     #: A called function's own fixed cost, charged once per function a step runs (Note
     #: [Layers timed as their model calls them]); the layers' times are net of it.
     call_s: float = 0.0
+    #: A Keras training step's own cost (Note [A step's own cost], ``_step_overhead``),
+    #: charged once per step of a layout without stages; 0: not measured (``call_s`` then).
+    step_s: float = 0.0
     #: The pipeline executor's own seconds per step and per micro-batch on a stage (its
     #: Note [The pipeline's own cost]); 0: not measured (two calls per micro-batch counted).
     pipeline_step_s: float = 0.0
     pipeline_micro_batch_s: float = 0.0
+    pipeline_variable_s: float = 0.0  # per trainable variable and step, its update included
+
+    def step_overhead_s(self) -> float:
+        """Seconds a step of a layout without stages spends beyond its layers and update."""
+        return self.step_s if self.step_s > 0 else self.call_s
 
     def pipeline_overheads(self) -> tuple[float, float]:
         """(per step, per micro-batch) seconds a pipeline stage spends beyond its layers."""
         if self.pipeline_micro_batch_s > 0:
             return self.pipeline_step_s, self.pipeline_micro_batch_s
         return 0.0, 2 * self.call_s
+
+    def pipeline_update_s(self, names, fraction: dict[str, float] | None = None, share: float = 1.0) -> float:
+        """A pipeline stage's per-step cost of its layers ``names``' variables: their update
+        (``update_s``) where the executor's per-variable cost was not measured, else that cost,
+        which includes the update's launches, plus the update's bytes."""
+        if self.pipeline_variable_s <= 0:
+            return self.update_s(names, fraction, share)
+        keep = set(names)
+        fraction = fraction or {}
+        layers = [c for c in self.layers if c.name in keep]
+        count = sum(c.trainable_variables for c in layers)
+        nbytes = sum(c.trainable_bytes * fraction.get(c.name, 1.0) for c in layers)
+        return count * self.pipeline_variable_s + share * nbytes * self.update_s_per_byte
 
     def update_s(self, names=None, fraction: dict[str, float] | None = None, share: float = 1.0) -> float:
         """Seconds of one optimizer update of the layers ``names`` (all: None), each layer's
@@ -217,8 +238,9 @@ def _median_call_s(call, repeats: int = _REPEATS) -> float:
 # pays the timing function's own fixed cost (calling a tf.function, fetching its outputs:
 # 0.3-0.6 ms on a 2-core machine, as much as a small layer's whole work), which a training step
 # pays once, not once per layer: it is measured on an empty gradient (``_call_overhead_s``),
-# taken off each layer's time at zero rows and charged once per function a step runs
-# (``Profile.call_s``: one per DATA or TENSOR step, two per pipeline slot).
+# taken off each layer's time at zero rows. What a step pays instead is measured on whole
+# steps: Keras' (Note [A step's own cost], ``_step_overhead``) and a pipeline stage's
+# (Note [The pipeline's own cost], ``_pipeline_overhead``).
 
 
 @functools.cache
@@ -276,10 +298,10 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
         notes.append(f"{len(proxied)} layer(s) not timed alone, FLOP proxy at {PROXY_FLOPS:.0e} FLOP/s: "
                      + ", ".join(proxied[:8]) + (" ..." if len(proxied) > 8 else ""))
     per_variable, per_byte = _update_cost()
-    from . import _pipeline_overhead
+    from . import _pipeline_overhead, _step_overhead
 
     return Profile(model.name, costs, tuple(sizes), notes, per_variable, per_byte, overhead,
-                   *_pipeline_overhead.measure())
+                   _step_overhead.measure(per_variable), *_pipeline_overhead.measure())
 
 
 # Note [The update's time]
