@@ -306,7 +306,8 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     notes = [*prof.notes, f"optimizer slots per trainable weight: {slots}",
              f"communication: alpha = {net.alpha_s * 1e6:.0f} us, beta = {net.beta_Bps / 1e9:.2f} GB/s ({net.name})",
              f"profile measured here at {', '.join(map(str, prof.rows_measured))} rows per forward "
-             f"(linear in between); a function call's fixed cost {prof.call_s * 1e3:.2f} ms, once per step, "
-             "not per layer; a pipeline stage's own cost {:.2f} ms per step + {:.2f} ms per micro-batch".format(
-                 *(1e3 * s for s in prof.pipeline_overheads()))]
+             f"(linear in between), each layer net of a call's fixed cost ({prof.call_s * 1e3:.2f} ms); "
+             f"a step's own cost {prof.step_overhead_s() * 1e3:.2f} ms; a pipeline stage's own cost "
+             "{:.2f} ms per step + {:.2f} ms per micro-batch".format(*(1e3 * s for s in prof.pipeline_overheads()))
+             + f" + {prof.pipeline_variable_s * 1e3:.2f} ms per variable"]
     return Plan(num_ranks, global_batch_size, budget, source, feasible[0], feasible, rejected, notes, net)
