@@ -315,6 +315,13 @@ def test_summary_lists_choice_alternatives_and_rejections():
     if len(plan.feasible) > 1:
         assert "slower by" in text
     assert plan.samples_per_s == pytest.approx(8 / plan.step_time_s)
+    # one column for the step, whatever the layouts' names' lengths (remat rows ran over)
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layout"))
+    end = lines[header].index("step ms") + len("step ms")
+    rows = [line for line in lines[header + 1:] if not line.startswith("note:")]
+    assert any("remat" in r for r in rows), text
+    assert all((r[end - 1].isdigit() or r[end - 1] == "-") and r[end] == " " for r in rows), text
 
 
 def test_auto_on_one_rank_and_bad_input():

@@ -84,15 +84,16 @@ class Plan:
         mem = self.choice.estimate.memory
         lines.append("  per rank: " + ", ".join(f"{c} {_mib(mem[c])}" for c in CATEGORIES if mem.get(c)))
         best = self.step_time_s
-        lines.append(f"{'layout':34}{'step ms':>10}{'MiB/rank':>11}  verdict")
+        width = max([34, *(len(c.layout.describe()) + 1 for c in [*self.feasible, *self.rejected])])
+        lines.append(f"{'layout':{width}}{'step ms':>10}{'MiB/rank':>11}  verdict")
         for c in self.feasible:
             verdict = "chosen" if c is self.choice else f"slower by {100 * (c.estimate.step_s / best - 1):.0f} %"
-            lines.append(f"{c.layout.describe():34}{c.estimate.step_s * 1e3:>10,.1f}"
+            lines.append(f"{c.layout.describe():{width}}{c.estimate.step_s * 1e3:>10,.1f}"
                          f"{c.estimate.total_bytes / 2**20:>11,.1f}  {verdict}")
         for c in self.rejected:
             step = f"{c.estimate.step_s * 1e3:>10,.1f}" if c.estimate else f"{'-':>10}"
             mib = f"{c.estimate.total_bytes / 2**20:>11,.1f}" if c.estimate else f"{'-':>11}"
-            lines.append(f"{c.layout.describe():34}{step}{mib}  rejected: {c.rejected}")
+            lines.append(f"{c.layout.describe():{width}}{step}{mib}  rejected: {c.rejected}")
         lines.extend(f"note: {n}" for n in self.notes)
         text = "\n".join(lines)
         if print_fn is not None:
