@@ -458,6 +458,39 @@ def test_the_pipelines_and_a_keras_steps_own_costs_are_measured():
     assert max(per_step, per_micro_batch, per_variable) < 0.5  # seconds: the probe's layers are tiny
 
 
+def test_a_keras_hub_backbone_is_timed_and_counted_at_the_given_sequence_length(tmp_path):
+    # keras-hub backbones leave the sequence open (inputs (None, None)): without a length no
+    # layer could be timed (FLOP proxy) and no activation was counted; the summary says so
+    import keras_hub
+
+    gpt2 = keras_hub.models.GPT2Backbone(vocabulary_size=500, num_layers=2, num_heads=2, hidden_dim=32,
+                                         intermediate_dim=64, max_sequence_length=16)
+    blind = profile(gpt2, [2, 8])
+    assert not any(c.measured for c in blind.layers)
+    assert sum(c.activation_bytes_per_sample for c in blind.layers) == 0
+    assert any("transformer_layer_0" in n and "sequence_length=" in n for n in blind.notes), blind.notes
+    seen = profile(gpt2, [2, 8], sequence_length=16)
+    assert all(c.measured for c in seen.layers) and not seen.notes, seen.notes
+    # a block's output: 16 positions x 32 features x 4 bytes per sample, counted by hand
+    assert seen.by_name()["transformer_layer_0"].activation_bytes_per_sample == 16 * 32 * 4
+    # a pipeline stage's received boundary: at least a block's output, 16 x 32 x 4 bytes per
+    # sample (an open dimension was counted as 1: 32 x 4)
+    from tarantella.auto._search import _stages
+
+    assert _stages(gpt2, 2, open_size=16).receive_bytes_per_sample[1] >= 16 * 32 * 4
+    assert _stages(gpt2, 2).receive_bytes_per_sample[1] < 16 * 32 * 4
+    path = tmp_path / "profile.json"
+    kwargs = dict(num_ranks=2, global_batch_size=8, profile_file=str(path))
+    tnt.plan_parallel(gpt2, sequence_length=16, **kwargs)
+    again = tnt.plan_parallel(gpt2, sequence_length=16, **kwargs)
+    assert any("profile read from" in n for n in again.notes)
+    other = tnt.plan_parallel(gpt2, sequence_length=8, **kwargs)  # another length: measured anew
+    assert not any("profile read from" in n for n in other.notes)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match=r"sequence_length=.*positive integer"):
+            tnt.plan_parallel(gpt2, num_ranks=2, global_batch_size=8, sequence_length=bad)
+
+
 def test_time_partition_minimises_the_slowest_stage():
     # the only best cuts, worked out by hand: [5, 1 | 1, 1, 4] (slowest 6), [6 | 1, 2, 3 | 4] (6)
     assert time_split_after(_profile_of([5, 1, 1, 1, 4]), 2, rows=1) == ["l1"]

@@ -13,14 +13,16 @@ from pathlib import Path
 from ._profile import LayerCost, Profile
 
 
-def key(model, rows: list[int]) -> str:
-    """What a stored profile must match: the model's config, the rows, this machine."""
+def key(model, rows: list[int], sequence_length: int | None = None) -> str:
+    """What a stored profile must match: the model's config, the rows, the length of its
+    open dimensions, this machine."""
     try:
         config = json.dumps(model.get_config(), sort_keys=True, default=str)
     except (NotImplementedError, TypeError, ValueError):
         config = model.name + str([(v.path, tuple(v.shape)) for v in model.weights])
     machine = f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{os.environ.get('OMP_NUM_THREADS', '')}"
-    return hashlib.sha256(f"{config}|{sorted(set(rows))}|{machine}".encode()).hexdigest()
+    length = "" if sequence_length is None else f"|length={sequence_length}"
+    return hashlib.sha256(f"{config}|{sorted(set(rows))}|{machine}{length}".encode()).hexdigest()
 
 
 def load(path: str | os.PathLike, wanted: str) -> Profile | None:
@@ -36,7 +38,7 @@ def load(path: str | os.PathLike, wanted: str) -> Profile | None:
                    [*p["notes"], f"profile read from {path}"], p.get("update_s_per_variable", 0.0),
                    p.get("update_s_per_byte", 0.0), p.get("call_s", 0.0), p.get("step_s", 0.0),
                    p.get("pipeline_step_s", 0.0), p.get("pipeline_micro_batch_s", 0.0),
-                   p.get("pipeline_variable_s", 0.0))
+                   p.get("pipeline_variable_s", 0.0), p.get("sequence_length"))
 
 
 def store(path: str | os.PathLike, wanted: str, prof: Profile) -> None:

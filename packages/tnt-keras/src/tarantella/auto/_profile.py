@@ -69,6 +69,8 @@ class Profile:
     pipeline_step_s: float = 0.0
     pipeline_micro_batch_s: float = 0.0
     pipeline_variable_s: float = 0.0  # per trainable variable and step, its update included
+    #: The length the model's open dimensions (None beyond the batch) were taken at, if given.
+    sequence_length: int | None = None
 
     def step_overhead_s(self) -> float:
         """Seconds a step of a layout without stages spends beyond its layers and update."""
@@ -151,15 +153,37 @@ def _symbolic(tensors):
     return list(tensors) if isinstance(tensors, list | tuple) else [tensors]
 
 
-def _output_bytes(layer) -> int:
+def _sample_shape(symbolic, open_size: int | None) -> tuple[int, ...] | None:
+    """A symbolic tensor's shape beyond the batch, each open (None) dimension taken at
+    ``open_size``; None when one is open and no size is given."""
+    shape = tuple(symbolic.shape)[1:]
+    if any(d is None for d in shape):
+        if open_size is None:
+            return None
+        shape = tuple(open_size if d is None else d for d in shape)
+    return shape
+
+
+def _has_open_dims(layer) -> bool:
+    """Whether an input or output of ``layer`` leaves a dimension beyond the batch open."""
+    arguments = _node_arguments(layer)
+    tensors = list(arguments.keras_tensors) if arguments is not None else []
+    try:
+        tensors += _symbolic(layer.output)
+    except (AttributeError, ValueError):
+        pass
+    return any(d is None for x in tensors for d in tuple(x.shape)[1:])
+
+
+def _output_bytes(layer, open_size: int | None = None) -> int:
     try:
         outs = _symbolic(layer.output)
     except (AttributeError, ValueError):
         return 0
     total = 0
     for o in outs:
-        shape = tuple(o.shape)[1:]
-        if any(d is None for d in shape):
+        shape = _sample_shape(o, open_size)
+        if shape is None:
             return 0
         total += int(np.prod(shape)) * np.dtype(o.dtype).itemsize
     return total
@@ -174,8 +198,9 @@ def _node_arguments(layer):
     return getattr(nodes[0], "arguments", None)
 
 
-def _timer(layer):
-    """A function timing forward + backward of ``layer`` for ``rows`` samples, or None.
+def _timer(layer, open_size: int | None = None):
+    """A function timing forward + backward of ``layer`` for ``rows`` samples, or None;
+    ``open_size``: the length of every open (None) dimension beyond the batch.
 
     The layer is called as its model calls it (Note [Layers timed as their model calls them])."""
     import tensorflow as tf
@@ -186,7 +211,8 @@ def _timer(layer):
     if arguments is None or not arguments.keras_tensors:
         return None
     inputs = list({id(x): x for x in arguments.keras_tensors}.values())  # one tensor per symbolic one
-    if any(any(d is None for d in tuple(x.shape)[1:]) for x in inputs):
+    shapes = [_sample_shape(x, open_size) for x in inputs]
+    if any(shape is None for shape in shapes):
         return None
     position = {id(x): i for i, x in enumerate(inputs)}
 
@@ -206,8 +232,8 @@ def _timer(layer):
 
     def run(rows: int) -> float:
         xs = []
-        for x in inputs:
-            shape = (rows, *tuple(x.shape)[1:])
+        for x, sample in zip(inputs, shapes):
+            shape = (rows, *sample)
             dtype = np.dtype(x.dtype)
             # stateless: a seeded op also runs under op determinism (TF_DETERMINISTIC_OPS=1), where
             # tf.random.normal without a seed raises and every layer fell back to the FLOP proxy
@@ -268,16 +294,21 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(t0 - b * r0, 0.0), b
 
 
-def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
-    """Measure ``model``'s layers at the smallest and largest of ``rows`` (samples)."""
+def profile(model: keras.Model, rows: list[int] | tuple[int, ...], sequence_length: int | None = None) -> Profile:
+    """Measure ``model``'s layers at the smallest and largest of ``rows`` (samples);
+    ``sequence_length``: the length of every dimension the model leaves open beyond the
+    batch (a Transformer's sequence), without which such layers get the FLOP proxy and no
+    activation bytes."""
     sizes = sorted({int(r) for r in rows if int(r) > 0}) or [1]
     sizes = [sizes[0], sizes[-1]] if len(sizes) > 1 else sizes
-    costs, proxied = [], []
+    costs, proxied, open_ = [], [], []
     overhead = _call_overhead_s()
     for layer in _layers(model):
         wb, tb = _nbytes(layer.weights), _nbytes(layer.trainable_weights)
-        act = _output_bytes(layer)
-        run = _timer(layer)
+        if sequence_length is None and _has_open_dims(layer):
+            open_.append(layer.name)
+        act = _output_bytes(layer, sequence_length)
+        run = _timer(layer, sequence_length)
         points = []
         if run is not None:
             try:
@@ -294,6 +325,11 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
             proxied.append(layer.name)
         costs.append(LayerCost(layer.name, wb, tb, act, a, b, measured, len(layer.trainable_weights)))
     notes = []
+    if open_:
+        notes.append(f"{len(open_)} layer(s) leave a dimension beyond the batch open (None): "
+                     + ", ".join(open_[:8]) + (" ..." if len(open_) > 8 else "")
+                     + "; pass sequence_length= (the length the model trains at) to time them and count "
+                       "their activations")
     if proxied:
         notes.append(f"{len(proxied)} layer(s) not timed alone, FLOP proxy at {PROXY_FLOPS:.0e} FLOP/s: "
                      + ", ".join(proxied[:8]) + (" ..." if len(proxied) > 8 else ""))
@@ -301,7 +337,7 @@ def profile(model: keras.Model, rows: list[int] | tuple[int, ...]) -> Profile:
     from . import _pipeline_overhead, _step_overhead
 
     return Profile(model.name, costs, tuple(sizes), notes, per_variable, per_byte, overhead,
-                   _step_overhead.measure(per_variable), *_pipeline_overhead.measure())
+                   _step_overhead.measure(per_variable), *_pipeline_overhead.measure(), sequence_length)
 
 
 # Note [The update's time]

@@ -128,9 +128,9 @@ def _split(model, t: int, prof: Profile) -> Split | str:
     return Split(frac, int((fwd + bwd) * mean_out))
 
 
-def _stages(model, p: int, split_after: list[str] | None = None) -> Stages | str:
+def _stages(model, p: int, split_after: list[str] | None = None, open_size: int | None = None) -> Stages | str:
     """The pipeline plan's stages (its own, or cut after ``split_after``), or why ``model``
-    cannot be cut into p."""
+    cannot be cut into p; ``open_size``: the length of the boundaries' open dimensions."""
     from .. import pipelining
 
     try:
@@ -142,7 +142,7 @@ def _stages(model, p: int, split_after: list[str] | None = None) -> Stages | str
     receive = []
     for i, st in enumerate(pp.stages):
         bds = [pp.boundaries[b] for b in (*st.inputs, *(() if i == p - 1 else st.outputs))]
-        receive.append(sum(_prod(b.shape) * _itemsize(b.dtype) for b in bds))
+        receive.append(sum(_prod(b.shape, open_size) * _itemsize(b.dtype) for b in bds))
     after = pp.split_after
     return Stages(tuple(tuple(st.layer_names) for st in pp.stages), tuple(receive),
                   tuple(after) if after is not None else None)
@@ -162,10 +162,10 @@ def _pairs_apart(model, t: int, p: int, stage: Stages) -> str | None:
     return None
 
 
-def _prod(shape) -> int:
+def _prod(shape, open_size: int | None = None) -> int:
     n = 1
-    for d in tuple(shape):  # a boundary's shape is per sample
-        n *= int(d or 1)
+    for d in tuple(shape):  # a boundary's shape is per sample; an open dimension at open_size
+        n *= int(d or open_size or 1)
     return n
 
 
@@ -186,14 +186,14 @@ class _StagePlans:
 
     def options(self, p: int, rows: int) -> list[tuple[str, Stages | str]]:
         if p not in self.by_bytes:
-            self.by_bytes[p] = _stages(self.model, p)
+            self.by_bytes[p] = _stages(self.model, p, open_size=self.prof.sequence_length)
         out: list[tuple[str, Stages | str]] = [("bytes", self.by_bytes[p])]
         cuts = time_split_after(self.prof, p, rows)
         if cuts is None:
             return out
         key = tuple(cuts)
         if key not in self.by_time:
-            self.by_time[key] = _stages(self.model, p, cuts)
+            self.by_time[key] = _stages(self.model, p, cuts, self.prof.sequence_length)
         timed = self.by_time[key]
         bytes_plan = self.by_bytes[p]
         if isinstance(timed, Stages) and not (isinstance(bytes_plan, Stages)
@@ -207,20 +207,21 @@ def rows_considered(candidates: list[Layout], global_batch: int) -> list[int]:
     return sorted({global_batch // (c.replicas * c.micro_batches) for c in candidates})
 
 
-def _profiled(model, rows: list[int], profile_file: str | None) -> Profile:
+def _profiled(model, rows: list[int], profile_file: str | None, sequence_length: int | None) -> Profile:
     if profile_file is None:
-        return profile(model, rows)
-    wanted = _cache.key(model, rows)
+        return profile(model, rows, sequence_length)
+    wanted = _cache.key(model, rows, sequence_length)
     prof = _cache.load(profile_file, wanted)
     if prof is None:
-        prof = profile(model, rows)
+        prof = profile(model, rows, sequence_length)
         _cache.store(profile_file, wanted, prof)
     return prof
 
 
 def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, memory_budget=None, *,
                   network: _comm.Network | None = None, optimizer_slots: int | None = None,
-                  profile_: Profile | None = None, profile_file: str | None = None) -> Plan:
+                  profile_: Profile | None = None, profile_file: str | None = None,
+                  sequence_length: int | None = None) -> Plan:
     """Choose how to run ``model`` on ``num_ranks`` ranks at ``global_batch_size`` within
     ``memory_budget`` bytes per rank (default: this machine's share, see ``_budget``).
 
@@ -228,7 +229,10 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     every layout and returns a :class:`Plan` (``plan.summary()`` says why). Raises
     ``tnt.MemoryBudgetError`` naming the smallest feasible budget when no layout fits.
     ``profile_file``: keep the profile there and reuse it while the model's config, the
-    micro-batch sizes and the machine are the same.
+    micro-batch sizes and the machine are the same. ``sequence_length``: the length of every
+    dimension the model leaves open beyond the batch (``None`` in its inputs' shapes: a
+    keras-hub Transformer's sequence), at which its layers are timed and their activations
+    counted.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"tnt.plan_parallel takes a Keras model, got {type(model).__name__}.")
@@ -237,6 +241,10 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     if not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ValueError(f"global_batch_size must be a positive integer, got {global_batch_size!r} "
                          "(the batch size the dataset is batched with).")
+    if sequence_length is not None and (not isinstance(sequence_length, int) or isinstance(sequence_length, bool)
+                                        or sequence_length < 1):
+        raise ValueError(f"tnt.plan_parallel(sequence_length=...) takes a positive integer (the length the "
+                         f"model trains at), got {sequence_length!r}.")
     if not model.built:
         raise ValueError(f"tnt.plan_parallel: model {model.name!r} is not built; build it (call it on an "
                          "input, or give it an Input) before planning.")
@@ -247,7 +255,7 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     net = network or _comm.Network()
     slots = optimizer_slots if optimizer_slots is not None else _slots(model)
     layouts_, rejected = layouts(num_ranks, global_batch_size)
-    prof = profile_ or _profiled(model, rows_considered(layouts_, global_batch_size), profile_file)
+    prof = profile_ or _profiled(model, rows_considered(layouts_, global_batch_size), profile_file, sequence_length)
     splits: dict[int, Split | str] = {}
     feasible: list[Candidate] = []
     stage_plans = _StagePlans(model, prof)

@@ -19,7 +19,7 @@ from ._plan import Plan
 from ._search import plan_parallel
 
 #: ``memory_budget=`` is every strategy's (tnt.Model passes it in).
-OPTIONS = ("plan", "global_batch_size", "network")
+OPTIONS = ("plan", "global_batch_size", "network", "sequence_length")
 
 
 class AutoError(ValueError):
@@ -47,13 +47,15 @@ def _agreed_plan(model: keras.Model, options: dict) -> Plan:
         raise AutoError(f"tnt.Model(network=...) takes a tnt.auto.Network(alpha_s=..., beta_Bps=...), got "
                         f"{type(network).__name__}; leave it out to measure this job's network.")
     if size == 1:
-        return plan_parallel(model, 1, batch, options.get("memory_budget"), network=network)
+        return plan_parallel(model, 1, batch, options.get("memory_budget"), network=network,
+                             sequence_length=options.get("sequence_length"))
     if network is None:
         network = measure_network()  # collective: every rank, before rank 0 plans alone
     result: Plan | Exception | None = None
     if _runtime.get_rank() == 0:
         try:
-            result = plan_parallel(model, size, batch, options.get("memory_budget"), network=network)
+            result = plan_parallel(model, size, batch, options.get("memory_budget"), network=network,
+                                   sequence_length=options.get("sequence_length"))
         except Exception as e:  # every rank raises rank 0's error, none hangs
             result = e
     result = tnt_comm.broadcast_object(result, root=0)
