@@ -1,7 +1,7 @@
 """The planner checked against measurements (issue 31): ``tnt.plan_parallel``'s predictions
 for memory, stage balance and step time against real launches of the layouts it predicts.
 
-    python benchmarks/auto.py [--quick] [--ranks 2,4] [--only memory,plan] [--models cnn]
+    python benchmarks/auto.py [--quick] [--ranks 2,4] [--only memory,plan,plantime] [--models cnn]
                                           (run_all.py: auto; launches its own jobs)
 
 Rows (results/auto.json -> summary.json through summary.py):
@@ -23,6 +23,9 @@ Rows (results/auto.json -> summary.json through summary.py):
   measured samples/s of the planner's choice / the best measured (the worst model is the
   value, target 0.90); auto_step_time_error_max_<N>ranks: the largest
   |predicted / measured step - 1| over every layout of every model (target 0.20).
+- auto_plan_seconds_100_blocks_8ranks (``--only plantime``): seconds of ``tnt.plan_parallel``
+  in a fresh process for 8 ranks on a 100-block MLP (target 10 s: the issue's "< 10 s for a
+  100-layer model"); the same depth with 100 different widths, every layer timed, beside it.
 """
 
 from __future__ import annotations
@@ -226,6 +229,44 @@ def plan_worker(names: list[str], out: str, quick: bool) -> None:
         Path(out).write_text(json.dumps(result, indent=1, default=float))
 
 
+def plantime_worker(out: str) -> None:
+    """Seconds of ``tnt.plan_parallel`` in a fresh process (its probes included) for 8 ranks,
+    global batch 64: a 100-block MLP (Dense(64) x 100 + a head: 101 layers) and the same
+    depth with every width different (no two layers alike: each one timed)."""
+    import keras
+
+    import tarantella as tnt
+
+    def mlp_of(widths: list[int]) -> keras.Model:
+        inp = keras.Input((64,))
+        x = inp
+        for i, w in enumerate(widths):
+            x = keras.layers.Dense(w, activation="relu", name=f"d{i}")(x)
+        return keras.Model(inp, keras.layers.Dense(10, name="head")(x))
+
+    res = {}
+    for name, widths in (("blocks", [64] * 100), ("distinct", [32 + i for i in range(100)])):
+        model = mlp_of(widths)
+        t0 = time.perf_counter()
+        plan = tnt.plan_parallel(model, num_ranks=8, global_batch_size=64, memory_budget=None)
+        res[name] = {"seconds": time.perf_counter() - t0, "layers": len(model.layers) - 1,
+                     "chosen": plan.layout.describe(), "layouts": len(plan.feasible) + len(plan.rejected)}
+        print(f"plan time {name}: {res[name]['seconds']:.1f} s for {res[name]['layers']} layers, "
+              f"{res[name]['layouts']} layouts", flush=True)
+    Path(out).write_text(json.dumps(res))
+
+
+def plantime_rows(res: dict) -> list[dict]:
+    if not res:
+        return []
+    b, d = res["blocks"], res["distinct"]
+    return [{"name": "auto_plan_seconds_100_blocks_8ranks", "value": b["seconds"], "target": 10.0,
+             "higher_is_better": False, "unit": "s, tnt.plan_parallel in a fresh process (probes included)",
+             "detail": f"MLP of 100 x Dense(64) + head ({b['layers']} layers), 8 ranks, global batch 64, "
+                       f"{b['layouts']} layouts, chose {b['chosen']}; beside it 100 Dense layers of 100 "
+                       f"different widths (each timed; the probes already measured by then): {d['seconds']:.1f} s (auto.py)"}]
+
+
 # -- the driver -------------------------------------------------------------------------------
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
@@ -316,7 +357,7 @@ def plan_rows(res: dict, ranks: int) -> list[dict]:
 
 def all_rows(result: dict) -> list[dict]:
     """Every row the parts in ``result`` give (memory, and the plan rows of each rank count)."""
-    rows = memory_rows(result.get("memory") or {})
+    rows = memory_rows(result.get("memory") or {}) + plantime_rows(result.get("plantime") or {})
     for key in sorted(k for k in result if k.startswith("plan_")):
         rows += plan_rows(result[key]["models"], int(key.split("_")[1]))
     return rows
@@ -328,11 +369,13 @@ def main(argv: list[str]) -> int:
         out = argv[argv.index("--out") + 1]
         if kind == "memory":
             memory_worker(argv[argv.index("--worker") + 2], out)
+        elif kind == "plantime":
+            plantime_worker(out)
         else:
             plan_worker(argv[argv.index("--worker") + 2].split(","), out, "--quick" in argv)
         return 0
     ranks = [int(r) for r in (argv[argv.index("--ranks") + 1] if "--ranks" in argv else "2").split(",")]
-    only = set(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else {"memory", "plan"}
+    only = set(argv[argv.index("--only") + 1].split(",")) if "--only" in argv else {"memory", "plan", "plantime"}
     quick = "--quick" in argv
     models = argv[argv.index("--models") + 1].split(",") if "--models" in argv else list(MODELS)
     stem = "auto" if ranks == [2] else "auto_" + "_".join(map(str, ranks))
@@ -346,6 +389,10 @@ def main(argv: list[str]) -> int:
                 names = [n for n in names if n in ("dp2", "pp2", "tp2")]
             result["memory_machine"] = benchlib.machine()
             result["memory"] = run_memory(names, tmp)
+        if "plantime" in only:
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "plantime", "--out",
+                            str(tmp / "plantime.json")], env=_env(), check=True, timeout=1200)
+            result["plantime"] = json.loads((tmp / "plantime.json").read_text())
         if "plan" in only:
             for n in ranks:
                 t0 = time.perf_counter()
