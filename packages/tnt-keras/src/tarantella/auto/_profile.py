@@ -89,23 +89,23 @@ class Profile:
         which includes the update's launches, plus the update's bytes."""
         if self.pipeline_variable_s <= 0:
             return self.update_s(names, fraction, share)
-        keep = set(names)
-        fraction = fraction or {}
-        layers = [c for c in self.layers if c.name in keep]
-        count = sum(c.trainable_variables for c in layers)
-        nbytes = sum(c.trainable_bytes * fraction.get(c.name, 1.0) for c in layers)
+        count, nbytes = self._variables_and_bytes(names, fraction)
         return count * self.pipeline_variable_s + share * nbytes * self.update_s_per_byte
 
     def update_s(self, names=None, fraction: dict[str, float] | None = None, share: float = 1.0) -> float:
         """Seconds of one optimizer update of the layers ``names`` (all: None), each layer's
         bytes times its ``fraction`` (a tensor split), ``share`` of them updated here (1/d
         where the replicas shard the update)."""
+        count, nbytes = self._variables_and_bytes(names, fraction)
+        return share * (count * self.update_s_per_variable + nbytes * self.update_s_per_byte)
+
+    def _variables_and_bytes(self, names, fraction: dict[str, float] | None) -> tuple[int, float]:
+        """Trainable variables and bytes (each layer's times its ``fraction``) of ``names`` (all: None)."""
         keep = None if names is None else set(names)
         fraction = fraction or {}
         layers = [c for c in self.layers if keep is None or c.name in keep]
-        count = sum(c.trainable_variables for c in layers)
-        nbytes = sum(c.trainable_bytes * fraction.get(c.name, 1.0) for c in layers)
-        return share * (count * self.update_s_per_variable + nbytes * self.update_s_per_byte)
+        return (sum(c.trainable_variables for c in layers),
+                sum(c.trainable_bytes * fraction.get(c.name, 1.0) for c in layers))
 
     def by_name(self) -> dict[str, LayerCost]:
         """{layer name: its costs}."""
