@@ -370,6 +370,9 @@ def test_time_balanced_plan_cuts_where_time_balances_not_where_bytes_do():
         tnt.auto.time_balanced_plan(m, 5, 8, profile_=prof)
     with pytest.raises(ValueError, match="micro_batch_size must be a positive integer"):
         tnt.auto.time_balanced_plan(m, 2, 0)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="micro_batches must be a positive integer"):
+            tnt.auto.time_balanced_plan(m, 2, 8, micro_batches=bad, profile_=prof)
 
 
 def test_profile_file_is_kept_and_reused_for_the_same_model_only(tmp_path):
@@ -472,6 +475,7 @@ def test_a_keras_hub_backbone_is_timed_and_counted_at_the_given_sequence_length(
     seen = profile(gpt2, [2, 8], sequence_length=16)
     assert all(c.measured for c in seen.layers), seen.notes
     assert not [n for n in seen.notes if "FLOP proxy" in n or "open" in n], seen.notes
+    assert any("scaled to the whole model's measured" in n for n in seen.notes), seen.notes  # dict inputs
     # a block's output: 16 positions x 32 features x 4 bytes per sample, counted by hand
     assert seen.by_name()["transformer_layer_0"].activation_bytes_per_sample == 16 * 32 * 4
     # a pipeline stage's received boundary: at least a block's output, 16 x 32 x 4 bytes per
@@ -490,6 +494,90 @@ def test_a_keras_hub_backbone_is_timed_and_counted_at_the_given_sequence_length(
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match=r"sequence_length=.*positive integer"):
             tnt.plan_parallel(gpt2, num_ranks=2, global_batch_size=8, sequence_length=bad)
+    # a given profile measured at one length cannot plan another (its boundaries and times disagree)
+    with pytest.raises(ValueError, match=r"measured at sequence_length=16, not 8"):
+        tnt.plan_parallel(gpt2, num_ranks=2, global_batch_size=8, sequence_length=8, profile_=seen)
+    with pytest.raises(ValueError, match=r"measured at sequence_length=None, not 16"):
+        tnt.plan_parallel(gpt2, num_ranks=2, global_batch_size=8, sequence_length=16, profile_=blind)
+
+
+def test_planning_leaves_batch_norm_statistics_and_every_other_variable_as_they_were():
+    # Note [Profiling leaves the model as it was]: layers are timed in training mode; before,
+    # plan_parallel moved a BatchNormalization's moving mean and variance (random inputs), so a
+    # model AUTO planned finished training with statistics serial Keras never had
+    keras.utils.set_random_seed(5)
+    inp = keras.Input((8,))
+    x = keras.layers.Dense(16, name="d")(inp)
+    x = keras.layers.BatchNormalization(name="bn")(x)
+    x = keras.layers.Dropout(0.5, name="drop")(x)
+    m = keras.Model(inp, keras.layers.Dense(2, name="head")(x))
+    before = {v.path: np.array(v.numpy(), copy=True) for v in m.variables}
+    assert {"bn/moving_mean", "bn/moving_variance"} <= set(before), sorted(before)
+    assert np.all(before["bn/moving_mean"] == 0) and np.all(before["bn/moving_variance"] == 1)
+    tnt.plan_parallel(m, num_ranks=2, global_batch_size=8)
+    tnt.auto.time_balanced_plan(m, 2, 4)
+    for v in m.variables:
+        np.testing.assert_array_equal(v.numpy(), before[v.path], err_msg=v.path)
+
+
+def _fake_whole(monkeypatch, seconds):
+    """The whole model's forward + backward timed as ``seconds(rows)`` plus a call's fixed cost."""
+    from tarantella.auto import _profile as profile_module
+
+    monkeypatch.setattr(profile_module, "_whole_timer", lambda model, open_size=None: (
+        lambda rows: profile_module._call_overhead_s() + seconds(rows)))
+
+
+def test_layer_times_are_scaled_so_that_their_sum_is_the_whole_models(monkeypatch):
+    # Note [Layers scaled to the whole model]: hand-made layer times, a whole model timed at
+    # half their sum's intercept and a quarter of its per-row time (a proxied layer's time
+    # taken off first): each timed layer's a and b scaled by 0.5 and 0.25, the proxied layer as it was
+    from tarantella.auto._profile import _scaled_to_whole
+
+    costs = [LayerCost("x", 0, 0, 0, 2e-3, 1e-4, True), LayerCost("y", 0, 0, 0, 2e-3, 3e-4, True),
+             LayerCost("z", 0, 0, 0, 0.0, 5e-5, False)]
+    # whole = (4e-3 * 0.5) + (4e-4 * 0.25) * rows, plus the proxied layer's 5e-5 * rows
+    _fake_whole(monkeypatch, lambda rows: 2e-3 + 1e-4 * rows + 5e-5 * rows)
+    from tarantella.auto._profile import _call_overhead_s
+
+    scaled, note = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s())
+    got = {c.name: (c.a_s, c.b_s) for c in scaled}
+    assert got["x"] == pytest.approx((1e-3, 2.5e-5), rel=1e-6) and got["y"] == pytest.approx((1e-3, 7.5e-5), rel=1e-6)
+    assert got["z"] == (0.0, 5e-5)
+    assert "intercepts x0.50, per-row times x0.25" in note, note
+    # a whole model timed 100x faster than its layers: the factors stop at 1/4 (a noisy fit)
+    _fake_whole(monkeypatch, lambda rows: 0.01 * (4e-3 + 4e-4 * rows) + 5e-5 * rows)
+    scaled, note = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s())
+    assert {c.name: (c.a_s, c.b_s) for c in scaled}["x"] == pytest.approx((5e-4, 2.5e-5), rel=1e-6)
+    assert "intercepts x0.25, per-row times x0.25" in note, note
+
+
+def test_a_real_models_layers_sum_to_its_whole_forward_and_backward_and_a_subclassed_one_says_why_not():
+    # The profile of a functional model is scaled (its note names the factors); a subclassed
+    # model, whose inputs are not known, keeps its layers' own times and says so
+    from tarantella.auto import _profile as profile_module
+
+    m = two_convs()
+    whole = profile_module._whole_timer(m)
+    assert whole is not None
+    prof = profile(m, [2, 8])
+    assert any(n.startswith("layers' times scaled to the whole model's measured forward + backward")
+               for n in prof.notes), prof.notes
+
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(4)
+
+        def call(self, x):
+            return self.dense(x)
+
+    sub = Sub()
+    sub(np.zeros((1, 3), np.float32))
+    assert profile_module._whole_timer(sub) is None
+    note = profile_module._scaled_to_whole(sub, [LayerCost("dense", 0, 0, 0, 1e-3, 1e-4, True)], [2, 8], None,
+                                           0.0)[1]
+    assert "not scaled to the whole model (its inputs are not known" in note, note
 
 
 def test_identical_layers_are_timed_once_and_others_on_their_own():
@@ -516,6 +604,16 @@ def test_time_partition_minimises_the_slowest_stage():
     assert time_split_after(_profile_of([6, 1, 2, 3, 4]), 3, rows=1) == ["l0", "l3"]
     assert time_split_after(_profile_of([1, 1, 1, 1]), 2, rows=1) == ["l1"]
     assert time_split_after(_profile_of([1]), 2, rows=1) is None
+    # with the micro-batches per step, a stage's time is m passes plus its variables' per-step
+    # cost: l3's 4 variables at 1 s each make [2, 2, 2 | 2 + 4] (slowest 6) beat [2, 2 | 2, 6] (8)
+    import dataclasses
+
+    flat = _profile_of([1, 1, 1, 1])
+    layers = [dataclasses.replace(c, trainable_variables=4 if c.name == "l3" else 0, trainable_bytes=0)
+              for c in flat.layers]
+    heavy = dataclasses.replace(flat, layers=layers, pipeline_variable_s=1.0, update_s_per_byte=0.0)
+    assert time_split_after(heavy, 2, rows=1) == ["l1"]
+    assert time_split_after(heavy, 2, rows=1, micro_batches=2) == ["l2"]
 
 
 def test_pipelines_are_predicted_with_both_partitions():

@@ -1,5 +1,5 @@
 """Pipeline stages balanced by measured time: contiguous cuts of the profile's layer order
-minimising the slowest stage (dynamic programming over cut points, as Alpa does for its
+minimising the slowest stage's time in a step (dynamic programming over cut points, as Alpa does for its
 stages). The pipeline's own plan balances parameter bytes; the planner predicts both and
 keeps the faster within the budget.
 """
@@ -9,9 +9,18 @@ from __future__ import annotations
 from ._profile import Profile
 
 
-def time_split_after(prof: Profile, p: int, rows: int) -> list[str] | None:
-    """Names of the layers ending stages 0..p-2 (None: fewer than p layers)."""
-    times = [c.time_s(rows) for c in prof.layers]
+def time_split_after(prof: Profile, p: int, rows: int, micro_batches: int | None = None) -> list[str] | None:
+    """Names of the layers ending stages 0..p-2 (None: fewer than p layers).
+
+    ``micro_batches``: a stage's time in a step is then its layers' ``micro_batches`` forward
+    + backward passes plus what its variables cost once per step (their update, the executor's
+    per-variable work: ``Profile.pipeline_update_s``); without it, one micro-batch's layers.
+    A layer holding most of the weights updates most of the bytes: a CNN's stage with its
+    large Dense layers was 1.5x busier than the convolutions' stage when only the passes counted."""
+    if micro_batches is None:
+        times = [c.time_s(rows) for c in prof.layers]
+    else:
+        times = [micro_batches * c.time_s(rows) + prof.pipeline_update_s([c.name]) for c in prof.layers]
     n = len(times)
     if n < p:
         return None

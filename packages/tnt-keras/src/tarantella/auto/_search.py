@@ -184,11 +184,11 @@ class _StagePlans:
         self.by_bytes: dict[int, Stages | str] = {}
         self.by_time: dict[tuple, Stages | str] = {}
 
-    def options(self, p: int, rows: int) -> list[tuple[str, Stages | str]]:
+    def options(self, p: int, rows: int, micro_batches: int) -> list[tuple[str, Stages | str]]:
         if p not in self.by_bytes:
             self.by_bytes[p] = _stages(self.model, p, open_size=self.prof.sequence_length)
         out: list[tuple[str, Stages | str]] = [("bytes", self.by_bytes[p])]
-        cuts = time_split_after(self.prof, p, rows)
+        cuts = time_split_after(self.prof, p, rows, micro_batches)
         if cuts is None:
             return out
         key = tuple(cuts)
@@ -248,6 +248,10 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     if not model.built:
         raise ValueError(f"tnt.plan_parallel: model {model.name!r} is not built; build it (call it on an "
                          "input, or give it an Input) before planning.")
+    if profile_ is not None and sequence_length is not None and profile_.sequence_length != sequence_length:
+        raise ValueError(f"tnt.plan_parallel: the given profile was measured at sequence_length="
+                         f"{profile_.sequence_length!r}, not {sequence_length!r}; leave sequence_length= out to plan "
+                         "at the profile's length, or drop the profile to measure one at the new length.")
     budget = _memory.parse_bytes(memory_budget)
     source = "memory_budget="
     if budget is None:
@@ -273,7 +277,7 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
             level3[base.replicas] = _level3(model, base.replicas)
         sharded3 = level3.get(base.replicas) if base.sharding == 3 else None
         rows = global_batch_size // (base.replicas * base.micro_batches)
-        options = stage_plans.options(base.stages, rows) if base.stages > 1 else [("", None)]
+        options = stage_plans.options(base.stages, rows, base.micro_batches) if base.stages > 1 else [("", None)]
         for partition, stage in options:
             lay = base
             why = next((x for x in (split, stage, sharded3) if isinstance(x, str)), None)

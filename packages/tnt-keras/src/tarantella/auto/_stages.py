@@ -21,13 +21,14 @@ class StagePlanError(ValueError):
     """The model cannot be cut into the stages asked for."""
 
 
-def _cuts(model: keras.Model, num_stages: int, rows: int, profile_: Profile | None) -> list[str] | Exception:
+def _cuts(model: keras.Model, num_stages: int, rows: int, profile_: Profile | None,
+          micro_batches: int | None) -> list[str] | Exception:
     """Rank 0's cut points, or the error every rank raises (none waits on a failed rank 0)."""
     try:
         prof = profile_ if profile_ is not None else profile(model, [rows])
     except Exception as e:
         return e
-    cuts = time_split_after(prof, num_stages, rows)
+    cuts = time_split_after(prof, num_stages, rows, micro_batches)
     if cuts is None:
         return StagePlanError(f"tnt.auto.time_balanced_plan: {model.name!r} has {len(prof.layers)} layer(s), "
                               f"fewer than num_stages={num_stages}; use fewer stages.")
@@ -35,15 +36,22 @@ def _cuts(model: keras.Model, num_stages: int, rows: int, profile_: Profile | No
 
 
 def time_balanced_plan(model: keras.Model, num_stages: int, micro_batch_size: int, *,
-                       profile_: Profile | None = None):
+                       micro_batches: int | None = None, profile_: Profile | None = None):
     """The pipeline plan of ``model`` whose ``num_stages`` contiguous stages minimise the
     slowest stage's measured forward + backward time at ``micro_batch_size`` samples (the
-    global batch / replicas / micro-batches). In a launched job every rank calls it (rank 0
-    measures, the others take its cuts). ``profile_``: a profile to use instead of timing."""
+    global batch / replicas / micro-batches). ``micro_batches``: the micro-batches per step;
+    given, a stage's time is that many passes plus its variables' per-step cost (their
+    update), so the stage holding most weights is not overloaded. In a launched job every
+    rank calls it (rank 0 measures, the others take its cuts). ``profile_``: a profile to use
+    instead of timing."""
     from .. import pipelining
 
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}.")
+    if micro_batches is not None and (not isinstance(micro_batches, int) or isinstance(micro_batches, bool)
+                                      or micro_batches < 1):
+        raise ValueError(f"micro_batches must be a positive integer (the micro-batches per step) or None, "
+                         f"got {micro_batches!r}.")
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be a positive integer (samples per micro-batch on a rank), "
                          f"got {micro_batch_size!r}.")
@@ -52,11 +60,11 @@ def time_balanced_plan(model: keras.Model, num_stages: int, micro_batch_size: in
     if num_stages == 1:
         return pipelining.plan(model, 1)
     if _runtime.get_size() == 1:
-        cuts = _cuts(model, num_stages, micro_batch_size, profile_)
+        cuts = _cuts(model, num_stages, micro_batch_size, profile_, micro_batches)
     else:
         import tnt_comm
 
-        mine = _cuts(model, num_stages, micro_batch_size, profile_) if _runtime.get_rank() == 0 else None
+        mine = _cuts(model, num_stages, micro_batch_size, profile_, micro_batches) if _runtime.get_rank() == 0 else None
         cuts = tnt_comm.broadcast_object(mine, root=0)
     if isinstance(cuts, Exception):
         raise cuts
