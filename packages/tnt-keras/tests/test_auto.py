@@ -580,6 +580,25 @@ def test_a_real_models_layers_sum_to_its_whole_forward_and_backward_and_a_subcla
     assert "not scaled to the whole model (its inputs are not known" in note, note
 
 
+def test_a_layer_that_needs_its_batch_size_while_traced_is_still_timed():
+    # layers (and the whole model) are traced once for every row count, the batch dimension
+    # left open; a layer that reads its static batch size while traced fails so, and is traced
+    # again per row count, with static shapes, rather than priced by the FLOP proxy
+    class StaticBatch(keras.layers.Layer):
+        def call(self, x):
+            return tf.reshape(x, (x.shape[0], -1)) * 2.0
+
+        def compute_output_shape(self, shape):
+            return shape
+
+    inp = keras.Input((8,))
+    x = keras.layers.Dense(8, name="d")(inp)
+    m = keras.Model(inp, StaticBatch(name="static_batch")(x))
+    prof = profile(m, [2, 8])
+    assert prof.by_name()["static_batch"].measured, prof.notes
+    assert not [n for n in prof.notes if "FLOP proxy" in n or "not scaled" in n], prof.notes
+
+
 def test_identical_layers_are_timed_once_and_others_on_their_own():
     # Note [Identical layers timed once]: same class, config but the name, and input shapes
     inp = keras.Input((16,))
