@@ -518,6 +518,15 @@ def test_planning_leaves_batch_norm_statistics_and_every_other_variable_as_they_
     tnt.auto.time_balanced_plan(m, 2, 4)
     for v in m.variables:
         np.testing.assert_array_equal(v.numpy(), before[v.path], err_msg=v.path)
+    # a keras.applications model: 27 BatchNormalization layers, every layer timed, the sum scaled
+    net = keras.applications.MobileNet(alpha=0.25, input_shape=(32, 32, 3), weights=None, classes=10)
+    before = {v.path: np.array(v.numpy(), copy=True) for v in net.variables}
+    plan = tnt.plan_parallel(net, num_ranks=2, global_batch_size=8)
+    assert sum(isinstance(layer, keras.layers.BatchNormalization) for layer in net.layers) == 27
+    for v in net.variables:
+        np.testing.assert_array_equal(v.numpy(), before[v.path], err_msg=v.path)
+    assert any("scaled to the whole model's measured" in n for n in plan.notes), plan.notes
+    assert not [n for n in plan.notes if "FLOP proxy" in n], plan.notes
 
 
 def _fake_whole(monkeypatch, seconds):
