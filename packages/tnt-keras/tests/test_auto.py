@@ -534,7 +534,10 @@ def _fake_whole(monkeypatch, seconds):
     from tarantella.auto import _profile as profile_module
 
     monkeypatch.setattr(profile_module, "_whole_timer", lambda model, open_size=None: (
-        lambda rows: profile_module._call_overhead_s() + seconds(rows)))
+        lambda rows, callers=1: (profile_module._call_overhead_s() + seconds(rows)) * (1 if callers == 1 else slower)))
+
+
+slower = 1.0  # what concurrent callers take against one (the fake whole model's contention)
 
 
 def test_layer_times_are_scaled_so_that_their_sum_is_the_whole_models(monkeypatch):
@@ -549,16 +552,55 @@ def test_layer_times_are_scaled_so_that_their_sum_is_the_whole_models(monkeypatc
     _fake_whole(monkeypatch, lambda rows: 2e-3 + 1e-4 * rows + 5e-5 * rows)
     from tarantella.auto._profile import _call_overhead_s
 
-    scaled, note = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s())
+    scaled, note, _ = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s())
     got = {c.name: (c.a_s, c.b_s) for c in scaled}
     assert got["x"] == pytest.approx((1e-3, 2.5e-5), rel=1e-6) and got["y"] == pytest.approx((1e-3, 7.5e-5), rel=1e-6)
     assert got["z"] == (0.0, 5e-5)
     assert "intercepts x0.50, per-row times x0.25" in note, note
     # a whole model timed 100x faster than its layers: the factors stop at 1/4 (a noisy fit)
     _fake_whole(monkeypatch, lambda rows: 0.01 * (4e-3 + 4e-4 * rows) + 5e-5 * rows)
-    scaled, note = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s())
+    scaled, note, _ = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s())
     assert {c.name: (c.a_s, c.b_s) for c in scaled}["x"] == pytest.approx((5e-4, 2.5e-5), rel=1e-6)
     assert "intercepts x0.25, per-row times x0.25" in note, note
+
+
+def test_ranks_sharing_the_hosts_cores_slow_the_steps_of_layouts_without_stages(monkeypatch):
+    # Note [Ranks that share a host's cores]: the whole model's pass with as many callers at
+    # once as ranks on the host, against one alone (kept within 1 and the rank count)
+    from tarantella.auto._profile import _call_overhead_s, _scaled_to_whole
+
+    costs = [LayerCost("x", 0, 0, 0, 1e-3, 1e-4, True)]
+    _fake_whole(monkeypatch, lambda rows: 1e-3 + 1e-4 * rows)
+    for factor, expected in ((1.5, 1.5), (5.0, 2.0), (0.5, 1.0)):
+        monkeypatch.setattr(__import__(__name__), "slower", factor)
+        _, note, contention = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s(), 2)
+        assert contention == pytest.approx(expected, rel=1e-3), (factor, contention)
+        assert f"2 ranks computing at once on this host slow that pass x{expected:.2f}" in note, note
+    _, note, contention = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s(), 1)
+    assert contention == 1.0 and "at once" not in note
+    # charged to DATA's and TENSOR's compute (layers, update, a step's own cost), not to a pipeline's
+    import dataclasses
+
+    m = two_convs()
+    base = dataclasses.replace(given_profile(m, {"c1": 1e-4, "c2": 1e-4, "pool": 0.0, "head": 1e-5}),
+                               update_s_per_byte=1e-9, step_s=1e-3)
+    shared = dataclasses.replace(base, contention=1.5)
+
+    def compute(p) -> dict[str, float]:
+        plan = tnt.plan_parallel(m, num_ranks=2, global_batch_size=8, memory_budget=None, profile_=p)
+        return {c.layout.describe(): c.estimate.compute_s for c in plan.feasible}
+
+    alone, together = compute(base), compute(shared)
+    assert together["DATA(d=2)"] == pytest.approx(1.5 * alone["DATA(d=2)"], rel=1e-9)
+    piped = [k for k in alone if k.startswith("PIPELINING")]
+    assert piped and all(together[k] == alone[k] for k in piped), (alone, together)
+    # measured on a real model with 2 callers: a factor within its bounds, said in the notes
+    prof = profile(m, [2, 8], ranks_on_host=2)
+    assert 1.0 <= prof.contention <= 2.0 and prof.ranks_on_host == 2
+    assert any("2 ranks computing at once on this host" in n for n in prof.notes), prof.notes
+    from tarantella.auto import _cache
+
+    assert _cache.key(m, [2, 8], None, 2) != _cache.key(m, [2, 8])  # a kept profile is per sharing too
 
 
 def test_a_real_models_layers_sum_to_its_whole_forward_and_backward_and_a_subclassed_one_says_why_not():

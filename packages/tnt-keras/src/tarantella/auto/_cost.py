@@ -164,8 +164,9 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         assert level3 is not None and p == 1 and t == 1
         rows = -(-global_batch // d)
         # backprop recomputes each gathered layer's forward (its activations are not kept)
-        compute = (prof.time_s(rows) + REMAT_FORWARD_SHARE * prof.time_s(rows, names=level3.layer_bytes)
-                   + prof.update_s(share=1 / d) + prof.step_overhead_s())  # Note [The update's time]: owners update
+        compute = prof.contention * (  # Note [Ranks that share a host's cores] (_profile)
+            prof.time_s(rows) + REMAT_FORWARD_SHARE * prof.time_s(rows, names=level3.layer_bytes)
+            + prof.update_s(share=1 / d) + prof.step_overhead_s())  # Note [The update's time]: owners update
         sync = _level3_sync_s(level3, d, net)
         return Estimate(_level3_memory(prof, level3, slots, rows), compute + sync, compute, sync)
     if p == 1:
@@ -175,8 +176,9 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
         mem = _memory(prof, None, split, slots, layout, rows, 1, 0,
                       staged=split is not None or not _settings.transient_buckets())
         # Note [The update's time] (_profile): each replica updates all it holds, or its owned 1/d
-        compute = (prof.time_s(rows, scale=scale) + prof.update_s(fraction=scale, share=_share(layout))
-                   + prof.step_overhead_s())  # fit's own step (_step_overhead, Note [A step's own cost])
+        compute = prof.contention * (  # Note [Ranks that share a host's cores] (_profile)
+            prof.time_s(rows, scale=scale) + prof.update_s(fraction=scale, share=_share(layout))
+            + prof.step_overhead_s())  # fit's own step (_step_overhead, Note [A step's own cost])
         if split is not None:
             tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)
         sync = _replica_sync_s(layout, mem["gradients"], mem["parameters"], net)

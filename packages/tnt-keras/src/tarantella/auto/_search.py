@@ -18,7 +18,7 @@ import keras
 from .._core import memory as _memory
 from .._core.memory import MemoryBudgetError
 from . import _cache, _comm
-from ._budget import default_budget
+from ._budget import default_budget, ranks_on_host
 from ._cost import Level3, Split, Stages, estimate
 from ._layout import Layout
 from ._partition import time_split_after
@@ -207,13 +207,14 @@ def rows_considered(candidates: list[Layout], global_batch: int) -> list[int]:
     return sorted({global_batch // (c.replicas * c.micro_batches) for c in candidates})
 
 
-def _profiled(model, rows: list[int], profile_file: str | None, sequence_length: int | None) -> Profile:
+def _profiled(model, rows: list[int], profile_file: str | None, sequence_length: int | None,
+              ranks_on_host: int) -> Profile:
     if profile_file is None:
-        return profile(model, rows, sequence_length)
-    wanted = _cache.key(model, rows, sequence_length)
+        return profile(model, rows, sequence_length, ranks_on_host)
+    wanted = _cache.key(model, rows, sequence_length, ranks_on_host)
     prof = _cache.load(profile_file, wanted)
     if prof is None:
-        prof = profile(model, rows, sequence_length)
+        prof = profile(model, rows, sequence_length, ranks_on_host)
         _cache.store(profile_file, wanted, prof)
     return prof
 
@@ -259,7 +260,9 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
     net = network or _comm.Network()
     slots = optimizer_slots if optimizer_slots is not None else _slots(model)
     layouts_, rejected = layouts(num_ranks, global_batch_size)
-    prof = profile_ or _profiled(model, rows_considered(layouts_, global_batch_size), profile_file, sequence_length)
+    # the ranks sharing this host's cores, as the default budget takes them (_budget)
+    prof = profile_ or _profiled(model, rows_considered(layouts_, global_batch_size), profile_file, sequence_length,
+                                 min(ranks_on_host(num_ranks), num_ranks))
     splits: dict[int, Split | str] = {}
     feasible: list[Candidate] = []
     stage_plans = _StagePlans(model, prof)
