@@ -578,6 +578,16 @@ def test_ranks_sharing_the_hosts_cores_slow_the_steps_of_layouts_without_stages(
         assert f"2 ranks computing at once on this host slow that pass x{expected:.2f}" in note, note
     _, note, contention = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s(), 1)
     assert contention == 1.0 and "at once" not in note
+    # 16 ranks on the host: 8 callers measured (x1.5), the other 8 taken as slowing it in proportion
+    monkeypatch.setattr(__import__(__name__), "slower", 1.5)
+    calls = []
+    from tarantella.auto import _profile as profile_module
+
+    timer = profile_module._whole_timer
+    monkeypatch.setattr(profile_module, "_whole_timer", lambda model, open_size=None: (
+        lambda rows, callers=1: (calls.append(callers), timer(model)(rows, callers))[1]))
+    _, _, contention = _scaled_to_whole(two_convs(), costs, [4, 32], None, _call_overhead_s(), 16)
+    assert contention == pytest.approx(3.0, rel=1e-3) and max(calls) == 8, (contention, calls)
     # charged to DATA's and TENSOR's compute (layers, update, a step's own cost), not to a pipeline's
     import dataclasses
 

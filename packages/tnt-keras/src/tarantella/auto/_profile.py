@@ -597,13 +597,23 @@ def _scaled_to_whole(model, costs: list[LayerCost], sizes: list[int], open_size:
 # layouts without stages, where every rank computes through the same phases at once. A
 # pipeline's stages take turns (each waits on its neighbour's boundary tensors) and were
 # predicted within -7 to -13 % (median) without it, so their steps are not charged it.
-# Measured here: CNN x1.32-1.38, MLP x1.26-1.42, Transformer x1.78-1.81.
+# Measured here: CNN x1.32-1.38, MLP x1.26-1.42, Transformer x1.78-1.81. At most
+# ``_MAX_CALLERS`` run at once (planning 64 ranks on a laptop stays quick), more taken as
+# slowing it in proportion; on a GPU nothing is charged (each rank of a host has its own).
+#: At most this many callers at once; beyond, the slowdown is taken to grow with the count.
+_MAX_CALLERS = 8
+
+
 def _contention(run, rows: int, ranks_on_host: int) -> float:
-    """The whole model's pass with ``ranks_on_host`` callers at once against one alone."""
-    if ranks_on_host <= 1:
+    """The whole model's pass with ``ranks_on_host`` callers at once against one alone (1.0
+    on a GPU: each rank of a host has its own device)."""
+    import tensorflow as tf
+
+    if ranks_on_host <= 1 or tf.config.list_physical_devices("GPU"):
         return 1.0
+    callers = min(ranks_on_host, _MAX_CALLERS)
     alone = run(rows)
-    together = run(rows, callers=ranks_on_host)
+    together = run(rows, callers=callers) * ranks_on_host / callers
     return min(max(together / alone, 1.0), float(ranks_on_host)) if alone > 0 else 1.0
 
 
