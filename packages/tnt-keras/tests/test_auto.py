@@ -613,7 +613,7 @@ def test_ranks_sharing_the_hosts_cores_slow_the_steps_of_layouts_without_stages(
     assert _cache.key(m, [2, 8], None, 2) != _cache.key(m, [2, 8])  # a kept profile is per sharing too
 
 
-def test_a_real_models_layers_sum_to_its_whole_forward_and_backward_and_a_subclassed_one_says_why_not():
+def test_a_real_models_layers_sum_to_its_whole_pass_unless_memory_or_a_subclassed_model_says_why_not():
     # The profile of a functional model is scaled (its note names the factors); a subclassed
     # model, whose inputs are not known, keeps its layers' own times and says so
     from tarantella.auto import _profile as profile_module
@@ -633,6 +633,14 @@ def test_a_real_models_layers_sum_to_its_whole_forward_and_backward_and_a_subcla
         def call(self, x):
             return self.dense(x)
 
+    # a whole pass this rank's memory could not hold is not run (a model too large for one
+    # process is what AUTO spreads): the layers keep their own times, and the note says why
+    with pytest.MonkeyPatch.context() as mp:
+        # two_convs at 8 rows: 296,464 gradient bytes + 2 x 8,464 activation bytes x 8 rows = 0.4 MiB
+        mp.setattr(profile_module._budget, "default_budget", lambda n: (1 << 19, "a 0.5 MiB share"))
+        small = profile(m, [2, 8])
+    assert any("not scaled to the whole model (its pass would hold about 0.4 MiB, over half of this rank's "
+               "0.5 MiB)" in n for n in small.notes), small.notes
     sub = Sub()
     sub(np.zeros((1, 3), np.float32))
     assert profile_module._whole_timer(sub) is None

@@ -23,6 +23,7 @@ import keras
 import numpy as np
 
 from .._core.deferred import is_deferred
+from . import _budget
 
 #: Floating point operations per second assumed for a layer that could not be timed.
 PROXY_FLOPS = 5e9
@@ -552,6 +553,16 @@ def _scaled_to_whole(model, costs: list[LayerCost], sizes: list[int], open_size:
     timed = [c for c in costs if c.measured]
     if not timed:
         return costs, None, 1.0
+    # the whole pass holds every gradient and (twice, forward and backward) every activation
+    # at once, which timing one layer at a time never did: not where this rank's share of
+    # memory could not hold it (a model AUTO is to spread because it does not fit one process)
+    need = sum(c.trainable_bytes for c in costs) + 2 * sum(c.activation_bytes_per_sample for c in costs) * sizes[-1]
+    share, _ = _budget.default_budget(1)
+    if share is not None and need > share // 2:
+        return (costs, f"layers' times not scaled to the whole model (its pass would hold about "
+                f"{need / 2**20:.1f} MiB, over half of this rank's {share / 2**20:.1f} MiB)", 1.0)
+    if share is not None and need * ranks_on_host > share // 2:
+        ranks_on_host = 1  # the host's cores not measured rather than its memory exhausted
     run = _whole_timer(model, open_size)
     if run is None:
         return (costs, "layers' times not scaled to the whole model (its inputs are not known or a weight is "
