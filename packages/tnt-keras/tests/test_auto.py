@@ -641,6 +641,14 @@ def test_a_real_models_layers_sum_to_its_whole_pass_unless_memory_or_a_subclasse
         small = profile(m, [2, 8])
     assert any("not scaled to the whole model (its pass would hold about 0.4 MiB, over half of this rank's "
                "0.5 MiB)" in n for n in small.notes), small.notes
+    # one pass fits half a 1.2 MB share, two at once (2 ranks on the host) would not: scaled,
+    # the host's cores not measured, and the notes say so
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(profile_module._budget, "default_budget", lambda n: (1_200_000, "a 1.2 MB share"))
+        tight = profile(m, [2, 8], ranks_on_host=2)
+    assert tight.contention == 1.0
+    assert any("scaled to the whole model's measured" in n and "the host's cores not measured (2 passes at once "
+               "would not fit)" in n for n in tight.notes), tight.notes
     sub = Sub()
     sub(np.zeros((1, 3), np.float32))
     assert profile_module._whole_timer(sub) is None

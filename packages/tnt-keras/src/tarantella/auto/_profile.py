@@ -561,15 +561,18 @@ def _scaled_to_whole(model, costs: list[LayerCost], sizes: list[int], open_size:
     if share is not None and need > share // 2:
         return (costs, f"layers' times not scaled to the whole model (its pass would hold about "
                 f"{need / 2**20:.1f} MiB, over half of this rank's {share / 2**20:.1f} MiB)", 1.0)
-    if share is not None and need * ranks_on_host > share // 2:
-        ranks_on_host = 1  # the host's cores not measured rather than its memory exhausted
+    unmeasured = ""
+    if share is not None and ranks_on_host > 1 and need * ranks_on_host > share // 2:
+        unmeasured = f"; the host's cores not measured ({ranks_on_host} passes at once would not fit)"
+        ranks_on_host = 1  # rather than this rank's memory exhausted
     run = _whole_timer(model, open_size)
     if run is None:
         return (costs, "layers' times not scaled to the whole model (its inputs are not known or a weight is "
                 "deferred)", 1.0)
     try:
-        points = [(r, max(run(r) - overhead, 0.0)) for r in sizes]
-        contention = _contention(run, sizes[-1], ranks_on_host)
+        seconds = [run(r) for r in sizes]
+        contention = _contention(run, sizes[-1], ranks_on_host, alone=seconds[-1])
+        points = [(r, max(t - overhead, 0.0)) for r, t in zip(sizes, seconds)]
     except Exception as exc:  # the layers' own times rather than no plan
         return (costs, f"layers' times not scaled to the whole model (its forward + backward failed: "
                 f"{type(exc).__name__})", 1.0)
@@ -593,7 +596,7 @@ def _scaled_to_whole(model, costs: list[LayerCost], sizes: list[int], open_size:
     if ranks_on_host > 1:
         note += (f"; {ranks_on_host} ranks computing at once on this host slow that pass x{contention:.2f} "
                  "(charged to the steps of layouts without stages)")
-    return scaled, note, contention
+    return scaled, note + unmeasured, contention
 
 
 # Note [Ranks that share a host's cores]
@@ -615,15 +618,14 @@ def _scaled_to_whole(model, costs: list[LayerCost], sizes: list[int], open_size:
 _MAX_CALLERS = 8
 
 
-def _contention(run, rows: int, ranks_on_host: int) -> float:
-    """The whole model's pass with ``ranks_on_host`` callers at once against one alone (1.0
-    on a GPU: each rank of a host has its own device)."""
+def _contention(run, rows: int, ranks_on_host: int, alone: float) -> float:
+    """The whole model's pass at ``rows`` with ``ranks_on_host`` callers at once against
+    ``alone``, its seconds with one caller (1.0 on a GPU: each rank of a host has its own device)."""
     import tensorflow as tf
 
     if ranks_on_host <= 1 or tf.config.list_physical_devices("GPU"):
         return 1.0
     callers = min(ranks_on_host, _MAX_CALLERS)
-    alone = run(rows)
     together = run(rows, callers=callers) * ranks_on_host / callers
     return min(max(together / alone, 1.0), float(ranks_on_host)) if alone > 0 else 1.0
 
