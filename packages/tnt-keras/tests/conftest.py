@@ -146,13 +146,16 @@ def assert_check(checks: dict, name: str) -> None:
     assert checks[name]["ok"], f"{name}: {checks[name]['detail']}"
 
 
-def assert_one_model_across_replicas(bn: dict) -> None:
+def assert_one_model_across_replicas(bn: dict, plain_keras_tol: float = 0.0) -> None:
     """jobs/_replica_stats.py's report: the trained model, its file reloaded, plain Keras'
-    load of the file and every rank hold one model (batch-norm statistics averaged)."""
+    load of the file and every rank hold one model (batch-norm statistics averaged).
+    ``plain_keras_tol``: where the layout computes a layer in another order than plain Keras
+    (a tensor split sums partial products), how far plain Keras' predictions may be; the
+    layout against itself stays bitwise."""
     assert bn["trained_vs_reloaded_predict_diff"] == 0.0, bn
     assert bn["trained_vs_reloaded_loss_diff"] == 0.0, bn
     assert bn["ranks_loss_spread"] == 0.0, bn
-    assert bn["plain_keras_vs_reloaded_predict_diff"] == 0.0, bn
+    assert bn["plain_keras_vs_reloaded_predict_diff"] <= plain_keras_tol, bn
 
 
 def print_diff_table(title: str, cases: dict, extra=None) -> None:

@@ -136,4 +136,7 @@ def test_pipeline_stages_of_tensor_groups_refuse_load_weights_naming_the_fix(rep
 def test_replicas_average_batch_norm_statistics_so_every_rank_and_the_file_hold_one_model(report):
     # Tensor groups' data replicas track their own moving statistics (jobs/_replica_stats.py):
     # before the averaging fit ended in "weights differ between the data replicas".
-    assert_one_model_across_replicas(report["batch_norm_replicas"])
+    # Plain Keras computes the split Dense layers as one matmul each, the tensor groups as
+    # partial products summed by an allreduce: equal within the data-parallel tolerance, and
+    # bitwise on some CPUs only (5.96e-07 on an AMD EPYC, 2026-11-29; 0.0 on the CI machine).
+    assert_one_model_across_replicas(report["batch_norm_replicas"], plain_keras_tol=TOL_WEIGHTS)

@@ -135,7 +135,7 @@ def network_check(plan) -> dict:
         seconds.append(time.perf_counter() - t0)
     return {"name": plan.network.name, "alpha_s": plan.network.alpha_s, "beta_Bps": plan.network.beta_Bps,
             "allreduce_8mib_s": max(tnt_comm.allgather_object(min(seconds))),
-            "nbytes": buf.nbytes}
+            "nbytes": buf.nbytes, "collective_s": plan.network.collective_s}
 
 
 def main() -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from .._core import settings as _settings
 from .._core.memory import UPDATE_TEMPORARIES
+from .._core.shard_buckets import BUCKET_BYTES
 from . import _comm
 from ._layout import Layout
 from ._profile import Profile
@@ -54,10 +55,11 @@ class Estimate:
 @dataclass(frozen=True)
 class Split:
     """Per layer name, the fraction of its weights (and time) one tensor-group rank keeps,
-    and the activation bytes per sample of the collectives a step makes."""
+    the activation bytes per sample of the collectives a step makes, and how many they are."""
 
     local_fraction: dict[str, float]
     collective_bytes_per_sample: int
+    collectives: int = 1
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,17 @@ def _level3_memory(prof: Profile, level3: Level3, slots: int, rows: int) -> dict
 def _level3_sync_s(level3: Level3, d: int, net: _comm.Network) -> float:
     """Per gathered layer two allgathers (forward, backward) and a reduce-scatter of its
     bytes, one collective each (their latency counts per layer); what stays whole takes
-    level 2's reduce-scatter and allgather. All charged ``SHARDED_COLLECTIVES_FACTOR`` as level 2's."""
+    level 2's reduce-scatter and allgather. All charged ``SHARDED_COLLECTIVES_FACTOR`` as level 2's,
+    and each its own cost in the step (Note [A collective inside a step], ``_comm``)."""
     per_layer = sum(3 * _comm.allgather_s(d, b, net) for b in level3.layer_bytes.values())
     whole = 2 * _comm.allgather_s(d, level3.whole_trainable_bytes, net)
-    return SHARDED_COLLECTIVES_FACTOR * (per_layer + whole)
+    count = 3 * len(level3.layer_bytes) + 2 * _buckets(level3.whole_trainable_bytes)
+    return SHARDED_COLLECTIVES_FACTOR * (per_layer + whole) + count * net.collective_s
+
+
+def _buckets(nbytes: int) -> int:
+    """Sharding's collectives over ``nbytes``: one per bucket (``_core.shard_buckets``)."""
+    return -(-int(nbytes) // BUCKET_BYTES) if nbytes > 0 else 0
 
 
 def _memory(prof: Profile, names, split: Split | None, slots: int, layout: Layout, rows: int,
@@ -144,11 +153,20 @@ def _update_temporaries(layers, frac: dict[str, float] | None = None) -> int:
 
 
 def _replica_sync_s(layout: Layout, grad_bytes: int, param_bytes: int, net: _comm.Network) -> float:
+    """The replicas' exchange: DATA's fused allreduce (the engine's, outside the step's ops),
+    or sharding's bucketed gathers and reduce-scatters, graph ops that each also pay their own
+    cost in the step (Note [A collective inside a step], ``_comm``)."""
     d = layout.replicas
+    if d > 1 and layout.sharding in (1, 2):
+        in_step = (_buckets(param_bytes) + (_buckets(grad_bytes) if layout.sharding == 2 else 0)) * net.collective_s
+    else:
+        in_step = 0.0
     if layout.sharding == 1:
-        return _comm.allreduce_s(d, grad_bytes, net) + SHARDED_COLLECTIVES_FACTOR * _comm.allgather_s(d, param_bytes, net)
+        return (_comm.allreduce_s(d, grad_bytes, net) + SHARDED_COLLECTIVES_FACTOR * _comm.allgather_s(d, param_bytes, net)
+                + in_step)
     if layout.sharding == 2:
-        return SHARDED_COLLECTIVES_FACTOR * (_comm.allgather_s(d, grad_bytes, net) + _comm.allgather_s(d, param_bytes, net))
+        return (SHARDED_COLLECTIVES_FACTOR * (_comm.allgather_s(d, grad_bytes, net) + _comm.allgather_s(d, param_bytes, net))
+                + in_step)
     return _comm.allreduce_s(d, grad_bytes, net)
 
 
@@ -180,7 +198,7 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
             prof.time_s(rows, scale=scale) + prof.update_s(fraction=scale, share=_share(layout))
             + prof.step_overhead_s())  # fit's own step (_step_overhead, Note [A step's own cost])
         if split is not None:
-            tensor_comm = _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net)
+            tensor_comm = _comm.in_step_allreduces_s(t, split.collectives, split.collective_bytes_per_sample * rows, net)
         sync = _replica_sync_s(layout, mem["gradients"], mem["parameters"], net)
         return Estimate(mem, compute + tensor_comm + sync, compute, tensor_comm + sync)
     assert stages is not None
@@ -203,7 +221,8 @@ def estimate(prof: Profile, layout: Layout, global_batch: int, slots: int, net: 
     boundary = max(stages.receive_bytes_per_sample) * rows
     p2p = 2 * _comm.p2p_s(boundary, net)  # a forward send and a backward send per slot
     if split is not None:
-        tensor_comm = (m + p - 1) * _comm.allreduce_s(t, split.collective_bytes_per_sample * rows, net) / p
+        tensor_comm = (m + p - 1) * _comm.in_step_allreduces_s(
+            t, split.collectives, split.collective_bytes_per_sample * rows, net) / p
     # the executor's own work per step and per micro-batch (_pipeline_overhead, Note [The
     # pipeline's own cost]) beside the slowest stage's layers in each of the m + p - 1 slots
     per_step, per_micro_batch = prof.pipeline_overheads()

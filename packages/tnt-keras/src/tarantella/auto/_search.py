@@ -125,7 +125,7 @@ def _split(model, t: int, prof: Profile) -> Split | str:
     fwd, bwd = tp.collectives_per_step()
     acts = prof.by_name()
     mean_out = sum(acts[n].activation_bytes_per_sample for n in split if n in acts) / max(len(split), 1)
-    return Split(frac, int((fwd + bwd) * mean_out))
+    return Split(frac, int((fwd + bwd) * mean_out), max(1, fwd + bwd))
 
 
 def _stages(model, p: int, split_after: list[str] | None = None, open_size: int | None = None) -> Stages | str:
@@ -319,7 +319,8 @@ def plan_parallel(model: keras.Model, num_ranks: int, global_batch_size: int, me
                                  c.layout.sharding))
     rejected.sort(key=lambda c: (c.estimate is None, c.estimate.step_s if c.estimate else 0.0))
     notes = [*prof.notes, f"optimizer slots per trainable weight: {slots}",
-             f"communication: alpha = {net.alpha_s * 1e6:.0f} us, beta = {net.beta_Bps / 1e9:.2f} GB/s ({net.name})",
+             f"communication: alpha = {net.alpha_s * 1e6:.0f} us, beta = {net.beta_Bps / 1e9:.2f} GB/s, "
+             f"a collective inside a step {net.collective_s * 1e6:.0f} us ({net.name})",
              f"profile measured here at {', '.join(map(str, prof.rows_measured))} rows per forward "
              f"(linear in between), each layer net of a call's fixed cost ({prof.call_s * 1e3:.2f} ms); "
              f"a step's own cost {prof.step_overhead_s() * 1e3:.2f} ms; a pipeline stage's own cost "
