@@ -342,7 +342,7 @@ def test_a_given_network_prices_the_plan_and_a_wrong_one_is_named():
     plan = tnt.plan_parallel(two_convs(), num_ranks=2, global_batch_size=8, network=slow)
     fast = tnt.plan_parallel(two_convs(), num_ranks=2, global_batch_size=8)
     assert plan.network == slow and fast.network == tnt.auto.Network()
-    assert any("alpha = 1000 us, beta = 0.00 GB/s, a collective inside a step 80 us (given here)" in n
+    assert any("alpha = 1000 us, beta = 0.00 GB/s, a collective inside a step 20 us (given here)" in n
                for n in plan.notes), plan.notes
     data = next(c for c in plan.feasible if c.layout.describe() == "DATA(d=2)")
     data_fast = next(c for c in fast.feasible if c.layout.describe() == "DATA(d=2)")
