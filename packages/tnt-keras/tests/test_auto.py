@@ -364,6 +364,7 @@ def test_each_collective_inside_a_step_pays_its_own_cost_where_the_step_makes_it
     # 4 allreduces of 1000 bytes each over 2 ranks: 4 x (2 alpha + 1000 B / beta + collective)
     assert _comm.in_step_allreduces_s(2, 4, 4000, net) == pytest.approx(4 * (2e-5 + 1e-6 + 1e-4), rel=1e-12)
     assert _comm.in_step_allreduces_s(1, 4, 4000, net) == 0.0  # a group of one exchanges nothing
+    assert tnt.auto.Network(collective_s=np.float32(1e-4)).collective_s == np.float32(1e-4)  # numpy numbers too
     for bad in ({"collective_s": -1e-3}, {"alpha_s": float("nan")}, {"beta_Bps": 0}, {"collective_s": "1 ms"}):
         with pytest.raises(ValueError, match=rf"tnt\.auto\.Network\({next(iter(bad))}=\.\.\.\)"):
             tnt.auto.Network(**bad)

@@ -10,6 +10,7 @@ assumes. Inside a launched job, :func:`measure_network` times the job's own allr
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class Network:
     def __post_init__(self) -> None:
         for field, value in (("alpha_s", self.alpha_s), ("beta_Bps", self.beta_Bps),
                              ("collective_s", self.collective_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"tnt.auto.Network({field}=...) takes a finite number >= 0, got {value!r}.")
         if self.beta_Bps == 0:
             raise ValueError("tnt.auto.Network(beta_Bps=...) must be > 0 (bytes per second per rank).")
